@@ -1,0 +1,85 @@
+"""Tokenize text files into a flat token file for `data.source = "bin"` (the nanoGPT / Megatron layout).
+
+    python launch/tokenize.py --tokenizer tokenizer.json --out data/train.bin a.txt b.txt ...
+
+Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Writes
+the token ids of all files, in order, as one flat array: uint16 when every id fits (vocab <= 65536),
+else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_tokens"} that the loader
+reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
+boundary). Files are read in chunks that end at line breaks, so memory stays bounded; the output
+appears atomically (written to `<out>.tmp`, then renamed).
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script, launch/ is sys.path[0] and this file would shadow stdlib `tokenize`
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+CHUNK_CHARS = 1 << 22
+
+
+def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
+    """The text of `path` in pieces of about `chunk_chars` characters, each ending at a line break."""
+    with open(path, encoding="utf-8") as f:
+        lines, size = [], 0
+        for line in f:
+            lines.append(line)
+            size += len(line)
+            if size >= chunk_chars:
+                yield "".join(lines)
+                lines, size = [], 0
+        if lines:
+            yield "".join(lines)
+
+
+def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
+    """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
+    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+    if eos is not None and eos_id is None:
+        raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
+    num_tokens = 0
+    with open(out + ".tmp", "wb") as f:
+        for path in paths:
+            for chunk in _chunks(path):
+                ids = np.asarray(tokenizer.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
+                f.write(ids.tobytes())
+                num_tokens += len(ids)
+            if eos_id is not None:
+                f.write(np.asarray([eos_id], dtype=dtype).tobytes())
+                num_tokens += 1
+    os.replace(out + ".tmp", out)
+    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "num_tokens": num_tokens}
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Tokenize text files into a flat .bin of token ids.")
+    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json")
+    parser.add_argument("--out", required=True, help="output token file, e.g. data/train.bin")
+    parser.add_argument("--eos", default=None, help="token appended after each file (e.g. '<|endoftext|>')")
+    parser.add_argument("files", nargs="+", help="UTF-8 text files, tokenized in this order")
+    args = parser.parse_args(argv)
+    try:
+        meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {meta['num_tokens']:,} tokens, {meta['dtype']}, vocab {meta['vocab_size']:,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Attention: multi-head latent attention (MLA, DeepSeek-V2/V3) and grouped-query attention (GQA).
+
+Both project to per-head q/k/v, apply RoPE at the given global positions, and call
+`self.sdpa(q_BHSD, k_BHSD, v_BHSD, q_pos_S, kv_pos_S, scale)`. `sdpa` is a parameter-free
+submodule; context parallelism replaces it (e.g. with ring attention over the cp axis) without
+touching the projections.
+
+Shape letters: B batch, S sequence, D model dim, H query heads, G kv heads (GQA), E head width
+(qk or v, as named), R rotary width, C compressed (latent) width.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import RMSNorm, apply_rope, rope_cos_sin
+from models.splits import WHOLE, MatrixSplit, per_head_cols, per_head_rows
+
+
+class CausalAttention(nn.Module):
+    """Exact causal softmax attention by global positions: query i sees key j iff kv_pos[j] <= q_pos[i].
+
+    When `q_pos_S is kv_pos_S` (self-attention over one chunk), the positions are strictly
+    increasing (Transformer.forward checks this), so the mask equals the plain lower-triangular
+    one and the fused `is_causal` kernel is exact. Otherwise an explicit boolean [Sq, Skv] mask is
+    built. Every query must see at least one key, or its row is undefined.
+    """
+
+    def forward(self, q_BHSE, k_BHSE, v_BHSE, q_pos_S, kv_pos_S, scale: float):
+        if q_pos_S is kv_pos_S:
+            return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True, scale=scale)
+        mask_SS = kv_pos_S[None, :] <= q_pos_S[:, None]
+        return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, attn_mask=mask_SS, scale=scale)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1), non-absorbed training form.
+
+    q = wq_b(q_norm(wq_a x)) (or wq x)            -> per head [nope | rope]
+    [c_kv | k_rope] = wkv_a x                       (k_rope shared by all heads)
+    [k_nope | v] = wkv_b(kv_norm(c_kv))             -> per head [nope | v]
+    out = wo(attention(q, [k_nope | k_rope], v))
+    """
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.kv_lora_rank = c.n_heads, c.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.rope_theta = c.rope_theta
+        self.scale = c.qk_head_dim**-0.5
+        q_out = c.n_heads * c.qk_head_dim
+        if c.q_lora_rank == 0:
+            self.wq = nn.Linear(c.dim, q_out, bias=False)
+        else:
+            self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+            self.wq_b = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
+        self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
+        self.sdpa = CausalAttention()
+
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope_dim, self.rope_theta)
+        q_BSHE = self._queries(x_BSD).view(B, S, self.n_heads, self.nope + self.rope_dim)
+        q_nope_BSHE, q_rope_BSHR = q_BSHE.split([self.nope, self.rope_dim], dim=-1)
+        q_BSHE = torch.cat([q_nope_BSHE, apply_rope(q_rope_BSHR, cos_SR, sin_SR)], dim=-1)
+
+        c_kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos_SR, sin_SR)
+        kv_BSHE = self.wkv_b(self.kv_norm(c_kv_BSC)).view(B, S, self.n_heads, self.nope + self.v_dim)
+        k_nope_BSHE, v_BSHE = kv_BSHE.split([self.nope, self.v_dim], dim=-1)
+        k_BSHE = torch.cat([k_nope_BSHE, k_rope_BS1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
+
+        out_BHSE = self.sdpa(
+            q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHE.transpose(1, 2),
+            positions_S, positions_S, self.scale,
+        )
+        return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
+
+    def _queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "wq"):
+            return self.wq(x_BSD)
+        return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+
+    def muon_splits(self) -> dict[str, MatrixSplit]:
+        """Per-head blocks for the up-projections and wo; the shared down-projections are whole."""
+        per_head = per_head_rows(self.n_heads)
+        splits = {"wkv_a.weight": WHOLE, "wkv_b.weight": per_head, "wo.weight": per_head_cols(self.n_heads)}
+        if hasattr(self, "wq"):
+            splits["wq.weight"] = per_head
+        else:
+            splits.update({"wq_a.weight": WHOLE, "wq_b.weight": per_head})
+        return splits
+
+
+class GQA(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023): G kv heads, each shared by H/G query heads."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.rope_theta = c.rope_theta
+        self.scale = c.head_dim**-0.5
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.sdpa = CausalAttention()
+
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        cos_SR, sin_SR = rope_cos_sin(positions_S, self.head_dim, self.rope_theta)
+        q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)
+        k_BSGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
+        v_BSGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        # kv head g serves query heads [g * H/G, (g+1) * H/G)
+        group = self.n_heads // self.n_kv_heads
+        k_BSHE = k_BSGE.repeat_interleave(group, dim=2)
+        v_BSHE = v_BSGE.repeat_interleave(group, dim=2)
+        out_BHSE = self.sdpa(
+            q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHE.transpose(1, 2),
+            positions_S, positions_S, self.scale,
+        )
+        return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def muon_splits(self) -> dict[str, MatrixSplit]:
+        return {
+            "wq.weight": per_head_rows(self.n_heads),
+            "wk.weight": per_head_rows(self.n_kv_heads),
+            "wv.weight": per_head_rows(self.n_kv_heads),
+            "wo.weight": per_head_cols(self.n_heads),
+        }
+
+
+def build_attention(c: ModelConfig) -> nn.Module:
+    return MLA(c) if c.attn == "mla" else GQA(c)

@@ -1,0 +1,159 @@
+"""ModelConfig: the shape and numerics of a DeepSeek-V3 / Kimi-K2 style decoder.
+
+One frozen, keyword-only dataclass. `__post_init__` checks every field (type and range) and raises
+ValueError naming the field and its value, so a bad TOML fails before any rank builds a module.
+Fields that only one attention kind reads (GQA: n_kv_heads, head_dim; MLA: q_lora_rank,
+kv_lora_rank, qk_*_head_dim, v_head_dim) are checked only for that kind. Derived values are
+methods/properties; the config is never mutated.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTN_KINDS = ("mla", "gqa")
+SCORE_FUNCS = ("sigmoid", "softmax")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_dense_layers: int  # the first n_dense_layers blocks use a dense FeedForward, the rest MoE
+    attn: str = "mla"  # "mla" (multi-head latent attention) | "gqa" (grouped-query attention)
+    n_heads: int
+    # GQA only
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    # MLA only (DeepSeek-V2/V3 notation)
+    q_lora_rank: int = 0  # 0 = queries straight from x with `wq`, no low-rank wq_a/wq_b
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # feed-forward
+    inter_dim: int  # hidden size of the dense FeedForward
+    moe_inter_dim: int  # hidden size of one routed expert (a shared expert is the same size)
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int  # top-k
+    score_func: str = "sigmoid"
+    route_scale: float = 1.0
+    aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 eq. 17-20); 0 = off
+    bias_update_speed: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3 sec. 2.1.2)
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _check_types(self)
+        self._check_common()
+        if self.attn == "mla":
+            self._check_mla()
+        else:
+            self._check_gqa()
+        if self.n_moe_layers > 0:
+            self._check_moe()
+
+    # ---- derived values -------------------------------------------------------------------
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.n_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: nope + rope (MLA) or head_dim (GQA)."""
+        if self.attn == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Per-head width that RoPE rotates."""
+        return self.qk_rope_head_dim if self.attn == "mla" else self.head_dim
+
+    # ---- validation -----------------------------------------------------------------------
+
+    def _check_common(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            _require(self, name, getattr(self, name) >= 1, ">= 1")
+        _require(self, "attn", self.attn in ATTN_KINDS, f"one of {ATTN_KINDS}")
+        _require(self, "score_func", self.score_func in SCORE_FUNCS, f"one of {SCORE_FUNCS}")
+        _require(
+            self,
+            "n_dense_layers",
+            0 <= self.n_dense_layers <= self.n_layers,
+            f"in [0, n_layers={self.n_layers}]",
+        )
+        if self.n_dense_layers > 0:
+            _require(self, "inter_dim", self.inter_dim >= 1, ">= 1 (there are dense layers)")
+        for name in ("rope_theta", "norm_eps", "init_std", "route_scale"):
+            _require(self, name, getattr(self, name) > 0, "> 0")
+        for name in ("aux_loss_alpha", "bias_update_speed"):
+            _require(self, name, getattr(self, name) >= 0, ">= 0")
+
+    def _check_mla(self):
+        _require(self, "q_lora_rank", self.q_lora_rank >= 0, ">= 0 (0 = no query low-rank)")
+        for name in ("kv_lora_rank", "v_head_dim"):
+            _require(self, name, getattr(self, name) >= 1, ">= 1 for attn='mla'")
+        _require(self, "qk_nope_head_dim", self.qk_nope_head_dim >= 0, ">= 0 for attn='mla'")
+        _require(
+            self,
+            "qk_rope_head_dim",
+            self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
+            "even and >= 2 for attn='mla' (RoPE rotates pairs)",
+        )
+
+    def _check_gqa(self):
+        _require(self, "n_kv_heads", self.n_kv_heads >= 1, ">= 1 for attn='gqa'")
+        _require(
+            self,
+            "n_heads",
+            self.n_heads % self.n_kv_heads == 0,
+            f"a multiple of n_kv_heads={self.n_kv_heads} for attn='gqa'",
+        )
+        _require(
+            self,
+            "head_dim",
+            self.head_dim >= 2 and self.head_dim % 2 == 0,
+            "even and >= 2 for attn='gqa' (RoPE rotates pairs)",
+        )
+
+    def _check_moe(self):
+        where = f"(there are {self.n_moe_layers} MoE layers)"
+        _require(self, "n_routed_experts", self.n_routed_experts >= 1, f">= 1 {where}")
+        _require(self, "moe_inter_dim", self.moe_inter_dim >= 1, f">= 1 {where}")
+        _require(self, "n_shared_experts", self.n_shared_experts >= 0, ">= 0")
+        _require(
+            self,
+            "n_activated_experts",
+            1 <= self.n_activated_experts <= self.n_routed_experts,
+            f"in [1, n_routed_experts={self.n_routed_experts}]",
+        )
+
+
+def _require(config: ModelConfig, name: str, ok: bool, expected: str):
+    if not ok:
+        raise ValueError(f"ModelConfig.{name}={getattr(config, name)!r} must be {expected}")
+
+
+def _check_types(config: ModelConfig):
+    """int fields take int (not bool), float fields take int or float, str fields take str."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.type in ("int", int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif field.type in ("float", float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ValueError(
+                f"ModelConfig.{field.name}={value!r} has type {type(value).__name__}, "
+                f"expected {getattr(field.type, '__name__', field.type)}"
+            )

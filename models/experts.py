@@ -1,0 +1,89 @@
+"""GroupedExperts: the routed experts of one MoE layer as stacked 3-D weights.
+
+This module is the only user of the private `torch._grouped_mm` (checked on torch 2.13.0, CPU build:
+fp32/bf16/fp16 inputs, any group sizes including 0, autograd for both operands; it requires the
+row strides of both operands to be multiples of 16 bytes, and its backward fails on a stride-0
+incoming gradient, e.g. from `.sum()`, hence `_ContiguousGrad`). Where those conditions do not
+hold, a per-expert loop over split chunks computes the same thing.
+
+Shape letters: T tokens (sorted by expert), D model dim, F expert hidden dim, E experts,
+I/O in/out width of one grouped matmul.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.splits import PER_EXPERT, MatrixSplit
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: out_t = w2[e] (silu(w1[e] x_t) * w3[e] x_t) for token t routed to expert e.
+
+    Parameters: w1 [E, F, D], w2 [E, D, F], w3 [E, F, D] (each expert's matrix is [out, in], like
+    nn.Linear). Expert parallelism swaps `forward` for a version that all-to-alls the sorted tokens
+    to the ranks owning each expert; the parameter names and shapes stay.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x_TD: token copies sorted by expert; counts_E (int64, len E): tokens of each expert in
+        order (sum = T). Returns out_TD in the same order. Experts with no tokens still get a
+        (zero) gradient, so every rank steps the same optimizer state."""
+        assert counts_E.shape == (self.w1.shape[0],), (counts_E.shape, self.w1.shape)
+        hidden_TF = F.silu(grouped_linear(x_TD, self.w1, counts_E)) * grouped_linear(x_TD, self.w3, counts_E)
+        return grouped_linear(hidden_TF, self.w2, counts_E)
+
+    def muon_splits(self) -> dict[str, MatrixSplit]:
+        return {"w1": PER_EXPERT, "w2": PER_EXPERT, "w3": PER_EXPERT}
+
+
+def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x_TI grouped by expert (group sizes counts_E) times each group's w[e]^T -> [T, O]."""
+    device_type = x_TI.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Autocast does not cover torch._grouped_mm (CPU, torch 2.13): cast like it casts a matmul.
+        dtype = torch.get_autocast_dtype(device_type)
+        x_TI, w_EOI = x_TI.to(dtype), w_EOI.to(dtype)
+    if _grouped_mm_ok(x_TI, w_EOI):
+        offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        out_TO = torch._grouped_mm(x_TI, w_EOI.transpose(-2, -1), offs=offsets_E)
+        return _ContiguousGrad.apply(out_TO)
+    return looped_linear(x_TI, w_EOI, counts_E)
+
+
+def looped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Reference/fallback for `grouped_linear`: one matmul per expert (a host sync for the sizes).
+    An empty chunk gives a [0, O] product whose backward writes zeros into w[e]'s gradient."""
+    chunks = x_TI.split(counts_E.tolist())
+    return torch.cat([chunk_CI @ w_EOI[e].T for e, chunk_CI in enumerate(chunks)])
+
+
+def _grouped_mm_ok(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    if x_TI.device.type not in ("cpu", "cuda") or x_TI.dtype not in GROUPED_MM_DTYPES:
+        return False
+    if w_EOI.dtype != x_TI.dtype or not (x_TI.is_contiguous() and w_EOI.is_contiguous()):
+        return False
+    row_bytes = x_TI.shape[-1] * x_TI.element_size()  # = row stride of x and of w[e]
+    return row_bytes % 16 == 0
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # An empty grad counts as contiguous whatever its strides; give it real ones.
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)

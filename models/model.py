@@ -1,0 +1,115 @@
+"""The decoder: token embedding -> n_layers pre-norm blocks -> RMSNorm -> untied output head.
+
+Blocks [0, n_dense_layers) use a dense FeedForward, the rest an MoE. Building and initializing are
+separate so a large model can be built without memory and materialized where it will live:
+
+    with torch.device("meta"):
+        model = Transformer(config)          # no storage
+    ...apply parallelism (fully_shard etc.)...
+    model.to_empty(device="cuda")            # storage, uninitialized (buffers too)
+    model.init_weights(seed=0)               # every parameter and buffer set, same for any sharding
+
+Shape letters: B batch, S sequence, D model dim, V vocabulary.
+"""
+
+import torch
+from torch import nn
+
+from models import seeded_init
+from models.attention import build_attention
+from models.config import ModelConfig
+from models.experts import GroupedExperts
+from models.layers import FeedForward, RMSNorm
+from models.moe import MoE, Router
+
+
+class TransformerBlock(nn.Module):
+    """x + attention(attention_norm(x)), then + feed_forward(ffn_norm(x))."""
+
+    def __init__(self, c: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = build_attention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = MoE(c) if c.is_moe_layer(layer_id) else FeedForward(c.dim, c.inter_dim)
+
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S)
+        return x_BSD + self.feed_forward(self.ffn_norm(x_BSD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens_BS (int64) -> logits_BSV.
+
+        positions_S: global RoPE positions of the S tokens (default arange(S)); context parallelism
+        passes the global positions of its local chunks. They must be strictly increasing: the
+        attention uses that to pick the fused causal kernel (checked here, one host sync).
+        """
+        S = tokens_BS.shape[1]
+        if positions_S is None:
+            positions_S = torch.arange(S, device=tokens_BS.device)
+        else:
+            _check_positions(positions_S, S)
+        h_BSD = self.tok_embeddings(tokens_BS)
+        for layer in self.layers:
+            h_BSD = layer(h_BSD, positions_S)
+        return self.output(self.norm(h_BSD))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None, *, seed: int | None = None):
+        """Deterministic initialization of every parameter and buffer, in place (works after `to_empty`).
+
+        Matrices (linear weights, embeddings, stacked experts): normal(0, init_std). Norm weights:
+        1. Output head: normal(0, dim**-0.5), so initial logits have unit scale for any width.
+        Router buffers (expert_bias, tokens_per_expert): 0.
+        Random source, by precedence:
+          seed       layout-independent (models/seeded_init.py): the same global weights for a full
+                     model or any DTensor sharding of it, on any device. Use this for training.
+          generator  drawn in `named_modules()` order (generator on the parameters' device), so the
+                     same generator state gives the same unsharded model; cheap, for tests.
+          neither    the default RNG (DTensor parameters use DTensor's own RNG).
+        """
+        draw = _normal_drawer(generator, seed)
+        std = self.config.init_std
+        for prefix, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                out_std = self.config.dim**-0.5 if module is self.output else std
+                draw(module.weight, out_std, f"{prefix}.weight")
+            elif isinstance(module, GroupedExperts):
+                for name in ("w1", "w2", "w3"):
+                    draw(getattr(module, name), std, f"{prefix}.{name}")
+            elif isinstance(module, Router):
+                module.expert_bias.zero_()
+                module.tokens_per_expert.zero_()
+
+    def routers(self) -> list[Router]:
+        """The MoE routers, in layer order (for `update_expert_bias` and load metrics)."""
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+
+def _normal_drawer(generator: torch.Generator | None, seed: int | None):
+    """fn(param, std, fqn) filling param with normal(0, std) from the chosen random source."""
+    if seed is not None:
+        return lambda param, std, fqn: seeded_init.normal_(param, std, seed, fqn)
+    return lambda param, std, fqn: nn.init.normal_(param, 0.0, std, generator=generator)
+
+
+def _check_positions(positions_S: torch.Tensor, S: int):
+    if positions_S.shape != (S,) or positions_S.is_floating_point():
+        raise ValueError(
+            f"positions_S must be an integer tensor of shape ({S},), got {tuple(positions_S.shape)} "
+            f"{positions_S.dtype}"
+        )
+    if S > 1 and not bool((positions_S[1:] > positions_S[:-1]).all()):
+        raise ValueError(f"positions_S must be strictly increasing, got {positions_S.tolist()[:16]}...")

@@ -1,0 +1,148 @@
+"""Mixture-of-Experts layer (DeepSeek-V3 style): router, routed GroupedExperts, shared experts.
+
+Balancing: aux-loss-free (DeepSeek-V3 sec. 2.1.2; Wang et al. 2024, arXiv 2408.15664) through the
+`expert_bias` buffer, which only shifts top-k selection, plus an optional sequence-wise balance loss
+(DeepSeek-V3 eq. 17-20) injected into the backward pass.
+
+Shape letters: B batch, S sequence, D model dim, T tokens (B*S), E routed experts, K top-k,
+N routed token copies (T*K).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.experts import GroupedExperts
+from models.layers import FeedForward
+from models.splits import WHOLE, MatrixSplit
+
+
+class Router(nn.Module):
+    """Token-choice top-k router.
+
+    scores = sigmoid|softmax(gate x) in fp32; experts = top-k of (scores + expert_bias); weights =
+    the un-biased scores of those experts, normalized over the top-k for sigmoid, times route_scale.
+    Buffers: expert_bias [E] fp32 (moved by `update_expert_bias`, never by gradients) and
+    tokens_per_expert [E] fp32 (top-k counts accumulated by every training-mode forward; eval-mode
+    forwards leave it alone; recomputation under activation checkpointing counts a micro-batch
+    twice, which doubles counts and mean alike, so the sign-based bias update is unchanged).
+    """
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = c.n_routed_experts, c.n_activated_experts
+        self.score_func, self.route_scale = c.score_func, c.route_scale
+        self.aux_loss_alpha, self.bias_update_speed = c.aux_loss_alpha, c.bias_update_speed
+        self.gate = nn.Linear(c.dim, c.n_routed_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+        self.aux_loss = None  # last balance loss (detached), for logging; None when off
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
+        B, S, D = x_BSD.shape
+        scores_TE = self._scores(self._logits_fp32(x_BSD.reshape(B * S, D)))
+        experts_TK = torch.topk(scores_TE + self.expert_bias, self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(-1, experts_TK)
+        if self.score_func == "sigmoid":
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        weights_TK = weights_TK * self.route_scale
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(experts_TK.flatten(), minlength=self.n_experts)
+            if self.aux_loss_alpha > 0:
+                aux_loss = self.aux_loss_alpha * sequence_balance_loss(
+                    scores_TE.view(B, S, -1), experts_TK.view(B, S, -1)
+                )
+                self.aux_loss = aux_loss.detach()
+                weights_TK = _AddAuxLoss.apply(weights_TK, aux_loss)
+        return weights_TK, experts_TK
+
+    def _logits_fp32(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Gate logits in fp32 even under autocast: routing decisions are sensitive to rounding."""
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return F.linear(x_TD.float(), self.gate.weight.float())
+
+    def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        if self.score_func == "sigmoid":
+            return torch.sigmoid(logits_TE)
+        return torch.softmax(logits_TE, dim=-1)
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor):
+        """One aux-loss-free balancing step; call once per optimizer step.
+
+        counts_E: tokens per expert summed over every rank and micro-batch of the step (the caller
+        all-reduces `tokens_per_expert`). Under-loaded experts move up, over-loaded down, by
+        bias_update_speed. Then zeroes the local `tokens_per_expert`.
+        """
+        counts_E = counts_E.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.bias_update_speed * torch.sign(counts_E.mean() - counts_E)
+        self.tokens_per_expert.zero_()
+
+    def muon_splits(self) -> dict[str, MatrixSplit]:
+        return {"gate.weight": WHOLE}
+
+
+def sequence_balance_loss(scores_BSE: torch.Tensor, experts_BSK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 eq. 17-20 without alpha, averaged over the B sequences.
+
+    f_i = E / (K S) * #{t : i in topk_t};  P_i = 1/S * sum_t s_it / sum_j s_jt;  L = sum_i f_i P_i.
+    Equals 1 for perfectly uniform routing. Under context parallelism each rank sees only its
+    chunk of a sequence, so S is the local chunk (an approximation of the full-sequence loss).
+    """
+    B, S, E = scores_BSE.shape
+    K = experts_BSK.shape[-1]
+    with torch.no_grad():
+        hits_BE = torch.zeros(B, E, device=scores_BSE.device, dtype=torch.float32)
+        hits_BE.scatter_add_(1, experts_BSK.reshape(B, S * K), torch.ones(B, S * K, device=scores_BSE.device))
+        f_BE = hits_BE * (E / (K * S))
+    p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True)).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on the routing weights that also back-propagates d(aux_loss) = 1.
+
+    Same effect as adding aux_loss to the training loss, without changing the model's return
+    value (Megatron's MoEAuxLossAutoScaler idea). The gradient is not scaled by how the loop scales
+    its loss (e.g. 1/grad_accum_steps): alpha is the per-micro-batch weight.
+    """
+
+    @staticmethod
+    def forward(ctx, weights_TK, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return weights_TK.view_as(weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TK):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_TK, torch.ones_like(aux_loss)
+
+
+class MoE(nn.Module):
+    """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.router = Router(c)
+        self.experts = GroupedExperts(c.dim, c.moe_inter_dim, c.n_routed_experts)
+        self.shared_experts = (
+            FeedForward(c.dim, c.moe_inter_dim * c.n_shared_experts) if c.n_shared_experts > 0 else None
+        )
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        weights_TK, experts_TK = self.router(x_BSD)
+        T, K = experts_TK.shape
+        # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
+        order_N = torch.argsort(experts_TK.flatten(), stable=True)
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.router.n_experts)
+        y_sorted_ND = self.experts(x_TD[order_N // K], counts_E)
+        y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
+        out_TD = (y_ND.view(T, K, D).float() * weights_TK[..., None]).sum(1).type_as(x_BSD)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(B, S, D)

@@ -1,0 +1,52 @@
+"""Optimizer configuration (the `[optim]` section).
+
+Muon hyperparameters follow Moonlight (arXiv 2502.16982): one learning rate and weight decay for
+both the Muon and the AdamW parameter groups, made compatible by the "rms" per-block lr adjustment.
+(The sharded Muon adds its distributed options below the Muon ones.)
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES
+
+NAMES = ("muon", "adamw")
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    name: str = "muon"  # "muon" (Muon for declared matrices, AdamW for the rest) or "adamw"
+    lr: float = 0.02  # peak learning rate (shared by Muon and AdamW parameter groups)
+    weight_decay: float = 0.1  # decoupled weight decay
+    momentum: float = 0.95  # Muon momentum, in [0, 1)
+    nesterov: bool = True  # Muon Nesterov momentum
+    ns_steps: int = 5  # Newton-Schulz iterations
+    coefficients: str = "jordan"  # "jordan" or "polar_express"
+    lr_adjust: str = "rms"  # "rms": 0.2*sqrt(max(r,c)) per block; "spectral": sqrt(max(1,r/c)); "none"
+    ns_dtype: str = "float32"  # dtype of Newton-Schulz: "float32" or "bfloat16" (weights, momentum stay fp32)
+    adam_beta1: float = 0.9  # AdamW beta1 (the AdamW parameters under muon, all under adamw)
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+
+    def __post_init__(self):
+        choices = {"name": NAMES, "coefficients": tuple(COEFFICIENT_SETS), "lr_adjust": LR_ADJUST_MODES,
+                   "ns_dtype": tuple(NS_DTYPES)}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")
+        # `not (lo <= x)` instead of `x < lo` so that NaN is rejected too
+        checks = {"lr": 0 <= self.lr, "weight_decay": 0 <= self.weight_decay,
+                  "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
+                  "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
+                  "adam_eps": self.adam_eps > 0}
+        ranges = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)", "ns_steps": ">= 1",
+                  "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0"}
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"optim.{key}={getattr(self, key)!r}: must be {ranges[key]}")
+
+    def ns_torch_dtype(self) -> torch.dtype:
+        """The torch dtype Newton-Schulz runs in."""
+        return NS_DTYPES[self.ns_dtype]

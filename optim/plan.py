@@ -1,0 +1,268 @@
+"""Sharded Muon's plan: which rank orthogonalizes which block, and in which bucket. Pure: no process
+group calls, so a 1T-parameter model on 2048 ranks plans on a laptop in seconds.
+
+Input: one `ParamSpec` per Muon parameter (global shape, dtype, `MatrixSplit`, the global ranks of
+its DTensor mesh, its placements). Every rank computes the same plan from the same specs.
+
+1. Geometry. Mesh axes with Replicate placements are replica axes (R replicas); the others shard
+   (S shard positions). A replica's "communication group" is its S ranks. Each shard position holds a
+   box of the parameter (see `optim/sharded_boxes.py`); a block's pieces are its intersections with
+   the boxes. Parameters of equal shape, split, mesh shape and placements share one piece template.
+2. Shape groups: blocks with equal (rows, cols, NS dtype), across parameters and layers, are
+   orthogonalized in one batched call per bucket.
+3. Owners, balancing estimated NS FLOPs (`ns_flops`) over ALL ranks at once (a rank's load counts
+   every group it belongs to), blocks largest first (LPT):
+   a. a block one rank holds whole stays there (no communication) while that rank's load stays
+      under the mean load (total FLOPs / world size);
+   b. any other block goes to the least loaded rank of its group (ties: the rank holding the
+      largest piece), so a parameter's blocks spread over owners, and whole blocks leave ranks that
+      hold more than their share (e.g. FSDP's torch.chunk leaving some ranks without experts).
+   Without replica split every replica repeats this for its own copy; with replica split each block
+   is computed by one replica and its result all-gathered over the replica axis.
+4. Buckets: each rank's owned blocks, in (shape group, parameter, block) order, are cut every
+   `bucket_mb`; bucket k is the union of every rank's k-th cut, so all ranks run the same bucket
+   sequence and every group member issues the same collectives (empty pieces are zero-length splits).
+
+Cost model (for replica_split="auto" and `describe`): a rank's step time is
+  NS FLOPs / flops_per_s + max(sent, received) intra-node bytes / intra_node_bytes_per_s
+                         + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
+nothing overlapped; the plan's estimate is the maximum over ranks. "auto" plans both ways and keeps
+the cheaper.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from models.splits import MatrixSplit
+from optim.newton_schulz import ns_flops
+from optim.sharded_boxes import all_boxes, placement_kind
+
+REPLICA_SPLIT = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, eq=False)
+class ParamSpec:
+    """What the planner knows about one parameter; `mesh_ranks` is an int array of the mesh's shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    split: MatrixSplit
+    mesh_ranks: np.ndarray
+    mesh_dim_names: tuple[str, ...]
+    placements: tuple
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    bucket_mb: float = 256.0  # NS input each rank owns per bucket
+    replica_split: str = "auto"  # "auto" | "on" | "off": split NS work across HSDP replicas
+    ns_dtype: torch.dtype | None = None  # dtype communicated and orthogonalized; None = parameter's
+    ns_steps: int = 5
+    ranks_per_node: int = 8  # for intra/inter-node traffic in the stats and the cost model
+    flops_per_s: float = 400e12
+    intra_node_bytes_per_s: float = 150e9
+    inter_node_bytes_per_s: float = 40e9
+
+    def __post_init__(self):
+        if self.replica_split not in REPLICA_SPLIT:
+            raise ValueError(f"replica_split={self.replica_split!r}: expected one of {REPLICA_SPLIT}")
+        if self.bucket_mb <= 0 or self.ranks_per_node < 1:
+            raise ValueError(f"bucket_mb={self.bucket_mb}, ranks_per_node={self.ranks_per_node}: must be positive")
+
+
+@dataclass(eq=False)
+class Pieces:
+    """A block's pieces, CSR over blocks: pieces of block b are rows start[b]:start[b+1]."""
+
+    start: np.ndarray  # [n_blocks + 1]
+    shard: np.ndarray  # [P] shard position holding the piece
+    box: np.ndarray  # [P, ndim, 2] piece box in parameter coordinates
+    numel: np.ndarray  # [P]
+    whole_on: np.ndarray  # [n_blocks] shard position holding the block whole, or -1
+
+
+@dataclass(eq=False)
+class ParamLayout:
+    spec: ParamSpec
+    groups: np.ndarray  # [R, S] global ranks: row r = replica r's communication group
+    boxes: np.ndarray  # [S, ndim, 2] box of each shard position
+    block_boxes: np.ndarray  # [n_blocks, ndim, 2]
+    pieces: Pieces
+    block_shape: tuple[int, int]
+    flops: int  # NS FLOPs of one block
+    nbytes: int  # bytes of one block in the NS dtype
+    shape_group: int
+
+
+@dataclass(eq=False)
+class Plan:
+    options: PlanOptions
+    world_size: int
+    params: list[ParamLayout]
+    shape_groups: list[tuple[int, int, torch.dtype]]
+    replica_split: bool
+    # one row per block instance (a block, or a block in one replica when each replica computes it)
+    inst: dict[str, np.ndarray] = field(repr=False)  # param, block, replica, owner, bucket, flops
+    num_buckets: int = 0
+    stats: "object" = None  # PlanStats (optim/sharded_plan_stats.py)
+
+    def describe(self, max_rows: int = 16) -> str:
+        from optim.sharded_plan_stats import describe
+
+        return describe(self, max_rows)
+
+
+def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = PlanOptions()) -> Plan:
+    """Plan every Muon parameter in `specs` (see the module docstring)."""
+    from optim.sharded_plan_stats import plan_stats
+
+    params, shape_groups = _layouts(specs, options)
+    replicated = any(p.groups.shape[0] > 1 for p in params)
+    choices = {"on": [True], "off": [False], "auto": [False, True] if replicated else [False]}
+    plans = []
+    for split in choices[options.replica_split]:
+        inst = _assign(params, world_size, split)
+        plan = Plan(options, world_size, params, shape_groups, split, inst)
+        plan.num_buckets = _buckets(plan)
+        plan.stats = plan_stats(plan)
+        plans.append(plan)
+    return min(plans, key=lambda p: p.stats.est_seconds)
+
+
+# ---------------------------------------------------------------- geometry
+
+
+def _layouts(specs, options):
+    templates, shape_groups, interned, params = {}, {}, {}, []
+    for spec in specs:
+        mesh_shape = tuple(spec.mesh_ranks.shape)
+        kinds = [placement_kind(p) for p in spec.placements]
+        rep_axes = [a for a, k in enumerate(kinds) if k[0] == "replicate"]
+        shard_axes = [a for a, k in enumerate(kinds) if k[0] != "replicate"]
+        groups = np.transpose(spec.mesh_ranks, rep_axes + shard_axes).reshape(
+            int(np.prod([mesh_shape[a] for a in rep_axes])), -1
+        )
+        groups = interned.setdefault((groups.shape, groups.tobytes()), groups)  # equal groups: one object
+        key = (tuple(spec.shape), spec.split, tuple(spec.placements), mesh_shape)
+        if key not in templates:
+            boxes = all_boxes(spec.shape, mesh_shape, spec.placements)
+            boxes = np.transpose(boxes, rep_axes + shard_axes + [len(mesh_shape), len(mesh_shape) + 1])
+            boxes = boxes.reshape(groups.shape[0], groups.shape[1], len(spec.shape), 2)[0]
+            block_boxes = _block_boxes(spec.split, tuple(spec.shape))
+            templates[key] = (boxes, block_boxes, _pieces(block_boxes, boxes))
+        boxes, block_boxes, pieces = templates[key]
+        r, c = spec.split.block_shape(tuple(spec.shape))
+        dtype = options.ns_dtype or spec.dtype
+        sg = shape_groups.setdefault((r, c, dtype), len(shape_groups))
+        nbytes = r * c * torch.empty((), dtype=dtype).element_size()
+        params.append(
+            ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), ns_flops(r, c, options.ns_steps), nbytes, sg)
+        )
+    return params, list(shape_groups)
+
+
+def _block_boxes(split: MatrixSplit, shape: tuple[int, ...]) -> np.ndarray:
+    """[n_blocks, ndim, 2] box of each block in parameter coordinates."""
+    n, (r, c) = split.num_blocks(shape), split.block_shape(shape)
+    boxes = np.zeros((n, len(shape), 2), dtype=np.int64)
+    boxes[..., 1] = shape
+    i = np.arange(n)
+    dim, size = {"rows": (0, r), "cols": (1, c), "experts": (0, 1), "whole": (0, shape[0])}[split.kind]
+    boxes[:, dim, 0], boxes[:, dim, 1] = i * size, (i + 1) * size
+    return boxes
+
+
+def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
+    lo = np.maximum(block_boxes[:, None, :, 0], shard_boxes[None, :, :, 0])
+    hi = np.minimum(block_boxes[:, None, :, 1], shard_boxes[None, :, :, 1])
+    blocks, shards = np.nonzero(np.all(hi > lo, axis=-1))  # row-major: grouped by block, shards ascending
+    box = np.stack([lo[blocks, shards], hi[blocks, shards]], axis=-1)
+    numel = np.prod(box[..., 1] - box[..., 0], axis=-1)
+    counts = np.bincount(blocks, minlength=len(block_boxes))
+    start = np.concatenate([[0], np.cumsum(counts)])
+    block_numel = np.prod(block_boxes[:, :, 1] - block_boxes[:, :, 0], axis=-1)
+    whole_on = np.full(len(block_boxes), -1, dtype=np.int64)
+    single = (counts == 1) & (block_numel > 0)
+    whole_on[single] = shards[start[:-1][single]]
+    return Pieces(start, shards, box, numel, whole_on)
+
+
+# ---------------------------------------------------------------- owners
+
+
+def _assign(params, world_size, split):
+    """Owner of every block instance (module docstring, step 3), one LPT pass over the blocks.
+
+    Without replica split a block has R instances (one per replica), placed together: row r of the
+    candidate matrix is replica r's group, and each row gets one owner.
+    """
+    reps = [1 if split else p.groups.shape[0] for p in params]
+    n_blocks = [len(p.block_boxes) for p in params]
+    cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
+    loads = np.zeros(world_size)
+    owner = [np.full((n, r), -1) for n, r in zip(n_blocks, reps)]
+    replica = [np.tile(np.arange(r), (n, 1)) for n, r in zip(n_blocks, reps)]
+    items = [(p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
+    items.sort(key=lambda t: -t[0])  # stable: equal FLOPs keep parameter/block order
+    for f, pi, b in items:
+        p = params[pi]
+        own, rep = _place_block(p, b, loads, cap, split)
+        owner[pi][b], replica[pi][b] = own, rep
+        loads[own] += f  # owners of one block's replica instances are distinct ranks
+    inst = {
+        "param": np.concatenate([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
+        "block": np.concatenate([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
+        "replica": np.concatenate([r.ravel() for r in replica]),
+        "owner": np.concatenate([o.ravel() for o in owner]),
+    }
+    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[inst["param"]]
+    return inst
+
+
+def _place_block(p, b, loads, cap, split):
+    """Owners (one per row of candidates) and replicas of block b.
+
+    Candidates: each replica's group (no replica split) or all replicas' ranks as one row (split).
+    A block held whole goes to its holder while the holder stays under `cap` (the mean load);
+    anything else goes to the least loaded candidate, ties to the rank holding the largest piece.
+    """
+    cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, n]
+    held = np.zeros(p.groups.shape[1])
+    sl = slice(p.pieces.start[b], p.pieces.start[b + 1])
+    held[p.pieces.shard[sl]] = p.pieces.numel[sl] / max(1, p.pieces.numel[sl].sum())
+    held = np.tile(held, (1, cands.shape[1] // len(held)))
+    load = loads[cands]
+    pick = np.argmin(load - 1e-9 * p.flops * held, axis=1)
+    whole = p.pieces.whole_on[b]
+    if whole >= 0:
+        holder = whole + np.argmin(load[:, whole :: p.groups.shape[1]], axis=1) * p.groups.shape[1]
+        fits = load[np.arange(len(cands)), holder] + p.flops <= cap
+        pick = np.where(fits, holder, pick)
+    own = cands[np.arange(len(cands)), pick]
+    rep = pick // p.groups.shape[1] if split else np.arange(len(cands))
+    return own, rep
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def _buckets(plan: Plan) -> int:
+    """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order."""
+    inst, params = plan.inst, plan.params
+    nbytes = np.array([p.nbytes for p in params])[inst["param"]]
+    sg = np.array([p.shape_group for p in params])[inst["param"]]
+    order = np.lexsort((inst["replica"], inst["block"], inst["param"], sg, inst["owner"]))
+    owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
+    cum = np.cumsum(bytes_sorted)
+    first = np.searchsorted(owner_sorted, owner_sorted)  # first row of each owner's run
+    offset = cum - bytes_sorted - (cum[first] - bytes_sorted[first])
+    bucket = np.empty(len(order), dtype=np.int64)
+    bucket[order] = offset // int(plan.options.bucket_mb * 2**20)
+    inst["bucket"] = bucket
+    canon = np.lexsort((inst["replica"], inst["block"], inst["param"], sg, bucket))
+    for k in list(inst):
+        inst[k] = inst[k][canon]
+    return int(bucket.max()) + 1 if len(bucket) else 0

@@ -1,0 +1,55 @@
+"""FSDP2 (`fully_shard`) on two meshes: routed experts on the expert mesh, everything else dense.
+
+Placements after `apply_fsdp` (what the optimizer sees; every parameter is a DTensor):
+  dense weights   mesh ("dp_replicate", "dp_shard_cp"), placements (Replicate(), Shard(0))
+  expert weights  mesh ("edp_replicate", "edp_shard", "ep"), placements
+                    (Replicate(), Shard(0), Shard(0))                       if ep == 1
+                    (Replicate(), _StridedShard(0, split_factor=ep), Shard(0))   if ep > 1 (whole
+                        experts per rank: ep splits first, edp_shard splits each ep rank's experts)
+                    (Replicate(), Shard(1), Shard(0))                       if E/ep < edp_shard
+Gradients arrive in the same placements, SUMMED over the data-parallel ranks (not averaged; see
+parallel/gradients.py for the loss convention that makes the sum the single-process gradient).
+
+Wrapping units: one per expert group (GroupedExperts, expert mesh), one per TransformerBlock
+(the rest of the block, dense mesh), the embedding, the final norm with the output head, and the
+root. `fully_shard` keeps parameter names (FQNs) unchanged.
+"""
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard
+
+from models.experts import GroupedExperts
+from parallel.layout import Layout
+from parallel.meshes import Meshes
+
+
+def apply_fsdp(model: nn.Module, meshes: Meshes, layout: Layout) -> None:
+    """Shard `model` in place (after `apply_expert_parallel`, so expert weights are already DTensors on ep)."""
+    expert_dim = layout.expert_shard_dim(model.config.n_routed_experts)
+    for block in model.layers:
+        for module in block.modules():
+            if isinstance(module, GroupedExperts):
+                _shard_experts(module, meshes, expert_dim)
+        fully_shard(block, mesh=meshes.dense_fsdp)  # skips the experts, already managed above
+    fully_shard(model.tok_embeddings, mesh=meshes.dense_fsdp)
+    fully_shard([model.norm, model.output], mesh=meshes.dense_fsdp)
+    fully_shard(model, mesh=meshes.dense_fsdp)
+    _sum_gradients(model)
+
+
+def _shard_experts(experts: GroupedExperts, meshes: Meshes, dim: int) -> None:
+    # Shard(1) = a matrix dim (F for w1/w3, D for w2) when there are fewer local experts than
+    # edp_shard ranks: Shard(0) would leave ranks with empty shards (and padding traffic).
+    placement_fn = None if dim == 0 else (lambda param: Shard(1))
+    fully_shard(experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn)
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    """Reduce-scatter and all-reduce gradients with SUM on both meshes (FSDP averages by default,
+    which is wrong for experts under ep > 1 and for dense weights under cp > 1). Forcing SUM-only
+    collectives avoids PREMUL_SUM, which gloo lacks; with factor 1 no extra division runs."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,82 @@
+"""Loss scaling and gradient-norm clipping that make every layout equal the single-process step.
+
+Convention (why the sum is right):
+  * each rank's loss is  sum of cross-entropy over ITS tokens / (token count of the GLOBAL batch);
+  * FSDP reduces gradients with SUM (parallel/fsdp.py) on both meshes.
+The single-process loss is the mean over all global tokens, i.e. the sum over ranks of the
+per-rank losses, so its gradient is the sum of the per-rank gradients, for every weight:
+  * dense weights: each dp and cp rank back-propagates its own tokens; summing over
+    dp_replicate x dp_shard x cp is the full gradient. (Averaging would divide by cp too.)
+  * expert weights: the ep all-to-all backward already sums, on the expert's owner, the gradients
+    of the tokens every ep peer sent it; summing over edp_replicate x edp_shard adds the other
+    token groups. (Averaging would divide by edp_replicate x edp_shard, which is not the number
+    of ranks whose tokens reached the expert when ep > 1.)
+The sum of the per-rank losses (`global_loss`) is the single-process loss, for logging.
+Gradient accumulation: divide by the global token count of the whole optimizer step.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+
+IGNORE_INDEX = -100
+
+
+def loss_fn(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, global_tokens: int) -> torch.Tensor:
+    """This rank's share of the global mean cross-entropy: sum over local tokens / global_tokens.
+
+    global_tokens: labels != IGNORE_INDEX over all ranks (and micro-batches) of the step; without
+    padding that is global_batch * seq_len."""
+    ce_sum = F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return ce_sum / global_tokens
+
+
+def global_loss(local_loss: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of the per-rank losses over all ranks (`group`: default = world): the single-process loss."""
+    total = local_loss.detach().clone()
+    dist.all_reduce(total, group=group)  # communication: one scalar
+    return total
+
+
+@torch.no_grad()
+def grad_norm(parameters, group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients of `parameters`, DTensors on any meshes that span `group`
+    (default: world). Each rank adds the squares of its local shards; a shard replicated over
+    mesh axes of total size n is held by n ranks, so it is counted 1/n times."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in parameters:
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        sq = sq.to(local.device) + local.double().square().sum() / _replicas(p.grad, group)
+    dist.all_reduce(sq, group=group)  # communication: one scalar
+    return sq.sqrt().float()
+
+
+def _replicas(grad: torch.Tensor, group) -> int:
+    """How many ranks of `group` hold each element of this gradient shard."""
+    world = dist.get_world_size(group)
+    if not isinstance(grad, DTensor):
+        return world  # a plain tensor is the same on every rank
+    mesh = grad.device_mesh
+    assert mesh.size() == world, f"gradient mesh {mesh} does not span the {world} ranks"
+    return math.prod(mesh.size(i) for i, pl in enumerate(grad.placements) if isinstance(pl, Replicate))
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most max_norm (same rule as
+    torch.nn.utils.clip_grad_norm_: factor min(1, max_norm / (norm + 1e-6))). Returns the norm
+    before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total_norm = grad_norm(parameters, group)
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in parameters:
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local.mul_(scale.to(local.device))  # in place on the shard: no communication
+    return total_norm

@@ -1,0 +1,146 @@
+"""Parallel layout: two independent data-parallel layouts over the same ranks.
+
+Dense weights (attention, norms, embeddings, dense FFN, shared experts, router) use
+    dp_replicate x dp_shard x cp = world size,
+routed-expert weights use
+    edp_replicate x edp_shard x ep = world size.
+Because the MoE layer is token-wise, the two layouts are independent: ep may span the ranks that
+split one sequence by cp (cp=2 and ep=8 fit on 8 ranks).
+
+`ParallelConfig` is what the user writes (-1 = infer one degree per layout from the world size);
+`ParallelConfig.resolve(world_size)` gives a `Layout` of plain ints and `Layout.validate(...)` checks
+it against the model and the batch. Both raise ValueError with every number involved and touch no
+process group, so every rank fails the same way before any collective can hang.
+
+There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
+all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
+"""
+
+from dataclasses import dataclass, fields
+
+DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
+EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees of the dense and expert layouts; -1 means "infer from the world size"."""
+
+    dp_replicate: int = 1  # dense: HSDP replicas (gradients all-reduced across them)
+    dp_shard: int = -1  # dense: FSDP shard group size (dense weights are sharded over dp_shard x cp)
+    cp: int = 1  # dense: context parallel degree (each sequence split into 2*cp balanced chunks)
+    ep: int = 1  # expert: expert parallel degree (routed experts split on the expert dim)
+    edp_replicate: int = 1  # expert: HSDP replicas of the routed-expert weights
+    edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
+
+    def resolve(self, world_size: int) -> "Layout":
+        """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
+        if world_size < 1:
+            raise ValueError(f"world size must be positive, got {world_size}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == 0 or value < -1:
+                raise ValueError(f"parallel.{f.name}={value}: degrees must be positive or -1 (infer)")
+        dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
+        expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
+        return Layout(world_size=world_size, **dense, **expert)
+
+
+def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
+    values = {a: getattr(config, a) for a in axes}
+    formula = " x ".join(f"{a}={v}" for a, v in values.items())
+    inferred = [a for a, v in values.items() if v == -1]
+    if len(inferred) > 1:
+        raise ValueError(f"{name} layout {formula}: at most one degree may be -1 (infer), got {inferred}")
+    known = 1
+    for v in values.values():
+        known *= v if v != -1 else 1
+    if inferred:
+        if world_size % known:
+            raise ValueError(
+                f"{name} layout {formula}: world size {world_size} is not divisible by {known}, "
+                f"cannot infer {inferred[0]}"
+            )
+        values[inferred[0]] = world_size // known
+    elif known != world_size:
+        raise ValueError(f"{name} layout {formula} = {known} ranks, but the world size is {world_size}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Resolved degrees (all positive ints); each layout multiplies to `world_size`."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+    edp_replicate: int
+    edp_shard: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ranks read different sequences."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dense_shard(self) -> int:
+        """Size of the dense FSDP shard group (dp_shard and cp together)."""
+        return self.dp_shard * self.cp
+
+    def local_experts(self, n_routed_experts: int) -> int:
+        """Experts each ep rank computes."""
+        return n_routed_experts // self.ep
+
+    def expert_shard_dim(self, n_routed_experts: int) -> int:
+        """Tensor dim FSDP shards expert weights on: 0 (whole experts per rank) when every rank of an
+        edp_shard group gets at least one local expert, else 1 (a matrix dim, avoids empty shards)."""
+        return 0 if self.local_experts(n_routed_experts) >= self.edp_shard else 1
+
+    def validate(self, model_config, seq_len: int, global_batch: int) -> None:
+        """Check the layout against the model and the batch; ValueError naming fields and numbers."""
+        _check_positive(self)
+        n_experts = model_config.n_routed_experts
+        has_moe = n_experts > 0 and model_config.n_layers > model_config.n_dense_layers
+        if not has_moe and self.ep > 1:
+            raise ValueError(
+                f"parallel.ep={self.ep} but the model has no routed experts "
+                f"(n_routed_experts={n_experts}, n_layers={model_config.n_layers}, "
+                f"n_dense_layers={model_config.n_dense_layers})"
+            )
+        if has_moe and n_experts % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} does not divide model.n_routed_experts={n_experts}")
+        if has_moe and self.expert_shard_dim(n_experts) == 1:
+            # FSDP shards expert matrices on dim 1 (moe_inter_dim for w1/w3, dim for w2): must be even.
+            for name, size in (("moe_inter_dim", model_config.moe_inter_dim), ("dim", model_config.dim)):
+                if size % self.edp_shard:
+                    raise ValueError(
+                        f"model.{name}={size} is not divisible by parallel.edp_shard={self.edp_shard} "
+                        f"(local experts n_routed_experts/ep = {n_experts}/{self.ep} = "
+                        f"{self.local_experts(n_experts)} < edp_shard, so experts are sharded on a matrix dim)"
+                    )
+        if seq_len % (2 * self.cp):
+            raise ValueError(
+                f"seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} "
+                f"(context parallelism cuts each sequence into 2*cp equal chunks)"
+            )
+        if seq_len > model_config.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
+        if global_batch % self.dp:
+            raise ValueError(
+                f"global_batch={global_batch} is not divisible by dp_replicate={self.dp_replicate} x "
+                f"dp_shard={self.dp_shard} = {self.dp} data-parallel ranks"
+            )
+
+
+def _check_positive(layout: Layout) -> None:
+    for f in fields(layout):
+        if getattr(layout, f.name) < 1:
+            raise ValueError(f"parallel.{f.name}={getattr(layout, f.name)}: degrees must be positive")
+    dense = layout.dp_replicate * layout.dp_shard * layout.cp
+    expert = layout.edp_replicate * layout.edp_shard * layout.ep
+    for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):
+        if product != layout.world_size:
+            formula = " x ".join(f"{a}={getattr(layout, a)}" for a in axes)
+            raise ValueError(f"{name} layout {formula} = {product} ranks, but the world size is {layout.world_size}")

@@ -1,0 +1,121 @@
+"""The two device meshes: dense and expert layouts as views of one world mesh.
+
+Rank -> coordinate mapping (innermost axis fastest, so cp and ep stay inside a node):
+
+    dense  (dp_replicate, dp_shard, cp):     rank = (r * dp_shard + s) * cp + c
+    expert (edp_replicate, edp_shard, ep):   rank = (r * edp_shard + s) * ep + e
+
+Example, 8 ranks, dense dp_shard=4 x cp=2, expert ep=8 (the headline layout):
+    cp groups  [0 1] [2 3] [4 5] [6 7]   (one sequence per pair of ranks)
+    ep group   [0 1 2 3 4 5 6 7]          (each ep all-to-all spans both cp halves of a sequence)
+
+The data-parallel index of a rank (which slice of the global batch it reads) is
+`r * dp_shard + s` on the dense mesh; the cp ranks of one sequence share it.
+
+Process groups: one per axis of each mesh, plus the flattened dense FSDP shard axis
+("dp_shard_cp", dp_shard and cp together). Building meshes is collective: every rank must call
+`build_meshes` with the same layout.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel import _torch_private
+from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout
+
+
+def coordinates(layout: Layout, axes: tuple[str, ...], rank: int) -> tuple[int, ...]:
+    """Coordinates of `rank` on the mesh of `axes` (DENSE_AXES or EXPERT_AXES), innermost fastest."""
+    coords = []
+    for axis in reversed(axes):
+        size = getattr(layout, axis)
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+def group_ranks(layout: Layout, axes: tuple[str, ...], group_axes: tuple[str, ...], rank: int) -> list[int]:
+    """Ranks that share every coordinate with `rank` except those on `group_axes` (sorted)."""
+    sizes = [getattr(layout, a) for a in axes]
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(axes))]
+    ranges = [range(n) if a in group_axes else [c] for a, n, c in zip(axes, sizes, coordinates(layout, axes, rank))]
+    return sorted(sum(c * st for c, st in zip(combo, strides)) for combo in itertools.product(*ranges))
+
+
+def describe(layout: Layout, model_config=None) -> str:
+    """Readable multi-line description of both layouts (printed by the runtime at start-up)."""
+    lines = [
+        f"world size {layout.world_size}",
+        f"dense  mesh dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp}"
+        f"  (rank = (r*{layout.dp_shard} + s)*{layout.cp} + c)",
+        f"expert mesh edp_replicate={layout.edp_replicate} x edp_shard={layout.edp_shard} x ep={layout.ep}"
+        f"  (rank = (r*{layout.edp_shard} + s)*{layout.ep} + e)",
+        "rank 0's groups:",
+    ]
+    for name, axes, group_axes in (
+        ("dense FSDP shard (dp_shard x cp)", DENSE_AXES, ("dp_shard", "cp")),
+        ("dense replicate", DENSE_AXES, ("dp_replicate",)),
+        ("cp", DENSE_AXES, ("cp",)),
+        ("expert FSDP shard (edp_shard)", EXPERT_AXES, ("edp_shard",)),
+        ("expert replicate", EXPERT_AXES, ("edp_replicate",)),
+        ("ep", EXPERT_AXES, ("ep",)),
+    ):
+        lines.append(f"  {name:34s} {_short(group_ranks(layout, axes, group_axes, 0))}")
+    if model_config is not None and model_config.n_routed_experts > 0:
+        n = model_config.n_routed_experts
+        dim = layout.expert_shard_dim(n)
+        why = "whole experts per rank" if dim == 0 else f"{layout.local_experts(n)} local experts < edp_shard"
+        lines.append(
+            f"routed experts: {n} / ep={layout.ep} = {layout.local_experts(n)} per ep rank, "
+            f"FSDP-sharded on tensor dim {dim} over edp_shard={layout.edp_shard} ({why})"
+        )
+    return "\n".join(lines)
+
+
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Views of one world mesh; see the module docstring for the rank mapping."""
+
+    world: DeviceMesh  # ("world",)
+    dense: DeviceMesh  # ("dp_replicate", "dp_shard", "cp")
+    expert: DeviceMesh  # ("edp_replicate", "edp_shard", "ep")
+    dense_fsdp: DeviceMesh  # ("dp_replicate", "dp_shard_cp"): HSDP mesh of the dense weights
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """("edp_replicate", "edp_shard"): HSDP mesh of the routed-expert weights."""
+        return self.expert["edp_replicate", "edp_shard"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.expert["ep"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.dense["cp"]
+
+    def dp_rank(self) -> int:
+        """Which of the `layout.dp` slices of the global batch this rank reads."""
+        r, s, _ = self.dense.get_coordinate()
+        return r * self.dense.size(1) + s
+
+    def cp_rank(self) -> int:
+        return self.dense.get_local_rank("cp")
+
+
+def build_meshes(layout: Layout, device_type: str) -> Meshes:
+    """Collective: build the world mesh and its dense and expert views (default group = all ranks)."""
+    world = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
+    dense = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in DENSE_AXES), DENSE_AXES)
+    expert = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in EXPERT_AXES), EXPERT_AXES)
+    # dp_shard and cp shard the dense weights together (cp ranks hold the same weights).
+    shard_cp = _torch_private.flatten(dense["dp_shard", "cp"], "dp_shard_cp")
+    dense_fsdp = _torch_private.concatenate([dense["dp_replicate"], shard_cp])
+    return Meshes(world=world, dense=dense, expert=expert, dense_fsdp=dense_fsdp)

@@ -1,0 +1,184 @@
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP), written atomically (the `[checkpoint]` section).
+
+Layout: `<run.dir>/checkpoints/step_<N>/` holds DCP shard files, `.metadata` and a `COMPLETE` marker;
+step N means N optimizer steps are done, so a resumed run continues with step N.
+
+Atomicity: every rank writes into `step_<N>.tmp/`; after all ranks finished (barrier) rank 0 writes the
+marker, fsyncs it and renames the directory to `step_<N>` (a rename is atomic on POSIX file systems).
+`latest_checkpoint` only returns directories named `step_<N>` that hold the marker, so a crash at any
+point leaves either the previous checkpoint or the new complete one. All ranks must see the same file
+system (a shared one across nodes).
+
+Resharding: FSDP2 parameters and optimizer states are DTensors; DCP stores each shard with its global
+offsets, so a checkpoint saved under one layout loads under another. Plain (replicated) tensors and
+Python values are written once (by the rank DCP picks) and read by every rank: all ranks must hold
+the same value (true for the data position, the step and the RNG states of a seeded run).
+"""
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    interval: int = 100  # save every N optimizer steps (0 = never)
+    keep: int = 2  # complete checkpoints to keep, newest first; older ones are deleted (0 = keep all)
+
+    def __post_init__(self):
+        if self.interval < 0 or self.keep < 0:
+            raise ValueError(f"checkpoint.interval={self.interval} and checkpoint.keep={self.keep} must be >= 0")
+
+    def due(self, step: int) -> bool:
+        """Whether to save after `step` optimizer steps are done."""
+        return self.interval > 0 and step > 0 and step % self.interval == 0
+
+
+class ModelOptimState:
+    """Model and optimizer(s) as one Stateful, through DCP's FSDP2-aware state-dict API."""
+
+    def __init__(self, model: torch.nn.Module, optimizers):
+        self.model, self.optimizers = model, optimizers
+
+    def state_dict(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class RNGState:
+    """Python, NumPy, torch CPU (and CUDA when initialized) generator states as one Stateful."""
+
+    def state_dict(self) -> dict:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def checkpoint_step(path: str) -> int:
+    """N of a `.../step_<N>` checkpoint directory."""
+    match = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    assert match, path
+    return int(match.group(1))
+
+
+def complete_checkpoints(directory: str) -> list[str]:
+    """Complete checkpoints under `directory`, oldest first; `.tmp` and unmarked directories are skipped."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MARKER)):
+            found.append(path)
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint under `directory`, or None."""
+    complete = complete_checkpoints(directory)
+    return complete[-1] if complete else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Silence DCP's warning that it runs without a process group: single-process runs are intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str, step: int) -> None:
+    """Rank 0: mark `tmp` complete and rename it to `final`."""
+    marker = os.path.join(tmp, MARKER)
+    with open(marker, "w") as f:
+        json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):  # re-saving a step (e.g. after a resume): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _prune(directory: str, keep: int) -> None:
+    """Rank 0: delete all but the newest `keep` complete checkpoints (keep=0 keeps all)."""
+    if keep > 0:
+        for path in complete_checkpoints(directory)[:-keep]:
+            shutil.rmtree(path)
+
+
+def save(step: int, directory: str, app_state: dict, *, keep: int = 0) -> str:
+    """Save `app_state` (name -> Stateful or state dict) as `<directory>/step_<step>`; collective.
+
+    Every rank of the default process group must call it. Returns the checkpoint's path.
+    """
+    final = os.path.join(directory, f"step_{step}")
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        for name in os.listdir(directory):  # leftovers of saves that crashed
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(directory, name))
+    _barrier()  # nobody writes into tmp before the leftovers are gone
+    with _single_process_ok():
+        dcp.save(app_state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    _barrier()  # every rank's shards are on disk
+    if _rank() == 0:
+        _publish(tmp, final, step)
+        _prune(directory, keep)
+    _barrier()  # nobody looks for the checkpoint before it is published
+    return final
+
+
+def load(path: str, app_state: dict) -> None:
+    """Load a checkpoint written by `save` into `app_state` in place (Stateful objects get load_state_dict)."""
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    with _single_process_ok():
+        dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())

@@ -1,0 +1,176 @@
+"""Token sources and the per-rank loader (the `[data]` section).
+
+Letters: B = rows (sequences) of one micro-batch on this rank, S = tokens of a sequence on this rank
+(seq_len / cp), L = seq_len.
+
+Which tokens make up step t (a pure function of the data config, the seed and t, never of the layout):
+  - `corpus` / `bin`: the global batch is `batch_size` windows of L+1 consecutive tokens starting at
+    positions drawn uniformly (with replacement) from a NumPy generator seeded by (seed, t). Sampling by
+    step instead of walking epochs keeps resume trivial: the loader's whole state is the next step.
+  - `synthetic`: row r of step t is L+1 uniform token ids from a generator seeded by (seed, t, r).
+  Inputs are a window's first L tokens, labels its last L (next-token prediction).
+
+How step t is split over ranks and micro-batches (gradient accumulation):
+  the global rows [0, batch_size) are cut into `grad_accum` consecutive micro-batches; inside micro-batch
+  m, data-parallel rank d holds rows m*batch_size/grad_accum + d*B + [0, B), B = batch_size/(grad_accum*dp).
+  Along the sequence, context-parallel rank i holds chunks i and 2*cp-1-i of the 2*cp equal chunks (the
+  load-balanced causal scheme: every rank gets one early and one late chunk, so equal attention work),
+  and `positions_S` are those tokens' global positions. Every rank's micro-batch has B*S tokens, so the
+  mean of the per-rank, per-micro-batch mean losses is the mean over the global batch.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from runtime import corpus
+
+_DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["corpus", "bin", "synthetic"] = "corpus"  # bundled byte-level corpus, a token file, or random tokens
+    seq_len: int = 128  # tokens per training sequence
+    batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
+    path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: token dtype; auto = from the sidecar <path>.json
+
+    def __post_init__(self):
+        if self.seq_len < 1 or self.batch_size < 1:
+            raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
+        if self.source == "bin" and not self.path:
+            raise ValueError("data.path: source 'bin' needs the path of a token file")
+
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+class MicroBatch(NamedTuple):
+    inputs_BS: torch.Tensor  # int64 token ids
+    labels_BS: torch.Tensor  # int64 next-token ids
+    positions_S: torch.Tensor  # int64 global positions of the S tokens (RoPE and the causal mask)
+
+
+def cp_chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions held by context-parallel `rank`: chunks `rank` and `2*cp-1-rank` of 2*cp, int64 [L/cp]."""
+    if seq_len % (2 * cp) != 0:
+        raise ValueError(f"data.seq_len={seq_len} is not divisible by 2*cp={2 * cp} (load-balanced context "
+                         f"parallelism cuts each sequence into 2*cp chunks)")
+    assert 0 <= rank < cp, (rank, cp)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
+    """Raise ValueError unless the global batch splits evenly over micro-batches, dp ranks and cp chunks."""
+    if config.batch_size % (grad_accum * dp_degree) != 0:
+        raise ValueError(f"data.batch_size={config.batch_size} is not divisible by training.grad_accum={grad_accum} "
+                         f"x data-parallel degree {dp_degree} = {grad_accum * dp_degree}")
+    cp_chunk_positions(config.seq_len, cp_degree, 0)
+
+
+def read_sidecar(path: str) -> dict | None:
+    """The JSON written next to a token file by launch/tokenize.py (`<path>.json`), or None."""
+    sidecar = path + ".json"
+    if not os.path.exists(sidecar):
+        return None
+    with open(sidecar) as f:
+        return json.load(f)
+
+
+def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
+    """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown)."""
+    meta = read_sidecar(path) or {}
+    if dtype == "auto":
+        if "dtype" not in meta:
+            raise ValueError(f"data.dtype: 'auto' needs the sidecar {path}.json; set data.dtype to uint16 or uint32")
+        dtype = meta["dtype"]
+    elif meta.get("dtype", dtype) != dtype:
+        raise ValueError(f"data.dtype={dtype} but the sidecar {path}.json says {meta['dtype']}")
+    itemsize, size = np.dtype(dtype).itemsize, os.path.getsize(path)
+    if size % itemsize != 0:
+        raise ValueError(f"data.path: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
+    return np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0))
+
+
+def open_tokens(config: DataConfig) -> tuple[np.ndarray | None, int]:
+    """(tokens [N] or None for synthetic, the source's vocabulary size or 0 if unknown)."""
+    if config.source == "corpus":
+        return corpus.corpus_tokens(), corpus.VOCAB_SIZE
+    if config.source == "bin":
+        return open_bin(config.path, config.dtype)
+    assert config.source == "synthetic", config.source
+    return None, 0
+
+
+def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int) -> np.ndarray:
+    """Start offsets of the global batch's windows at `step`, int64 [batch_size]; pure."""
+    rng = np.random.default_rng([_DATA_STREAM, seed, step])
+    return rng.integers(0, num_tokens - seq_len, size=batch_size)  # window = seq_len + 1 tokens
+
+
+class Loader:
+    """This rank's micro-batches of each optimizer step; `state_dict()` is the next step to load."""
+
+    def __init__(self, config: DataConfig, seed: int, *, dp_rank: int = 0, dp_degree: int = 1, cp_rank: int = 0,
+                 cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None):
+        """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise."""
+        check_split(config, dp_degree, cp_degree, grad_accum)
+        assert 0 <= dp_rank < dp_degree and 0 <= cp_rank < cp_degree, (dp_rank, dp_degree, cp_rank, cp_degree)
+        self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
+        self.rows = config.batch_size // (grad_accum * dp_degree)  # B
+        self.first_row = dp_rank * self.rows
+        self.positions_S = cp_chunk_positions(config.seq_len, cp_degree, cp_rank)
+        self.tokens, source_vocab = open_tokens(config)
+        self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
+        self._check_sizes(source_vocab, vocab_size)
+
+    def _check_sizes(self, source_vocab: int, model_vocab: int | None) -> None:
+        if self.config.source == "synthetic" and not model_vocab:
+            raise ValueError("data.source 'synthetic' needs the model's vocab_size")
+        if model_vocab and source_vocab > model_vocab:
+            raise ValueError(f"data: the {self.config.source} source has vocab size {source_vocab} but "
+                             f"model.vocab_size={model_vocab}")
+        if self.tokens is not None and len(self.tokens) < self.config.seq_len + 1:
+            raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
+                             f"tokens but the {self.config.source} source has only {len(self.tokens)}")
+
+    def batch(self, step: int) -> list[MicroBatch]:
+        """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""
+        windows_BW = self._windows(step)  # W = L + 1; this rank's rows of the step, micro-batch-major
+        pos_S = self.positions_S
+        return [MicroBatch(w_BW[:, :-1][:, pos_S], w_BW[:, 1:][:, pos_S], pos_S)
+                for w_BW in windows_BW.split(self.rows)]
+
+    def _global_rows(self) -> np.ndarray:
+        per_micro = self.config.batch_size // self.grad_accum
+        return np.concatenate([m * per_micro + self.first_row + np.arange(self.rows) for m in range(self.grad_accum)])
+
+    def _windows(self, step: int) -> torch.Tensor:
+        rows, length = self._global_rows(), self.config.seq_len + 1
+        if self.tokens is None:
+            windows = [np.random.default_rng([_DATA_STREAM, self.seed, step, r]).integers(0, self.vocab_size, length)
+                       for r in rows]
+        else:
+            starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len)
+            windows = [self.tokens[s:s + length] for s in starts[rows]]
+        return torch.from_numpy(np.stack(windows).astype(np.int64))
+
+    def next_step(self) -> list[MicroBatch]:
+        """The micro-batches of the next step; advances the position saved in checkpoints."""
+        micro = self.batch(self.step)
+        self.step += 1
+        return micro
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

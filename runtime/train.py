@@ -1,0 +1,148 @@
+"""The training loop. `train(config, layout, meshes)` reads like the algorithm:
+
+    build model (meta) -> parallelize -> materialize shards -> seeded init
+    build optimizer (sharded Muon + AdamW) and schedule; resume from the newest checkpoint
+    for each step: forward/backward over micro-batches -> clip over both meshes -> optimizer step
+                   -> expert-bias update -> metrics -> checkpoint
+
+Loss convention (parallel/gradients.py): each rank's loss is the sum of its tokens' cross-entropy
+divided by the GLOBAL token count of the step, and FSDP reductions sum, so gradients, losses and
+norms equal the single-process ones whatever the layout. A step whose loss or gradient norm is not
+finite is skipped on every rank (both are global values, so all ranks agree).
+"""
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import Transformer
+from models.splits import muon_splits
+from optim.sharded_muon import ShardedMuon
+from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.layout import Layout
+from parallel.meshes import Meshes
+from parallel.parallelize import parallelize
+from runtime import checkpoint
+from runtime.config import JobConfig
+from runtime.data import Loader
+from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
+from runtime.profile import maybe_profile
+from runtime.schedule import build_scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch.device) -> nn.Module:
+    """The parallelized model, each rank holding only its shards, initialized from the seed.
+
+    Built on the meta device, so even the largest preset costs no memory before it is sharded; the
+    seeded init gives the same global weights for every layout (models/seeded_init.py)."""
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    parallelize(model, meshes, layout)
+    model.to_empty(device=device)
+    model.init_weights(seed=config.training.seed)
+    return model
+
+
+def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
+    """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest."""
+    return ShardedMuon(list(model.named_parameters()), muon_splits(model), config.optim)
+
+
+def build_loader(config: JobConfig, meshes: Meshes, layout: Layout) -> Loader:
+    """This rank's rows (dense data-parallel rank) and CP chunks of every global batch."""
+    return Loader(config.data, config.training.seed, dp_rank=meshes.dp_rank, dp_degree=layout.dp,
+                  cp_rank=meshes.cp_rank, cp_degree=layout.cp, grad_accum=config.training.grad_accum,
+                  vocab_size=config.model.vocab_size)
+
+
+def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device, dtype) -> torch.Tensor:
+    """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss."""
+    local_loss = torch.zeros((), device=device)
+    for inputs_BS, labels_BS, positions_S in micro_batches:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
+        loss = loss_fn(logits_BSV, labels_BS.to(device), global_tokens)
+        loss.backward()
+        local_loss += loss.detach()
+    return local_loss
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module) -> None:
+    """Aux-loss-free balancing: every router nudges its bias by the GLOBAL per-expert token counts."""
+    for router in model.routers():
+        counts_E = router.tokens_per_expert.clone()
+        if dist.is_initialized():
+            dist.all_reduce(counts_E)  # communication: E floats per MoE layer; each token is on one rank
+        router.update_expert_bias(counts_E)
+
+
+def reset_expert_counts(model: nn.Module) -> None:
+    for router in model.routers():
+        router.tokens_per_expert.zero_()
+
+
+def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -> dict:
+    """One optimizer step; returns the step's metrics (global values, identical on every rank)."""
+    start = time.perf_counter()
+    global_tokens = config.data.tokens_per_step()
+    local_loss = forward_backward(model, loader.next_step(), global_tokens, device, DTYPES[config.training.dtype])
+    loss = global_loss(local_loss) if dist.is_initialized() else local_loss
+    clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
+    grad_norm = clip_grad_norm_(model.parameters(), clip)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer_start = time.perf_counter()
+    skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item()))
+    if skipped:
+        reset_expert_counts(model)  # the step's routing statistics are discarded with its gradients
+    else:
+        optimizer.step()
+        update_expert_bias(model)
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    end = time.perf_counter()
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": global_tokens,
+            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped}
+
+
+def resume(config: JobConfig, app_state: dict, rank: int) -> int:
+    """Load the newest complete checkpoint under the run dir, if any; returns the step to start at."""
+    path = checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(config.run.dir))
+    if path is None:
+        return 0
+    checkpoint.load(path, app_state)
+    if rank == 0:
+        print(f"resumed from {path}", flush=True)
+    return checkpoint.checkpoint_step(path)
+
+
+def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(config.training.seed)
+    model = build_model(config, meshes, layout, device)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config.training)
+    loader = build_loader(config, meshes, layout)
+    app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
+                 "data": loader, "rng": checkpoint.RNGState()}
+    start = resume(config, app_state, rank)
+    log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
+                        flops_per_token=flops_per_token(config.model, config.data.seq_len),
+                        peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
+                        world_size=layout.world_size)
+    with maybe_profile(config.profile, config.run.dir, rank) as profiler:
+        for step in range(start, config.training.steps):
+            stats = train_step(model, optimizer, scheduler, loader, config, device)
+            if stats.pop("skipped"):
+                log.info(f"step {step}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; skipped")
+            log.log(step, **stats)
+            profiler.step()
+            if config.checkpoint.due(step + 1) or step + 1 == config.training.steps:
+                checkpoint.save(step + 1, checkpoint.checkpoint_dir(config.run.dir), app_state,
+                                keep=config.checkpoint.keep)
+    log.close()

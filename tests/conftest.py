@@ -1,0 +1,13 @@
+"""Import everything forked ranks need once, in the parent, so each fork starts warm."""
+
+import os
+import sys
+
+import torch
+import torch._dynamo  # noqa: F401  (FSDP2 imports it lazily; importing in every child costs seconds)
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

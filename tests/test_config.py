@@ -1,0 +1,141 @@
+"""Config: TOML + `--section.key=value`, typed values, one-line errors naming the key, --help, layouts."""
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+from models import preset
+from runtime.config import (ConfigError, JobConfig, default_layout, field_help, fill_layout, help_text,
+                            load_config)
+from parallel.layout import ParallelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "configs")
+
+
+def _toml(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_debug_toml_is_the_embedded_default():
+    assert load_config(["--config", os.path.join(CONFIGS, "debug.toml")]) == load_config([]) == JobConfig()
+
+
+def test_toml_then_command_line_overrides(tmp_path):
+    path = _toml(tmp_path, '[model]\nn_layers = 2\n[training]\nsteps = 50\ngrad_clip = 2\n[profile]\nsteps = [7, 8]\n')
+    config = load_config([f"--config={path}", "--training.steps=7", "--model.preset=debug_gqa", "--optim.nesterov=false",
+                          "--optim.lr=3", "--data.source=synthetic", "--profile.enabled=true", "--run.dir=/x"])
+    assert config.training.steps == 7 and config.training.grad_clip == 2.0  # TOML int accepted for a float
+    assert isinstance(config.training.grad_clip, float) and isinstance(config.optim.lr, float)
+    assert config.model_preset == "debug_gqa" and config.model == preset("debug_gqa", n_layers=2)
+    assert config.optim.nesterov is False and config.profile.enabled is True and config.profile.steps == (7, 8)
+    assert config.data.source == "synthetic" and config.run.dir == "/x"
+    assert load_config(["--profile.steps=[1, 2,3]"]).profile.steps == (1, 2, 3)
+    assert load_config(["--profile.steps="]).profile.steps == ()
+
+
+@pytest.mark.parametrize("argv, toml, message", [
+    (["--training.steps=abc"], None, "training.steps: expected int, got 'abc'"),
+    ([], '[training]\nsteps = "10"\n', "training.steps: expected int, got '10'"),
+    ([], "[training]\nsteps = 1.5\n", "training.steps: expected int, got 1.5"),
+    ([], "[training]\nseed = true\n", "training.seed: expected int, got True"),
+    (["--optim.lr=fast"], None, "optim.lr: expected float, got 'fast'"),
+    (["--optim.nesterov=yes"], None, "optim.nesterov: expected bool, got 'yes'"),
+    (["--training.schedule=linear"], None, "training.schedule: expected one of 'cosine', 'wsd', got 'linear'"),
+    (["--profile.steps=1,x"], None, "profile.steps: expected int, got 'x'"),
+    (["--training.stepz=1"], None, "training.stepz: unknown key"),
+    ([], "[trainin]\nsteps = 1\n", "trainin: unknown section"),
+    (["--nope.steps=1"], None, "nope.steps: unknown section 'nope'"),
+    (["--model.preset=gpt5"], None, "model.preset: unknown preset 'gpt5'"),
+    (["--model.depth=3"], None, "model.depth: unknown key"),
+    (["--model.dim=0"], None, "model.dim=0 must be >= 1"),
+    (["--training.warmup_steps=-1"], None, "training.warmup_steps=-1 must be >= 0"),
+    (["--checkpoint.keep=-1"], None, "checkpoint.interval=100 and checkpoint.keep=-1 must be >= 0"),
+    (["--data.source=bin"], None, "data.path: source 'bin' needs the path of a token file"),
+    (["stray"], None, "stray: expected --config PATH or --section.key=value"),
+    ([], "[training\n", "--config: "),
+])
+def test_errors_are_one_line_naming_the_key(tmp_path, argv, toml, message):
+    if toml is not None:
+        argv = ["--config", _toml(tmp_path, toml)] + argv
+    with pytest.raises(ConfigError) as error:
+        load_config(argv)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (["--parallel.cp=3"], 8, r"dense layout .*cp=3"),
+    (["--parallel.ep=3", "--data.batch_size=12"], 6, r"parallel.ep=3 does not divide model.n_routed_experts=8"),
+    (["--data.batch_size=10"], 8, r"data.batch_size=10 is not divisible by training.grad_accum=1 x data-parallel "
+                                  r"degree 4 = 4"),
+    (["--training.grad_accum=3"], 1, r"data.batch_size=16 is not divisible by training.grad_accum=3"),
+    (["--data.seq_len=130"], 8, r"data.seq_len=130 is not divisible by 2\*cp=4"),
+    (["--data.seq_len=512"], 1, r"seq_len=512 exceeds model.max_seq_len=256"),
+])
+def test_impossible_layouts_fail_naming_the_key(argv, world_size, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config(argv).layout(world_size)
+    assert "\n" not in str(error.value)
+
+
+def test_default_layout_is_the_headline_on_8_ranks():
+    layout = JobConfig().layout(8)
+    assert (layout.dp_replicate, layout.dp_shard, layout.cp) == (1, 4, 2)
+    assert (layout.edp_replicate, layout.edp_shard, layout.ep) == (1, 1, 8)
+    for world_size, (dp_shard, ep, edp_shard) in {1: (1, 1, 1), 2: (2, 2, 1), 4: (4, 4, 1), 16: (16, 8, 2)}.items():
+        layout = JobConfig().layout(world_size)
+        assert (layout.dp_shard, layout.cp, layout.ep, layout.edp_shard) == (dp_shard, 1, ep, edp_shard), world_size
+    assert default_layout(6, n_experts=8).ep == 2  # the widest ep dividing both 6 ranks and 8 experts
+
+
+def test_explicit_degrees_are_kept_and_one_unknown_left_to_infer():
+    infer = dict(dp_replicate=-1, dp_shard=-1, cp=-1, ep=-1, edp_replicate=-1, edp_shard=-1)
+    filled = fill_layout(ParallelConfig(**{**infer, "dp_shard": 8}), 8, n_experts=8)
+    assert (filled.dp_replicate, filled.dp_shard, filled.cp) == (1, 8, -1)  # resolve() infers cp = 1
+    filled = fill_layout(ParallelConfig(**{**infer, "cp": 4, "ep": 2}), 8, n_experts=8)
+    assert (filled.dp_replicate, filled.dp_shard, filled.cp, filled.ep, filled.edp_shard) == (1, -1, 4, 2, -1)
+    layout = load_config(["--parallel.cp=4", "--parallel.ep=2"]).layout(8)
+    assert (layout.dp_shard, layout.cp, layout.ep, layout.edp_shard) == (2, 4, 2, 4)
+
+
+@pytest.mark.parametrize("name, world_sizes", [("kimi_k2_256gpu", [256]), ("deepseek_v3_256gpu", [256]),
+                                               ("moonlight_16b", [8, 64])])
+def test_large_configs_load_and_fit_their_world_size(name, world_sizes):
+    config = load_config(["--config", os.path.join(CONFIGS, f"{name}.toml")])
+    assert config.training.dtype == "bfloat16" and config.data.source == "bin"
+    for world_size in world_sizes:
+        layout = config.layout(world_size)
+        assert layout.dp_shard == 8 and layout.ep == 8, layout  # dense FSDP and EP inside one 8-GPU node
+
+
+def test_help_lists_every_key_with_its_default_and_a_meaning():
+    text, defaults = help_text(), JobConfig()
+    lines = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^  --(\S+?)=(\S*)\s+(.*)$", text, re.M)}
+    sections = {name: getattr(defaults, name) for name in
+                ("run", "model", "parallel", "optim", "data", "training", "checkpoint", "profile")}
+    expected = {"model.preset": "debug"}
+    for section, obj in sections.items():
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            expected[f"{section}.{f.name}"] = (str(value).lower() if isinstance(value, bool) else
+                                              ",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+    assert set(lines) == set(expected)
+    for key, default in expected.items():
+        assert lines[key][0] == default, key
+        assert lines[key][1].strip(), f"{key} has no help"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Documented:
+    alpha: int = 1  # the alpha knob
+    beta: float = field(default=2.0, metadata={"help": "from metadata"})  # ignored: metadata wins
+    gamma: str = "x"
+
+
+def test_field_help_reads_trailing_comments_and_metadata():
+    assert field_help(_Documented) == {"alpha": "the alpha knob", "beta": "from metadata", "gamma": ""}

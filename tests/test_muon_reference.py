@@ -1,0 +1,218 @@
+"""ReferenceMuon against a plain per-block loop (Muon) and torch.optim.AdamW (everything else)."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from models.splits import PER_EXPERT, WHOLE, MatrixSplit, muon_splits, per_head_cols, per_head_rows
+from optim.config import OptimConfig
+from optim.muon_reference import ReferenceMuon, orthogonalize_blocks
+from optim.newton_schulz import lr_scale, orthogonalize
+
+MUON_NAMES = ("wq.weight", "wo.weight", "experts", "gate.weight")
+STEPS = 3
+
+
+class Toy(nn.Module):
+    """Every split kind; wq's head blocks and the experts share the block shape [8, 16]."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)  # AdamW
+        self.wq = nn.Linear(16, 4 * 8, bias=False)  # [32, 16]: 4 heads along rows -> 4 x [8, 16]
+        self.wo = nn.Linear(4 * 8, 16)  # [16, 32]: 4 heads along cols -> 4 x [16, 8]; bias AdamW
+        self.experts = nn.Parameter(torch.randn(3, 8, 16) / 4)  # 3 experts -> 3 x [8, 16]
+        self.gate = nn.Linear(16, 3, bias=False)  # whole [3, 16]
+        self.norm = nn.Parameter(torch.ones(16))  # AdamW
+
+    def muon_splits(self):
+        return {"wq.weight": per_head_rows(4), "wo.weight": per_head_cols(4), "experts": PER_EXPERT,
+                "gate.weight": WHOLE}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matmuls on the shared 2-core machine: one thread is ~50x faster than oversubscribed two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
+
+
+def random_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {name: torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
+
+
+def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+
+
+def naive_muon_step(p, grad, buf, kind, parts, config, lr):
+    """Muon on one parameter, each block sliced by hand and orthogonalized alone. Returns (p, buf)."""
+    buf = config.momentum * buf + grad
+    u = grad + config.momentum * buf if config.nesterov else buf
+    update = torch.zeros_like(p)
+    if kind == "rows":
+        r = p.shape[0] // parts
+        for i in range(parts):
+            update[i * r:(i + 1) * r, :] = orthogonalize(u[i * r:(i + 1) * r, :]) * lr_scale(r, p.shape[1], "rms")
+    elif kind == "cols":
+        c = p.shape[1] // parts
+        for i in range(parts):
+            update[:, i * c:(i + 1) * c] = orthogonalize(u[:, i * c:(i + 1) * c]) * lr_scale(p.shape[0], c, "rms")
+    elif kind == "experts":
+        for e in range(p.shape[0]):
+            update[e] = orthogonalize(u[e]) * lr_scale(p.shape[1], p.shape[2], "rms")
+    else:
+        update = orthogonalize(u) * lr_scale(p.shape[0], p.shape[1], "rms")
+    return p * (1 - lr * config.weight_decay) - lr * update, buf
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_blocks_equal_naive_loop(nesterov):
+    config = OptimConfig(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    model = make_toy()
+    splits = muon_splits(model)
+    opt = ReferenceMuon(model, splits, config)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters() if name in MUON_NAMES}
+    bufs = {name: torch.zeros_like(p) for name, p in expected.items()}
+    for step in range(STEPS):
+        grads = random_grads(model, step)
+        set_grads(model, grads)
+        opt.step()
+        for name in MUON_NAMES:
+            split = splits[name]
+            expected[name], bufs[name] = naive_muon_step(expected[name], grads[name], bufs[name], split.kind,
+                                                         split.parts, config, config.lr)
+    params = dict(model.named_parameters())
+    for name in MUON_NAMES:
+        # Same maths; only the rounding order of the final multiply-adds differs (a few fp32 ulps per step).
+        torch.testing.assert_close(params[name], expected[name], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(opt.state[params[name]]["momentum_buffer"], bufs[name], rtol=0, atol=0)
+        assert not torch.equal(params[name], make_toy().get_parameter(name))  # it did move
+
+
+def run_torch_adamw(model: nn.Module, config: OptimConfig, names) -> dict[str, torch.Tensor]:
+    params = [p for name, p in model.named_parameters() if name in names]
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                            weight_decay=config.weight_decay, foreach=False)
+    for step in range(STEPS):
+        set_grads(model, random_grads(model, step))
+        opt.step()
+    return {name: p.detach() for name, p in model.named_parameters() if name in names}
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_adamw_params_equal_torch_adamw(name):
+    config = OptimConfig(name=name, lr=0.01, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-6)
+    model = make_toy()
+    adamw_names = [n for n, _ in model.named_parameters() if name == "adamw" or n not in MUON_NAMES]
+    expected = run_torch_adamw(copy.deepcopy(model), config, adamw_names)
+    opt = ReferenceMuon(model.named_parameters(), muon_splits(model), config)
+    assert [g["kind"] for g in opt.param_groups] == ["muon", "adamw"]
+    assert len(opt.param_groups[0]["params"]) == (4 if name == "muon" else 0)
+    for step in range(STEPS):
+        set_grads(model, random_grads(model, step))
+        opt.step()
+    params = dict(model.named_parameters())
+    for n in adamw_names:  # exactly torch's arithmetic (its foreach/fused kernels differ by rounding only)
+        assert torch.equal(params[n], expected[n]), n
+        assert set(opt.state[params[n]]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert opt.state[params[n]]["step"].item() == STEPS
+
+
+def test_lr_scheduler_scales_both_groups():
+    config = OptimConfig(lr=0.02)
+    scheduled, plain = make_toy(), make_toy()
+    opt = ReferenceMuon(scheduled, muon_splits(scheduled), config)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.25)
+    assert [g["lr"] for g in opt.param_groups] == [0.005, 0.005]
+    opt_plain = ReferenceMuon(plain, muon_splits(plain), dataclasses.replace(config, lr=0.005))
+    for model, o in ((scheduled, opt), (plain, opt_plain)):
+        set_grads(model, random_grads(model, 0))
+        o.step()
+    for (name, a), b in zip(scheduled.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_grad_none_is_skipped_and_state_is_fp32():
+    model = make_toy()
+    opt = ReferenceMuon(model, muon_splits(model), OptimConfig())
+    set_grads(model, random_grads(model, 0))
+    model.wo.weight.grad = None
+    model.norm.grad = None
+    opt.step()
+    fresh = make_toy()
+    assert torch.equal(model.wo.weight, fresh.wo.weight) and torch.equal(model.norm, fresh.norm)
+    assert model.wo.weight not in opt.state and model.norm not in opt.state
+    assert opt.state[model.experts]["momentum_buffer"].dtype == torch.float32
+
+
+def test_one_newton_schulz_call_per_block_shape():
+    model = make_toy()
+    splits = muon_splits(model)
+    blocks = [splits[n].to_blocks(p.detach()) for n, p in model.named_parameters() if n in MUON_NAMES]
+    calls = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.linalg.vector_norm:  # once per orthogonalize call
+                calls.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = orthogonalize_blocks(blocks, steps=5, coefficients="jordan", ns_dtype=torch.float32)
+    # wq (4 heads) + experts (3) share [8, 16]; wo heads [16, 8] run transposed as [8, 16]; gate [3, 16]
+    assert sorted(calls) == sorted([(7, 8, 16), (4, 8, 16), (1, 3, 16)])
+    for b, o in zip(blocks, out):
+        assert torch.equal(o, orthogonalize(b))
+
+
+def test_ns_dtype_bfloat16_stays_close():
+    updates = {}
+    for ns_dtype in ("float32", "bfloat16"):
+        model = make_toy()
+        opt = ReferenceMuon(model, muon_splits(model), OptimConfig(ns_dtype=ns_dtype, weight_decay=0.0))
+        set_grads(model, random_grads(model, 0))
+        opt.step()
+        fresh = dict(make_toy().named_parameters())
+        updates[ns_dtype] = {n: p.detach() - fresh[n] for n, p in model.named_parameters() if n in MUON_NAMES}
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(s["momentum_buffer"].dtype == torch.float32 for s in opt.state.values())
+    for name in MUON_NAMES:
+        # bf16 keeps 8 significant bits (2^-9 relative); NS amplifies per-iteration rounding (the
+        # singular-value error reaches ~3e-2, tests/test_newton_schulz.py); 5e-2 relative Frobenius
+        # error of the update still means "same direction", while a wrong block would be off by ~1.
+        a, b = updates["float32"][name], updates["bfloat16"][name]
+        assert (a - b).norm() / a.norm() < 5e-2, name
+
+
+def test_bad_splits_raise():
+    model = make_toy()
+    with pytest.raises(ValueError, match="not given.*'missing'"):
+        ReferenceMuon(model, {**muon_splits(model), "missing": WHOLE}, OptimConfig())
+    with pytest.raises(ValueError, match=r"wq.weight: rows split into 5 parts.*\(32, 16\) is 32"):
+        ReferenceMuon(model, {"wq.weight": MatrixSplit("rows", 5)}, OptimConfig())
+    with pytest.raises(ValueError, match=r"norm: split 'whole' needs a 2-D parameter, got shape \(16,\)"):
+        ReferenceMuon(model, {"norm": WHOLE}, OptimConfig())
+
+
+@pytest.mark.parametrize("key, value", [
+    ("name", "sgd"), ("coefficients", "newton"), ("lr_adjust", "max"), ("ns_dtype", "float16"),
+    ("lr", -1.0), ("lr", float("nan")), ("weight_decay", -0.1), ("momentum", 1.0), ("momentum", -0.1),
+    ("ns_steps", 0), ("adam_beta1", 1.0), ("adam_beta2", -0.5), ("adam_eps", 0.0),
+])
+def test_config_rejects(key, value):
+    with pytest.raises(ValueError, match=f"optim.{key}={value!r}"):
+        OptimConfig(**{key: value})
+    OptimConfig()  # the defaults are valid

@@ -1,0 +1,215 @@
+"""One training step on 8 gloo ranks equals the single-process step, for every layout in CASES.
+
+The reference (one process, fp32, whole global batch) runs in the pytest process. One forked
+8-rank world then runs every case in turn (forking once keeps the file fast) and compares its
+local shards against the reference sliced by the same DTensor placements (`distribute_tensor`
+of the reference, no communication): gradients before clipping and parameters after one
+torch.optim.AdamW step. The parent asserts on the per-case errors.
+
+Tolerances: both sides compute the same fp32 math in a different reduction order (batch split
+across ranks, gradients summed by reduce-scatter/all-reduce, attention over all-gathered keys), so
+they differ by a few fp32 ulps of the summed values: observed <= 1e-6 relative to each gradient's
+largest entry (<= 1e-7 absolute), and <= 5e-7 relative on the loss and the norm. We allow 2e-5 and
+1e-5: far below any real bug (a wrong scale is a factor >= 2, a missing or misrouted token changes
+gradients by > 1e-3 relative). Parameters: AdamW's first step moves each entry by
+lr * c*g / (|c*g| + eps) (c = clip factor < 1), so a gradient error dg moves it by at most
+lr * dg / eps = 1e-2 * 1e-7 / 1e-3 = 1e-6 (eps=1e-3 keeps this bound tight; with eps=1e-8 the
+step is ~lr*sign(g) and amplifies ulp noise of tiny gradients), on top of the ~1e-7 ulp of
+weights near 1 (norm scales).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models import Transformer, preset
+from multirank import run_ranks
+from parallel.context_parallel import load_balanced_positions
+from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
+from parallel.meshes import build_meshes
+from parallel.parallelize import parallelize
+
+WORLD, BATCH, SEQ = 8, 8, 32
+LR, EPS, MAX_NORM = 1e-2, 1e-3, 1.0  # MAX_NORM < the gradient norm (~8): clipping is active
+GRAD_RTOL, PARAM_ATOL, NORM_RTOL = 2e-5, 1e-6, 1e-5
+
+CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 and 1)
+    "fsdp8": ("debug", {}, ParallelConfig(dp_shard=8, ep=1), False),
+    "hsdp2x4": ("debug", {}, ParallelConfig(dp_replicate=2, dp_shard=4, ep=1), False),
+    "headline_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), False),
+    "hsdp_cp2_ep4_gqa": (
+        "debug_gqa", {}, ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4), False,
+    ),
+    "fsdp8_ehsdp_ep2": ("debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2), False),
+    # 4 experts / ep=2 = 2 local experts < edp_shard=4: experts sharded on a matrix dim (Shard(1)).
+    "few_local_experts": ("debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4), False),
+    # every token goes to experts 0 and 1: six experts and six of eight ep ranks get no tokens.
+    "empty_experts_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), True),
+}
+
+
+def _model(name: str) -> Transformer:
+    preset_name, overrides, _, skew = CASES[name]
+    torch.manual_seed(0)
+    model = Transformer(preset(preset_name, **overrides))
+    model.init_weights()
+    if skew:
+        for router in model.routers():
+            router.expert_bias[:2] = 10.0  # sigmoid scores are < 1: experts 0 and 1 always win top-2
+    return model
+
+
+def _batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference(name: str) -> dict:
+    model = _model(name)
+    inputs, labels = _batch(model.config.vocab_size)
+    loss = loss_fn(model(inputs), labels, BATCH * SEQ)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=False).step()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return {"loss": loss.item(), "norm": norm.item(), "grads": grads, "params": params}
+
+
+def _local_batch(vocab_size, layout, meshes):
+    inputs, labels = _batch(vocab_size)
+    rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
+    positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
+    return inputs[rows][:, positions], labels[rows][:, positions], positions
+
+
+def _shard_like(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of `full` under `like`'s mesh and placements (no communication)."""
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _max_errors(named, reference, attr):
+    """{fqn: (max |local - reference shard|, max |reference|)} for p.<attr> (grad or the param)."""
+    out = {}
+    for fqn, p in named:
+        mine = getattr(p, attr) if attr else p
+        expected = _shard_like(reference[fqn], mine)
+        out[fqn] = (_max_abs(mine.to_local() - expected), _max_abs(reference[fqn]))
+    return out
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0  # a rank's shard may be empty (e.g. 4 rows on 8 ranks)
+
+
+def _adamw_on_shards(model: nn.Module) -> None:
+    """torch.optim.AdamW on the local shards (elementwise, so equal to stepping the whole tensors;
+    avoids seconds of DTensor dispatch per step on 8 ranks sharing 2 cores)."""
+    shards = []
+    with torch.no_grad():
+        for p in model.parameters():
+            shard = p.to_local()  # shares storage with the DTensor parameter
+            shard.grad = p.grad.to_local()
+            shards.append(shard)
+    torch.optim.AdamW(shards, lr=LR, eps=EPS, foreach=False).step()
+
+
+def _groups(meshes) -> dict:
+    meshes_by_axis = {a: meshes.dense[a] for a in DENSE_AXES} | {a: meshes.expert[a] for a in EXPERT_AXES}
+    out = {a: dist.get_process_group_ranks(m.get_group()) for a, m in meshes_by_axis.items()}
+    out["dp_shard_cp"] = dist.get_process_group_ranks(meshes.dense_fsdp.get_group("dp_shard_cp"))
+    return out
+
+
+def _run_case(name, reference):
+    _, _, config, _ = CASES[name]
+    model = _model(name)
+    layout = config.resolve(dist.get_world_size())
+    layout.validate(model.config, SEQ, BATCH)
+    meshes = build_meshes(layout, "cpu")
+    parallelize(model, meshes, layout)
+    inputs, labels, positions = _local_batch(model.config.vocab_size, layout, meshes)
+    loss = loss_fn(model(inputs, positions_S=positions), labels, BATCH * SEQ)
+    loss.backward()
+    named = list(model.named_parameters())
+    result = {
+        "loss": global_loss(loss).item(),
+        "no_grad": [k for k, p in named if p.grad is None],
+        "placements": {k: (p.device_mesh.mesh_dim_names, p.placements) for k, p in named},
+        "groups": _groups(meshes),
+    }
+    if result["no_grad"]:
+        return result
+    result["grad_err"] = _max_errors(named, reference["grads"], "grad")
+    result["norm"] = clip_grad_norm_(model.parameters(), MAX_NORM).item()
+    _adamw_on_shards(model)
+    result["param_err"] = _max_errors(named, reference["params"], None)
+    return result
+
+
+def _run_all(rank, world_size, references):
+    return {name: _run_case(name, references[name]) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def results():
+    references = {name: _reference(name) for name in CASES}
+    per_rank = run_ranks(_run_all, WORLD, references, timeout=300)
+    return references, per_rank
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_matches_single_process(results, name):
+    references, per_rank = results
+    ref = references[name]
+    for rank, by_case in enumerate(per_rank):
+        got = by_case[name]
+        assert got["no_grad"] == [], f"rank {rank}: parameters without a gradient: {got['no_grad']}"
+        assert got["loss"] == pytest.approx(ref["loss"], rel=NORM_RTOL), f"rank {rank} loss"
+        assert got["norm"] == pytest.approx(ref["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
+        for fqn, (err, scale) in got["grad_err"].items():
+            assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
+        for fqn, (err, _) in got["param_err"].items():
+            assert err <= PARAM_ATOL, f"rank {rank} param {fqn} after AdamW: max error {err:.3g}"
+
+
+def test_expert_and_dense_placements(results):
+    _, per_rank = results
+    place = per_rank[0]
+    w1, wo = "layers.1.feed_forward.experts.w1", "layers.1.attention.wo.weight"
+    for name in CASES:
+        mesh, placements = place[name]["placements"][wo]
+        assert (mesh, [str(p) for p in placements]) == (("dp_replicate", "dp_shard_cp"), ["R", "S(0)"])
+        mesh, placements = place[name]["placements"][w1]
+        assert mesh == ("edp_replicate", "edp_shard", "ep")
+        assert str(placements[0]) == "R" and str(placements[2]) == "S(0)"  # replicate, then experts over ep
+    assert repr(place["few_local_experts"]["placements"][w1][1][1]) == "Shard(dim=1)"
+    assert repr(place["fsdp8"]["placements"][w1][1][1]) == "Shard(dim=0)"
+    # ep=2 splits the experts first, then edp_shard splits each ep rank's experts: whole experts per rank
+    assert repr(place["fsdp8_ehsdp_ep2"]["placements"][w1][1][1]) == "_StridedShard(dim=0, sf=2)"
+
+
+def test_ep_and_cp_overlap_on_the_same_ranks(results):
+    """Headline layout: each ep all-to-all group contains both cp halves of a sequence, so cp=2 and
+    ep=8 share 8 ranks instead of needing 16."""
+    _, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        groups = by_case["headline_cp2_ep8"]["groups"]
+        assert len(groups["cp"]) == 2 and rank in groups["cp"]
+        assert groups["ep"] == list(range(8))
+        assert set(groups["cp"]) <= set(groups["ep"])
+
+
+def test_dense_fsdp_groups_narrower_than_expert_sharding(results):
+    """HSDP layout dp_replicate=2 x dp_shard=4 | edp_shard=8: dense weights are sharded within 4
+    ranks (a node) and replicated across 2, expert weights are sharded over all 8."""
+    _, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        groups = by_case["hsdp2x4"]["groups"]
+        assert groups["dp_shard_cp"] == [r for r in range(8) if r // 4 == rank // 4]
+        assert groups["dp_replicate"] == [rank % 4, rank % 4 + 4]
+        assert groups["edp_shard"] == list(range(8))
+        assert set(groups["dp_shard_cp"]) < set(groups["edp_shard"])
