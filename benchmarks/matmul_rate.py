@@ -28,10 +28,10 @@ def total_ns_flops(shape_counts: Counter, steps: int = 5) -> int:
     return sum(n * ns_flops(r, c, steps) for (r, c), n in shape_counts.items())
 
 
-def ns_rate(shape_counts: Counter, repeats: int = 3, dtype=torch.float32, seed: int = 0) -> float:
+def ns_rate(shape_counts: Counter, repeats: int = 3, dtype=torch.float32, device="cpu", seed: int = 0) -> float:
     """Median-of-`repeats` GFLOP/s of batched `orthogonalize` over all blocks of `shape_counts`."""
     gen = torch.Generator().manual_seed(seed)
-    batches = [torch.randn(n, r, c, generator=gen, dtype=dtype) for (r, c), n in shape_counts.items()]
+    batches = [torch.randn(n, r, c, generator=gen).to(device, dtype) for (r, c), n in shape_counts.items()]
     flops = total_ns_flops(shape_counts)
     for x in batches:  # warm-up (first-call allocations, kernel selection)
         orthogonalize(x[:1])
@@ -40,5 +40,11 @@ def ns_rate(shape_counts: Counter, repeats: int = 3, dtype=torch.float32, seed: 
         start = time.perf_counter()
         for x in batches:
             orthogonalize(x)
+        _sync(device)
         seconds.append(time.perf_counter() - start)
     return flops / sorted(seconds)[len(seconds) // 2] / 1e9
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

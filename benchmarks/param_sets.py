@@ -49,16 +49,17 @@ def model_config(name: str):
     raise ValueError(f"unknown shape set {name!r}; expected one of {SHAPE_SETS}")
 
 
-def build_param_set(name: str, world_size: int, seed: int = 0) -> ParamSet:
+def build_param_set(name: str, world_size: int, device_type: str = "cpu", seed: int = 0) -> ParamSet:
     """Collective (FSDP setup): every rank builds the same model and keeps its shards."""
     config = model_config(name)
     layout = ParallelConfig().resolve(world_size)
-    meshes = build_meshes(layout, "cpu")
+    meshes = build_meshes(layout, device_type)
     torch.manual_seed(seed)  # same initial weights on every rank (the model initializes itself)
-    model = parallelize(Transformer(config), meshes, layout)
+    device = meshes.world.device_type
+    model = parallelize(Transformer(config).to(device), meshes, layout)
     splits = muon_splits(model)
     params = {fqn: p.detach() for fqn, p in model.named_parameters() if fqn in splits}
-    grads = {fqn: local_slice(fixed_gradient(fqn, p.shape, seed), p) for fqn, p in params.items()}
+    grads = {fqn: local_slice(fixed_gradient(fqn, p.shape, seed).to(p.device), p) for fqn, p in params.items()}
     return ParamSet(name, params, grads, {fqn: splits[fqn] for fqn in params}, meshes)
 
 
@@ -74,7 +75,7 @@ def local_slice(full: torch.Tensor, like: DTensor) -> DTensor:
     Replicate -> any Shard (including FSDP2's strided shards) is a local slice: no communication."""
     replicated = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
     out = replicated.redistribute(like.device_mesh, like.placements)
-    assert out.to_local().shape == like.to_local().shape, (fqn_shape := full.shape, like.placements)
+    assert out.to_local().shape == like.to_local().shape, (full.shape, like.placements)
     return DTensor.from_local(out.to_local().contiguous(), like.device_mesh, like.placements,
                               run_check=False, shape=like.shape, stride=like.stride())
 

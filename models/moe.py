@@ -38,6 +38,9 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(c.n_routed_experts, dtype=torch.float32))
         self.aux_loss = None  # last balance loss (detached), for logging; None when off
+        # d(training loss)/d(aux loss) of one forward: the runtime sets it to this micro-batch's share
+        # of the global batch's sequences, so the aux loss is the mean over ALL sequences of the step.
+        self.aux_loss_weight = 1.0
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
@@ -56,7 +59,7 @@ class Router(nn.Module):
                     scores_TE.view(B, S, -1), experts_TK.view(B, S, -1)
                 )
                 self.aux_loss = aux_loss.detach()
-                weights_TK = _AddAuxLoss.apply(weights_TK, aux_loss)
+                weights_TK = _AddAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_weight)
         return weights_TK, experts_TK
 
     def _logits_fp32(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -103,22 +106,23 @@ def sequence_balance_loss(scores_BSE: torch.Tensor, experts_BSK: torch.Tensor) -
 
 
 class _AddAuxLoss(torch.autograd.Function):
-    """Identity on the routing weights that also back-propagates d(aux_loss) = 1.
+    """Identity on the routing weights that also back-propagates d(aux_loss) = weight.
 
     Same effect as adding aux_loss to the training loss, without changing the model's return
-    value (Megatron's MoEAuxLossAutoScaler idea). The gradient is not scaled by how the loop scales
-    its loss (e.g. 1/grad_accum_steps): alpha is the per-micro-batch weight.
+    value (Megatron's MoEAuxLossAutoScaler idea). `weight` is how the training loop scales this
+    forward's share of the loss (Router.aux_loss_weight).
     """
 
     @staticmethod
-    def forward(ctx, weights_TK, aux_loss):
+    def forward(ctx, weights_TK, aux_loss, weight):
         ctx.save_for_backward(aux_loss)
+        ctx.weight = weight
         return weights_TK.view_as(weights_TK)
 
     @staticmethod
     def backward(ctx, grad_TK):
         (aux_loss,) = ctx.saved_tensors
-        return grad_TK, torch.ones_like(aux_loss)
+        return grad_TK, torch.full_like(aux_loss, ctx.weight), None
 
 
 class MoE(nn.Module):

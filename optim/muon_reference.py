@@ -114,13 +114,15 @@ class ReferenceMuon(torch.optim.Optimizer):
         if isinstance(named_params, nn.Module):
             named_params = named_params.named_parameters()
         muon, adamw = partition_params(named_params, splits, config)
-        self.splits = {name: splits[name] for name, _ in muon}
-        muon_group = dict(params=muon, kind="muon", lr=config.lr, weight_decay=config.weight_decay,
-                          momentum=config.momentum, nesterov=config.nesterov, ns_steps=config.ns_steps,
-                          coefficients=config.coefficients, lr_adjust=config.lr_adjust,
-                          ns_dtype=config.ns_dtype)
-        adamw_group = dict(params=adamw, kind="adamw", lr=config.lr, weight_decay=config.weight_decay,
-                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        # kept out of the param groups (which go into state dicts): parameter -> its split
+        self.splits = {p: splits[name] for name, p in muon}
+        muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
+                          weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
+                          ns_steps=config.ns_steps, coefficients=config.coefficients,
+                          lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
+        adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
+                           weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
+                           eps=config.adam_eps)
         super().__init__([muon_group, adamw_group], defaults={})
 
     @torch.no_grad()
@@ -137,17 +139,17 @@ class ReferenceMuon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        named = [(n, p) for n, p in zip(group.get("param_names", []), group["params"]) if p.grad is not None]
+        params = [p for p in group["params"] if p.grad is not None]
         blocks = []  # phase 1: momentum, then each update direction cut into its blocks [n, r, c]
-        for name, p in named:
+        for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             u = momentum_update(self.state[p]["momentum_buffer"], p.grad, group["momentum"], group["nesterov"])
-            blocks.append(self.splits[name].to_blocks(u))
+            blocks.append(self.splits[p].to_blocks(u))
         ortho = orthogonalize_blocks(blocks, steps=group["ns_steps"], coefficients=group["coefficients"],
                                      ns_dtype=NS_DTYPES[group["ns_dtype"]])  # phase 2
-        for (name, p), o_NRC in zip(named, ortho):  # phase 3
-            split = self.splits[name]
+        for p, o_NRC in zip(params, ortho):  # phase 3
+            split = self.splits[p]
             scale = lr_scale(*split.block_shape(p.shape), group["lr_adjust"])
             apply_update(p, split.from_blocks(o_NRC, p.shape), lr=group["lr"],
                          weight_decay=group["weight_decay"], scale=scale)

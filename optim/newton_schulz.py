@@ -18,6 +18,8 @@ polynomials push the singular values into a band around 1:
 The Gram matrix A is formed on the short side (s = min(m, n)), so one iteration costs
 4 s^2 l + 2 s^3 FLOPs with l = max(m, n) (`ns_flops`). All maths runs in the input dtype; callers
 choose fp32 or bf16 (Muon's caller casts blocks, see `optim/muon_reference.py`).
+
+Shapes: B batch of matrices, M x N each, S = min(M, N) short side, L = max(M, N) long side.
 """
 
 import math
@@ -54,24 +56,23 @@ def orthogonalize(
 
     Each matrix is normalized by its own Frobenius norm (times the set's safety factor, plus eps,
     so an all-zero matrix gives zeros). Batch entries never interact: the result for one matrix
-    does not depend on what else is in the batch.
+    does not depend on what else is in the batch, nor on the memory layout of x.
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs [..., m, n], got shape {tuple(x.shape)}")
     schedule = coefficient_schedule(coefficients, steps)
     m, n = x.shape[-2:]
-    wide_BSL = x.reshape(-1, m, n)
-    if m > n:  # put the short side first so the Gram matrix is s x s
-        wide_BSL = wide_BSL.mT
-    norm_B11 = torch.linalg.vector_norm(wide_BSL, dim=(-2, -1), keepdim=True)
-    X_BSL = wide_BSL / (norm_B11 * COEFFICIENT_SETS[coefficients][1] + eps)
+    # contiguous: BLAS picks kernels by memory layout, so strided views (per-head column blocks)
+    # would round differently from the same values stacked contiguously by another caller
+    x_BMN = x.reshape(-1, m, n).contiguous()
+    x_BSL = x_BMN.mT if m > n else x_BMN  # short side first: the Gram matrix is S x S
+    norm_B11 = torch.linalg.vector_norm(x_BSL, dim=(-2, -1), keepdim=True)
+    X_BSL = x_BSL / (norm_B11 * COEFFICIENT_SETS[coefficients][1] + eps)
     for a, b, c in schedule:
         A_BSS = torch.bmm(X_BSL, X_BSL.mT)
         B_BSS = torch.baddbmm(A_BSS, A_BSS, A_BSS, beta=b, alpha=c)  # b A + c A^2
         X_BSL = torch.baddbmm(X_BSL, B_BSS, X_BSL, beta=a)  # a X + B X
-    if m > n:
-        X_BSL = X_BSL.mT
-    return X_BSL.reshape(x.shape)
+    return (X_BSL.mT if m > n else X_BSL).reshape(x.shape)
 
 
 def ns_flops(m: int, n: int, steps: int = 5) -> int:

@@ -205,11 +205,14 @@ def _assign(params, world_size, split):
     loads = np.zeros(world_size)
     owner = [np.full((n, r), -1) for n, r in zip(n_blocks, reps)]
     replica = [np.tile(np.arange(r), (n, 1)) for n, r in zip(n_blocks, reps)]
+    held = {}  # per piece template: [n_blocks, candidates] fraction of the block each candidate holds
     items = [(p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     items.sort(key=lambda t: -t[0])  # stable: equal FLOPs keep parameter/block order
     for f, pi, b in items:
         p = params[pi]
-        own, rep = _place_block(p, b, loads, cap, split)
+        if id(p.pieces) not in held:
+            held[id(p.pieces)] = _held_fraction(p, split)
+        own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += f  # owners of one block's replica instances are distinct ranks
     inst = {
@@ -222,28 +225,37 @@ def _assign(params, world_size, split):
     return inst
 
 
-def _place_block(p, b, loads, cap, split):
-    """Owners (one per row of candidates) and replicas of block b.
+def _held_fraction(p, split):
+    R, S = p.groups.shape
+    out = np.zeros((len(p.block_boxes), S))
+    blocks = np.repeat(np.arange(len(p.block_boxes)), np.diff(p.pieces.start))
+    total = np.maximum(1, np.bincount(blocks, weights=p.pieces.numel, minlength=len(out)))
+    out[blocks, p.pieces.shard] = p.pieces.numel / total[blocks]
+    return np.tile(out, (1, R)) if split else out
 
-    Candidates: each replica's group (no replica split) or all replicas' ranks as one row (split).
-    A block held whole goes to its holder while the holder stays under `cap` (the mean load);
-    anything else goes to the least loaded candidate, ties to the rank holding the largest piece.
+
+def _place_block(p, b, loads, cap, split, held):
+    """Owners (one per candidate row) and replicas of block b.
+
+    Candidate rows: each replica's group (no replica split), or all replicas' ranks as one row.
+    A block held whole goes to its holder (across replicas: the least loaded holder) while the
+    holder stays under `cap` (the mean load); anything else goes to the least loaded candidate,
+    ties to the rank holding the largest piece.
     """
-    cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, n]
-    held = np.zeros(p.groups.shape[1])
-    sl = slice(p.pieces.start[b], p.pieces.start[b + 1])
-    held[p.pieces.shard[sl]] = p.pieces.numel[sl] / max(1, p.pieces.numel[sl].sum())
-    held = np.tile(held, (1, cands.shape[1] // len(held)))
+    R, S = p.groups.shape
+    whole = p.pieces.whole_on[b]
+    if whole >= 0 and R == 1:  # fast path: one holder
+        h = p.groups[0, whole]
+        if loads[h] + p.flops <= cap:
+            return [h], [0]
+    cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, candidates]
+    rows = np.arange(len(cands))
     load = loads[cands]
     pick = np.argmin(load - 1e-9 * p.flops * held, axis=1)
-    whole = p.pieces.whole_on[b]
-    if whole >= 0:
-        holder = whole + np.argmin(load[:, whole :: p.groups.shape[1]], axis=1) * p.groups.shape[1]
-        fits = load[np.arange(len(cands)), holder] + p.flops <= cap
-        pick = np.where(fits, holder, pick)
-    own = cands[np.arange(len(cands)), pick]
-    rep = pick // p.groups.shape[1] if split else np.arange(len(cands))
-    return own, rep
+    if whole >= 0 and R > 1:
+        holder = (whole + np.argmin(load[:, whole::S], axis=1) * S) if split else np.full(R, whole)
+        pick = np.where(load[rows, holder] + p.flops <= cap, holder, pick)
+    return cands[rows, pick], (pick // S if split else rows)
 
 
 # ---------------------------------------------------------------- buckets

@@ -10,7 +10,6 @@ piece of a result also goes from its holder to the same shard position in each o
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass(eq=False)
@@ -26,34 +25,24 @@ class PlanStats:
     est_seconds: float  # cost model, max over ranks
 
 
-def expand_pieces(plan) -> dict[str, np.ndarray]:
-    """One row per (block instance, piece): inst, param, piece (row in the param's Pieces), shard,
-    holder, owner, numel. Rows follow the plan's instance order, then piece order."""
-    inst = plan.inst
-    by_param = np.argsort(inst["param"], kind="stable")
-    bounds = np.searchsorted(inst["param"][by_param], np.arange(len(plan.params) + 1))
-    parts = []
-    for pi, p in enumerate(plan.params):
-        idx = by_param[bounds[pi] : bounds[pi + 1]]
-        if len(idx) == 0:
-            continue
-        first = p.pieces.start[inst["block"][idx]]
-        counts = p.pieces.start[inst["block"][idx] + 1] - first
-        rows = np.repeat(idx, counts)
-        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        piece = np.repeat(first, counts) + within
-        shard = p.pieces.shard[piece]
-        parts.append(
-            dict(inst=rows, param=np.full(len(rows), pi), piece=piece, shard=shard,
-                 holder=p.groups[inst["replica"][rows], shard], owner=inst["owner"][rows],
-                 numel=p.pieces.numel[piece])
-        )
-    keys = ("inst", "param", "piece", "shard", "holder", "owner", "numel")
-    if not parts:
-        return {k: np.zeros(0, dtype=np.int64) for k in keys}
-    out = {k: np.concatenate([d[k] for d in parts]) for k in keys}
-    order = np.lexsort((out["piece"], out["inst"]))
-    return {k: v[order] for k, v in out.items()}
+def param_pieces(plan, pi: int, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """One row per (instance, piece) of parameter `pi`'s instances `idx` (in `idx` order, then piece
+    order): inst, piece (row in the param's Pieces), shard, holder, owner, numel."""
+    inst, p = plan.inst, plan.params[pi]
+    first = p.pieces.start[inst["block"][idx]]
+    counts = p.pieces.start[inst["block"][idx] + 1] - first
+    rows = np.repeat(idx, counts)
+    piece = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    shard = p.pieces.shard[piece]
+    return dict(inst=rows, piece=piece, shard=shard, holder=p.groups[inst["replica"][rows], shard],
+                owner=inst["owner"][rows], numel=p.pieces.numel[piece])
+
+
+def instances_by_param(plan) -> list[np.ndarray]:
+    """Instance indices of each parameter, in the plan's (canonical) order."""
+    by_param = np.argsort(plan.inst["param"], kind="stable")
+    bounds = np.searchsorted(plan.inst["param"][by_param], np.arange(len(plan.params) + 1))
+    return [by_param[bounds[pi] : bounds[pi + 1]] for pi in range(len(plan.params))]
 
 
 def plan_stats(plan) -> PlanStats:
@@ -61,15 +50,19 @@ def plan_stats(plan) -> PlanStats:
     flops = np.bincount(inst["owner"], weights=inst["flops"], minlength=world)
     blocks = np.bincount(inst["owner"], minlength=world)
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
-    rows = expand_pieces(plan)
-    itemsize = np.array([torch.empty((), dtype=plan.shape_groups[p.shape_group][2]).element_size() for p in plan.params])
-    nbytes = rows["numel"] * itemsize[rows["param"]] if len(rows["param"]) else rows["numel"]
-    moving = rows["holder"] != rows["owner"]
-    for a, b in ((rows["holder"], rows["owner"]), (rows["owner"], rows["holder"])):  # forward, return
-        _count(traffic, a[moving], b[moving], nbytes[moving], opt.ranks_per_node, world)
-    communicated = set(np.array([p.shape_group for p in plan.params])[rows["param"][moving]].tolist())
-    if plan.replica_split:
-        communicated |= _replica_gather(plan, rows, nbytes, traffic)
+    communicated = set()
+    for pi, idx in enumerate(instances_by_param(plan)):
+        p = plan.params[pi]
+        rows = param_pieces(plan, pi, idx)
+        nbytes = rows["numel"] * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
+        moving = rows["holder"] != rows["owner"]
+        for a, b in ((rows["holder"], rows["owner"]), (rows["owner"], rows["holder"])):  # forward, return
+            _count(traffic, a[moving], b[moving], nbytes[moving], opt.ranks_per_node, world)
+        if moving.any():
+            communicated.add(p.shape_group)
+        if plan.replica_split and p.groups.shape[0] > 1 and len(idx):
+            _replica_gather(plan, p, rows, nbytes, traffic)
+            communicated.add(p.shape_group)
     comm_free = [g for g in range(len(plan.shape_groups)) if g not in communicated]
     mean = flops.mean() if world else 0.0
     seconds = (
@@ -91,21 +84,16 @@ def _count(traffic, src, dst, nbytes, ranks_per_node, world):
         traffic[f"recv_{kind}"] += np.bincount(dst[mask], weights=nbytes[mask], minlength=world)
 
 
-def _replica_gather(plan, rows, nbytes, traffic) -> set[int]:
-    """Traffic of the all-gather over the replica axis; returns the shape groups it touches."""
-    touched = set()
+def _replica_gather(plan, p, rows, nbytes, traffic):
+    """Traffic of the all-gather over the replica axis: every piece of a result goes from its holder
+    to the same shard position in each replica that did not compute it."""
+    R = p.groups.shape[0]
     replica = plan.inst["replica"][rows["inst"]]
-    for pi, p in enumerate(plan.params):
-        R = p.groups.shape[0]
-        mine = np.nonzero(rows["param"] == pi)[0]
-        if R == 1 or len(mine) == 0:
-            continue
-        touched.add(p.shape_group)
-        for r in range(R):  # receivers in replica r get every piece computed by another replica
-            sel = mine[replica[mine] != r]
-            dst = p.groups[r, rows["shard"][sel]]
-            _count(traffic, rows["holder"][sel], dst, nbytes[sel], plan.options.ranks_per_node, plan.world_size)
-    return touched
+    dst = p.groups[:, rows["shard"]]  # [R, rows]
+    other = np.arange(R)[:, None] != replica[None, :]
+    src = np.broadcast_to(rows["holder"], dst.shape)[other]
+    size = np.broadcast_to(nbytes, dst.shape)[other]
+    _count(traffic, src, dst[other], size, plan.options.ranks_per_node, plan.world_size)
 
 
 def describe(plan, max_rows: int = 16) -> str:

@@ -7,6 +7,11 @@ model's own `CausalAttention` masks by global positions (key j visible to query 
 kv_pos[j] <= q_pos[i]). The all-gather's backward reduce-scatters (sums) the K/V gradients back to
 the ranks that own them. RoPE is applied by the model at the global positions it is given.
 
+Cost: each rank holds the whole sequence's K/V per layer while it attends (O(S) memory, like
+Megatron's all-gather CP), and the explicit [S/cp, S] boolean mask rules out the fused causal
+kernel. The model hands `sdpa` K/V already expanded to all H query heads (GQA repeats kv heads
+before the call), so the all-gather moves H/G times the minimum; ring attention would fix both.
+
 Shape letters: B batch, H heads, S local sequence (2 chunks), E head width, P cp ranks.
 """
 

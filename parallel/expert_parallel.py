@@ -20,7 +20,6 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -63,7 +62,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts_E: 
     x_RD = _all_to_all(x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
     # Received rows are ordered (source rank, local expert); the grouped matmul needs (local expert, ...).
     expert_of_row_R = torch.arange(n_local, device=x_TD.device).repeat(n_ranks).repeat_interleave(
-        recv_counts_PL.flatten()
+        recv_counts_PL.flatten(), output_size=sum(recv_splits)  # output_size: no second host sync
     )
     order_R = torch.argsort(expert_of_row_R, stable=True)
     y_sorted_RD = _swiglu_experts(x_RD[order_R], w1, w2, w3, recv_counts_PL.sum(0))
@@ -83,6 +82,23 @@ def _swiglu_experts(x_TD, w1_LFD, w2_LDF, w3_LFD, counts_L):
 
 
 def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Autograd all-to-all with uneven splits (backward: the reverse all-to-all)."""
-    out_MD = x_ND.new_empty((sum(out_splits), x_ND.shape[1]))
-    return dist_fn.all_to_all_single(out_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
+    """All-to-all of rows with uneven splits: in_splits[p] rows go to rank p, out_splits[p] come from it."""
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Autograd all-to-all; the backward sends each row's gradient back the way the row came."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out_MD = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
+        dist.all_to_all_single(out_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return out_MD
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        out_splits, in_splits = ctx.splits
+        grad_ND = grad_MD.new_empty((sum(in_splits), *grad_MD.shape[1:]))
+        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_ND, None, None, None

@@ -1,12 +1,18 @@
 """FSDP2 (`fully_shard`) on two meshes: routed experts on the expert mesh, everything else dense.
 
 Placements after `apply_fsdp` (what the optimizer sees; every parameter is a DTensor):
-  dense weights   mesh ("dp_replicate", "dp_shard_cp"), placements (Replicate(), Shard(0))
+  dense weights   mesh ("dp_replicate", "dp_shard_cp"), placements (Replicate(), Shard(0)):
+                    rows split over dp_shard x cp (torch.chunk sizes, last shards may be short
+                    or empty), replicated over dp_replicate
   expert weights  mesh ("edp_replicate", "edp_shard", "ep"), placements
-                    (Replicate(), Shard(0), Shard(0))                       if ep == 1
-                    (Replicate(), _StridedShard(0, split_factor=ep), Shard(0))   if ep > 1 (whole
-                        experts per rank: ep splits first, edp_shard splits each ep rank's experts)
-                    (Replicate(), Shard(1), Shard(0))                       if E/ep < edp_shard
+                    (Replicate(), Shard(0), Shard(0))                          if ep == 1
+                    (Replicate(), _StridedShard(0, split_factor=ep), Shard(0))  if ep > 1
+                    (Replicate(), Shard(1), Shard(0))                          if E/ep < edp_shard
+    With Shard(0)/_StridedShard, rank (r, s, e) holds whole experts: ep splits first, then
+    edp_shard splits each ep rank's L = E/ep experts, i.e. experts e*L + s*L/edp_shard + [0, L/edp_shard)
+    (torch.chunk sizes when edp_shard does not divide L). With Shard(1), rank (r, s, e) holds all
+    L experts of ep rank e, rows [s*n/edp_shard, (s+1)*n/edp_shard) of each expert matrix
+    (n = moe_inter_dim for w1/w3, dim for w2; validated divisible).
 Gradients arrive in the same placements, SUMMED over the data-parallel ranks (not averaged; see
 parallel/gradients.py for the loss convention that makes the sum the single-process gradient).
 

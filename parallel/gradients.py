@@ -64,6 +64,7 @@ def _replicas(grad: torch.Tensor, group) -> int:
     if not isinstance(grad, DTensor):
         return world  # a plain tensor is the same on every rank
     mesh = grad.device_mesh
+    assert not any(pl.is_partial() for pl in grad.placements), grad.placements  # FSDP reduced them
     assert mesh.size() == world, f"gradient mesh {mesh} does not span the {world} ranks"
     return math.prod(mesh.size(i) for i, pl in enumerate(grad.placements) if isinstance(pl, Replicate))
 

@@ -125,6 +125,11 @@ class Layout:
                 f"seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} "
                 f"(context parallelism cuts each sequence into 2*cp equal chunks)"
             )
+        if has_moe and model_config.aux_loss_alpha > 0 and self.cp > 1:
+            raise ValueError(
+                f"model.aux_loss_alpha={model_config.aux_loss_alpha} with parallel.cp={self.cp}: the sequence-wise "
+                f"aux loss needs whole sequences on one rank; use cp=1 or aux-loss-free balancing (alpha=0)"
+            )
         if seq_len > model_config.max_seq_len:
             raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
         if global_batch % self.dp:

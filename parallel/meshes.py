@@ -21,6 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import _torch_private
@@ -87,19 +88,9 @@ class Meshes:
     dense: DeviceMesh  # ("dp_replicate", "dp_shard", "cp")
     expert: DeviceMesh  # ("edp_replicate", "edp_shard", "ep")
     dense_fsdp: DeviceMesh  # ("dp_replicate", "dp_shard_cp"): HSDP mesh of the dense weights
-
-    @property
-    def expert_fsdp(self) -> DeviceMesh:
-        """("edp_replicate", "edp_shard"): HSDP mesh of the routed-expert weights."""
-        return self.expert["edp_replicate", "edp_shard"]
-
-    @property
-    def ep(self) -> DeviceMesh:
-        return self.expert["ep"]
-
-    @property
-    def cp(self) -> DeviceMesh:
-        return self.dense["cp"]
+    expert_fsdp: DeviceMesh  # ("edp_replicate", "edp_shard"): HSDP mesh of the routed-expert weights
+    ep: DeviceMesh  # ("ep",): expert-parallel all-to-all
+    cp: DeviceMesh  # ("cp",): context-parallel K/V all-gather
 
     def dp_rank(self) -> int:
         """Which of the `layout.dp` slices of the global batch this rank reads."""
@@ -112,10 +103,19 @@ class Meshes:
 
 def build_meshes(layout: Layout, device_type: str) -> Meshes:
     """Collective: build the world mesh and its dense and expert views (default group = all ranks)."""
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"layout is for {layout.world_size} ranks but {dist.get_world_size()} are running")
     world = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
     dense = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in DENSE_AXES), DENSE_AXES)
     expert = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in EXPERT_AXES), EXPERT_AXES)
     # dp_shard and cp shard the dense weights together (cp ranks hold the same weights).
     shard_cp = _torch_private.flatten(dense["dp_shard", "cp"], "dp_shard_cp")
-    dense_fsdp = _torch_private.concatenate([dense["dp_replicate"], shard_cp])
-    return Meshes(world=world, dense=dense, expert=expert, dense_fsdp=dense_fsdp)
+    return Meshes(
+        world=world,
+        dense=dense,
+        expert=expert,
+        dense_fsdp=_torch_private.concatenate([dense["dp_replicate"], shard_cp]),
+        expert_fsdp=expert["edp_replicate", "edp_shard"],
+        ep=expert["ep"],
+        cp=dense["cp"],
+    )

@@ -163,7 +163,7 @@ def save(step: int, directory: str, app_state: dict, *, keep: int = 0) -> str:
     if _rank() == 0:
         os.makedirs(directory, exist_ok=True)
         for name in os.listdir(directory):  # leftovers of saves that crashed
-            if name.endswith(".tmp"):
+            if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]):
                 shutil.rmtree(os.path.join(directory, name))
     _barrier()  # nobody writes into tmp before the leftovers are gone
     with _single_process_ok():

@@ -51,7 +51,7 @@ class RunConfig:
 class TrainingConfig:
     steps: int = 300  # optimizer steps of the whole run (a resumed run continues up to this total)
     seed: int = 0  # seeds weight init and the data order: same seed, same run, whatever the layout
-    dtype: Literal["float32", "bfloat16"] = "float32"  # forward/backward compute dtype; weights, grads reduce and optimizer stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"  # forward/backward compute dtype (weights, optimizer: float32)
     grad_clip: float = 1.0  # max global gradient norm over both meshes (0 = no clipping)
     warmup_steps: int = 20  # linear warmup steps from optim.lr/warmup_steps up to optim.lr
     schedule: Literal["cosine", "wsd"] = "cosine"  # after warmup: cosine decay, or warmup-stable-decay
@@ -96,7 +96,7 @@ INFER_ALL = ParallelConfig(dp_replicate=-1, dp_shard=-1, cp=-1, ep=-1, edp_repli
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model_preset: str = DEFAULT_PRESET  # [model] preset
-    model: ModelConfig = field(default_factory=lambda: preset(DEFAULT_PRESET))  # the preset with the [model] overrides applied
+    model: ModelConfig = field(default_factory=lambda: preset(DEFAULT_PRESET))  # the preset + [model] overrides
     parallel: ParallelConfig = INFER_ALL
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)

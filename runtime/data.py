@@ -34,7 +34,7 @@ _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["corpus", "bin", "synthetic"] = "corpus"  # bundled byte-level corpus, a token file, or random tokens
+    source: Literal["corpus", "bin", "synthetic"] = "corpus"  # bundled byte corpus, token file, random tokens
     seq_len: int = 128  # tokens per training sequence
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
     path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
@@ -77,7 +77,7 @@ def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: 
 
 
 def read_sidecar(path: str) -> dict | None:
-    """The JSON written next to a token file by launch/tokenize.py (`<path>.json`), or None."""
+    """The JSON written next to a token file by launch/tokenize_text.py (`<path>.json`), or None."""
     sidecar = path + ".json"
     if not os.path.exists(sidecar):
         return None

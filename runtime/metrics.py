@@ -63,12 +63,15 @@ class MetricsLogger:
     """Rank 0 appends to `<run_dir>/metrics.jsonl` and prints; every other rank does nothing."""
 
     def __init__(self, run_dir: str, rank: int, total_steps: int, *, start_step: int = 0, device="cpu",
-                 flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1):
+                 flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1,
+                 log_interval: int = 1):
         """`start_step` > 0 (a resume) drops records of steps >= start_step left by the interrupted run.
 
-        MFU is reported when both `flops_per_token` and `peak_flops` (per device) are given.
+        MFU is reported when both `flops_per_token` and `peak_flops` (per device) are given. The readable
+        line is printed every `log_interval` steps and at the last step; the JSON line every step.
         """
         self.rank, self.total_steps, self.device = rank, total_steps, torch.device(device)
+        self.log_interval = log_interval
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
         self.path, self._file = os.path.join(run_dir, "metrics.jsonl"), None
         if rank == 0:
@@ -89,7 +92,8 @@ class MetricsLogger:
         """Record optimizer step `step` (global `tokens` processed in `step_time_s`); returns the record."""
         if self._file is None:
             return None
-        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / max(step_time_s, 1e-9),
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens_per_s": tokens / max(step_time_s, 1e-9),
                   "step_time_s": step_time_s, "optimizer_time_s": optimizer_time_s,
                   "memory_gib": memory_gib(self.device)}
         if self.flops_per_token and self.peak_flops:
@@ -99,7 +103,8 @@ class MetricsLogger:
                   for k, v in {**record, **extra}.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        print(self.format(record), flush=True)
+        if step % self.log_interval == 0 or step == self.total_steps - 1:
+            print(self.format(record), flush=True)
         return record
 
     def format(self, record: dict) -> str:

@@ -20,7 +20,10 @@ from torch import nn
 
 from models import Transformer
 from models.splits import muon_splits
-from optim.sharded_muon import ShardedMuon
+try:
+    from optim.sharded_muon import ShardedMuon
+except ImportError:
+    ShardedMuon = None
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import Layout
 from parallel.meshes import Meshes
@@ -45,6 +48,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     parallelize(model, meshes, layout)
     model.to_empty(device=device)
     model.init_weights(seed=config.training.seed)
+    for router in model.routers():  # each forward's sequences are this share of the step's (cp == 1)
+        router.aux_loss_weight = 1.0 / (layout.dp * config.training.grad_accum)
     return model
 
 
@@ -55,8 +60,8 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout) -> Loader:
     """This rank's rows (dense data-parallel rank) and CP chunks of every global batch."""
-    return Loader(config.data, config.training.seed, dp_rank=meshes.dp_rank, dp_degree=layout.dp,
-                  cp_rank=meshes.cp_rank, cp_degree=layout.cp, grad_accum=config.training.grad_accum,
+    return Loader(config.data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
+                  cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
                   vocab_size=config.model.vocab_size)
 
 
@@ -134,7 +139,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-                        world_size=layout.world_size)
+                        world_size=layout.world_size, log_interval=config.training.log_interval)
     with maybe_profile(config.profile, config.run.dir, rank) as profiler:
         for step in range(start, config.training.steps):
             stats = train_step(model, optimizer, scheduler, loader, config, device)

@@ -9,5 +9,9 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
+# One intra-op thread: this suite runs on 2 cores, often with forked ranks; more threads oversubscribe
+# them and made small tests ~50x slower.
+torch.set_num_threads(1)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -28,8 +28,9 @@ def test_debug_toml_is_the_embedded_default():
 
 def test_toml_then_command_line_overrides(tmp_path):
     path = _toml(tmp_path, '[model]\nn_layers = 2\n[training]\nsteps = 50\ngrad_clip = 2\n[profile]\nsteps = [7, 8]\n')
-    config = load_config([f"--config={path}", "--training.steps=7", "--model.preset=debug_gqa", "--optim.nesterov=false",
-                          "--optim.lr=3", "--data.source=synthetic", "--profile.enabled=true", "--run.dir=/x"])
+    config = load_config([f"--config={path}", "--training.steps=7", "--model.preset=debug_gqa",
+                          "--optim.nesterov=false", "--optim.lr=3", "--data.source=synthetic",
+                          "--profile.enabled=true", "--run.dir=/x"])
     assert config.training.steps == 7 and config.training.grad_clip == 2.0  # TOML int accepted for a float
     assert isinstance(config.training.grad_clip, float) and isinstance(config.optim.lr, float)
     assert config.model_preset == "debug_gqa" and config.model == preset("debug_gqa", n_layers=2)

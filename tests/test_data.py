@@ -104,7 +104,8 @@ def test_cp_chunks_are_load_balanced_and_cover_the_sequence():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(seq_len=16, batch_size=6, dp_degree=4), r"data.batch_size=6 is not divisible by training.grad_accum=1 "
                                                   r"x data-parallel degree 4 = 4"),
-    (dict(seq_len=16, batch_size=8, dp_degree=2, grad_accum=3), r"data.batch_size=8 .*grad_accum=3 x data-parallel degree 2 = 6"),
+    (dict(seq_len=16, batch_size=8, dp_degree=2, grad_accum=3),
+     r"data.batch_size=8 .*grad_accum=3 x data-parallel degree 2 = 6"),
     (dict(seq_len=18, batch_size=4, cp_degree=2), r"data.seq_len=18 is not divisible by 2\*cp=4"),
 ])
 def test_split_errors_name_every_number(kwargs, message):
@@ -147,12 +148,13 @@ def test_corpus_is_deterministic_and_structured():
 
 
 def _tiny_tokenizer(path, extra_words=0):
-    tokenizers = pytest.importorskip("tokenizers", reason="launch/tokenize.py needs the `tokenizers` package")
+    tokenizers = pytest.importorskip("tokenizers", reason="launch/tokenize_text.py needs the `tokenizers` package")
     words = ["[UNK]", "<eos>", "the", "cat", "sat", "on", "mat", "a"] + [f"w{i}" for i in range(extra_words)]
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(path)
-    return {w: i for i, w in enumerate(words)}
+    return vocab
 
 
 def test_tokenize_script_writes_a_bin_the_loader_reads(tmp_path):
@@ -160,8 +162,9 @@ def test_tokenize_script_writes_a_bin_the_loader_reads(tmp_path):
     (tmp_path / "a.txt").write_text("the cat sat\non the mat\n")
     (tmp_path / "b.txt").write_text("a cat dog\n")
     out = str(tmp_path / "train.bin")
-    cmd = [sys.executable, os.path.join(REPO, "launch", "tokenize.py"), "--tokenizer", str(tmp_path / "tokenizer.json"),
-           "--out", out, "--eos", "<eos>", str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    cmd = [sys.executable, os.path.join(REPO, "launch", "tokenize_text.py"),
+           "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", out, "--eos", "<eos>",
+           str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     expected = [ids[w] for w in "the cat sat on the mat <eos> a cat [UNK] <eos>".split()]
@@ -172,8 +175,14 @@ def test_tokenize_script_writes_a_bin_the_loader_reads(tmp_path):
     assert x_BS[0].tolist() == expected[:10] and y_BS[0].tolist() == expected[1:]
 
 
+def test_no_launch_script_shadows_a_standard_library_module():
+    # launch/ is sys.path[0] when its scripts run: a launch/tokenize.py broke `import torch` there.
+    scripts = {name[:-3] for name in os.listdir(os.path.join(REPO, "launch")) if name.endswith(".py")}
+    assert not scripts & set(sys.stdlib_module_names)
+
+
 def test_tokenize_uses_uint32_above_65536_tokens(tmp_path):
-    from launch.tokenize import tokenize_files
+    from launch.tokenize_text import tokenize_files
 
     ids = _tiny_tokenizer(str(tmp_path / "tokenizer.json"), extra_words=70000)
     (tmp_path / "a.txt").write_text("w69999 the w0\n")

@@ -24,10 +24,14 @@ def test_resolve_infers_one_degree_per_layout():
 @pytest.mark.parametrize(
     "config, world, message",
     [
-        (ParallelConfig(dp_shard=3), 8, r"dense layout dp_replicate=1 x dp_shard=3 x cp=1 = 3 ranks, but the world size is 8"),
-        (ParallelConfig(ep=4, edp_shard=4), 8, r"expert layout edp_replicate=1 x edp_shard=4 x ep=4 = 16 ranks, but the world size is 8"),
-        (ParallelConfig(dp_replicate=-1, dp_shard=-1), 8, r"dense layout .*at most one degree may be -1.*\['dp_replicate', 'dp_shard'\]"),
-        (ParallelConfig(edp_replicate=-1), 8, r"expert layout .*at most one degree may be -1.*\['edp_replicate', 'edp_shard'\]"),
+        (ParallelConfig(dp_shard=3), 8,
+         r"dense layout dp_replicate=1 x dp_shard=3 x cp=1 = 3 ranks, but the world size is 8"),
+        (ParallelConfig(ep=4, edp_shard=4), 8,
+         r"expert layout edp_replicate=1 x edp_shard=4 x ep=4 = 16 ranks, but the world size is 8"),
+        (ParallelConfig(dp_replicate=-1, dp_shard=-1), 8,
+         r"dense layout .*at most one degree may be -1.*\['dp_replicate', 'dp_shard'\]"),
+        (ParallelConfig(edp_replicate=-1), 8,
+         r"expert layout .*at most one degree may be -1.*\['edp_replicate', 'edp_shard'\]"),
         (ParallelConfig(cp=0), 8, r"parallel.cp=0: degrees must be positive or -1"),
         (ParallelConfig(ep=-2), 8, r"parallel.ep=-2: degrees must be positive or -1"),
         (ParallelConfig(cp=3), 8, r"dense layout .*cp=3: world size 8 is not divisible by 3, cannot infer dp_shard"),

@@ -33,6 +33,16 @@ def test_rank0_writes_flushed_lines_and_prints(tmp_path, capsys):
     logger.close()
 
 
+def test_log_interval_thins_printed_lines_not_records(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), rank=0, total_steps=10, log_interval=4)
+    for step in range(10):
+        _log(logger, step)
+    logger.close()
+    printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["step 0/10", "step 4/10", "step 8/10", "step 9/10"]
+    assert len(_records(tmp_path / "metrics.jsonl")) == 10
+
+
 def test_other_ranks_write_and_print_nothing(tmp_path, capsys):
     logger = MetricsLogger(str(tmp_path), rank=1, total_steps=10)
     assert _log(logger, 0) is None

@@ -97,6 +97,8 @@ def test_batched_equals_loop_bitwise(dtype):
             batched = orthogonalize(x, coefficients=coefficients).reshape(-1, *shape[-2:])
             loop = [orthogonalize(m, coefficients=coefficients) for m in x.reshape(-1, *shape[-2:])]
             assert torch.equal(batched, torch.stack(loop))
+    x = torch.randn(16, 4, 8, generator=g).to(dtype).transpose(0, 1)  # strided like per-head column blocks
+    assert torch.equal(orthogonalize(x), orthogonalize(x.contiguous()))
 
 
 def test_zero_matrix_gives_zeros():

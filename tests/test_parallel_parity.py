@@ -76,7 +76,8 @@ def _reference(name: str) -> dict:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=False).step()
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return {"loss": loss.item(), "norm": norm.item(), "grads": grads, "params": params}
+    return {"loss": loss.item(), "norm": norm.item(), "grads": grads, "params": params,
+            "state_keys": list(model.state_dict())}
 
 
 def _local_batch(vocab_size, layout, meshes):
@@ -137,7 +138,9 @@ def _run_case(name, reference):
     named = list(model.named_parameters())
     result = {
         "loss": global_loss(loss).item(),
+        "state_keys": list(model.state_dict()),
         "no_grad": [k for k, p in named if p.grad is None],
+        "tokens_per_expert": sum(r.tokens_per_expert for r in model.routers()),
         "placements": {k: (p.device_mesh.mesh_dim_names, p.placements) for k, p in named},
         "groups": _groups(meshes),
     }
@@ -154,9 +157,25 @@ def _run_all(rank, world_size, references):
     return {name: _run_case(name, references[name]) for name in CASES}
 
 
+def _references() -> dict:
+    """The single-process step of each case, computed once per distinct model (one thread: on 2
+    busy cores torch's default 2 threads make this ~10x slower)."""
+    threads, by_model, out = torch.get_num_threads(), {}, {}
+    torch.set_num_threads(1)
+    try:
+        for name, (preset_name, overrides, _, skew) in CASES.items():
+            key = (preset_name, tuple(sorted(overrides.items())), skew)
+            if key not in by_model:
+                by_model[key] = _reference(name)
+            out[name] = by_model[key]
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 @pytest.fixture(scope="module")
 def results():
-    references = {name: _reference(name) for name in CASES}
+    references = _references()
     per_rank = run_ranks(_run_all, WORLD, references, timeout=300)
     return references, per_rank
 
@@ -167,6 +186,7 @@ def test_step_matches_single_process(results, name):
     ref = references[name]
     for rank, by_case in enumerate(per_rank):
         got = by_case[name]
+        assert got["state_keys"] == ref["state_keys"], "parameter and buffer names must not change"
         assert got["no_grad"] == [], f"rank {rank}: parameters without a gradient: {got['no_grad']}"
         assert got["loss"] == pytest.approx(ref["loss"], rel=NORM_RTOL), f"rank {rank} loss"
         assert got["norm"] == pytest.approx(ref["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
@@ -190,6 +210,15 @@ def test_expert_and_dense_placements(results):
     assert repr(place["fsdp8"]["placements"][w1][1][1]) == "Shard(dim=0)"
     # ep=2 splits the experts first, then edp_shard splits each ep rank's experts: whole experts per rank
     assert repr(place["fsdp8_ehsdp_ep2"]["placements"][w1][1][1]) == "_StridedShard(dim=0, sf=2)"
+
+
+def test_unrouted_experts_still_get_gradients(results):
+    """The skewed case really leaves experts 2..7 without tokens on every rank (and its step
+    test above passed: their zero gradients were reduced like any other)."""
+    _, per_rank = results
+    for by_case in per_rank:
+        counts = by_case["empty_experts_cp2_ep8"]["tokens_per_expert"]
+        assert counts[:2].sum() > 0 and counts[2:].sum() == 0
 
 
 def test_ep_and_cp_overlap_on_the_same_ranks(results):

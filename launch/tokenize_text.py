@@ -1,6 +1,6 @@
 """Tokenize text files into a flat token file for `data.source = "bin"` (the nanoGPT / Megatron layout).
 
-    python launch/tokenize.py --tokenizer tokenizer.json --out data/train.bin a.txt b.txt ...
+    python launch/tokenize_text.py --tokenizer tokenizer.json --out data/train.bin a.txt b.txt ...
 
 Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Writes
 the token ids of all files, in order, as one flat array: uint16 when every id fits (vocab <= 65536),
@@ -8,18 +8,17 @@ else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_token
 reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
 boundary). Files are read in chunks that end at line breaks, so memory stays bounded; the output
 appears atomically (written to `<out>.tmp`, then renamed).
+
+Not named `tokenize.py`: scripts in launch/ run with launch/ on sys.path, where such a file would
+shadow the standard library's `tokenize` module (imported by torch through `inspect`).
 """
 
+import argparse
+import json
 import os
 import sys
 
-if __name__ == "__main__":  # run as a script, launch/ is sys.path[0] and this file would shadow stdlib `tokenize`
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 CHUNK_CHARS = 1 << 22
 

@@ -1,0 +1,108 @@
+"""A small model of one GPU in a cluster, and the optimizer-step time it implies for a plan.
+
+Numbers (per GPU; sources and assumptions):
+  peak_tflops       dense bf16 tensor-core peak, NVIDIA H100 SXM5 and H200 SXM datasheets: 989 TFLOP/s
+                    for both (same GH100 compute; "1,979" in the datasheets is with 2:4 sparsity).
+  sustained_tflops  what batched NS matmuls (2048 x 7168 blocks, bf16) sustain: 600, ~60% of peak, the
+                    figure DESIGN.md uses (large cuBLAS bf16 GEMMs reach 650-750 on H100 SXM; NS
+                    also runs the smaller s x s products). Same for H200: NS is compute-bound, the
+                    H200's extra HBM bandwidth does not speed it up. `--calibration` replaces it by
+                    a measured rate on the real Kimi K2 block shapes.
+  nvlink_gbs        NVLink 4 / NVSwitch: 900 GB/s bidirectional = 450 GB/s per direction; ~80% of it
+                    achieved by an all-to-all inside a node: 360 GB/s per direction.
+  network_gbs       one 400 Gb/s NIC per GPU (ConnectX-7, InfiniBand NDR or RoCE) = 50 GB/s per
+                    direction; ~80% achieved by a many-node all-to-all: 40 GB/s.
+  hbm_gbs           HBM3 3.35 TB/s (H100), HBM3e 4.8 TB/s (H200), datasheets.
+  latency_us        per collective (one bucket's all-to-all): 50 us, typical NCCL all-to-all latency
+                    at small sizes across nodes.
+Links are full duplex and NVLink and the NICs are separate hardware, so a rank's communication time
+is max(intra sent, intra received) / nvlink_gbs and max(inter sent, inter received) / network_gbs
+running concurrently: comm = max(intra, inter).
+
+Step time of a rank with B buckets (the runtime's pipeline: bucket k's NS overlaps bucket k+1's
+forward all-to-all and bucket k-1's return):
+    step = max(compute, comm) + comm / B + B * latency + elementwise
+compute = its NS FLOPs / sustained; comm / B = the first bucket's forward plus the last bucket's
+return, which nothing overlaps; elementwise = its local Muon elements x ELEMENTWISE_BYTES / HBM
+(momentum, Nesterov direction, packing, update: memory-bound, not overlapped). The projected step is
+the slowest rank's.
+"""
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# fp32 master weights and momentum: read grad (4), read+write momentum (8), write+read the direction
+# (8), pack/unpack it in bf16 for the all-to-all (2 x 2 x 2), read the update (2), read+write the weight (8)
+ELEMENTWISE_BYTES = 38
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    peak_tflops: float
+    sustained_tflops: float
+    nvlink_gbs: float
+    network_gbs: float
+    hbm_gbs: float
+    latency_us: float = 50.0
+    gpus_per_node: int = 8
+    source: str = "datasheet + assumptions (benchmarks/device_model.py)"
+
+
+DEVICES = {
+    "h100": DeviceModel("H100 SXM5 80GB", 989.0, 600.0, 360.0, 40.0, 3350.0),
+    "h200": DeviceModel("H200 SXM 141GB", 989.0, 600.0, 360.0, 40.0, 4800.0),
+}
+
+
+def device_model(name: str, calibration: str | None = None) -> DeviceModel:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; expected one of {sorted(DEVICES)}")
+    device = DEVICES[name]
+    return calibrate(device, calibration) if calibration else device
+
+
+def calibrate(device: DeviceModel, path: str) -> DeviceModel:
+    """Replace the sustained NS rate by one measured by `optimizer_step.py --calibrate-kimi` (its JSON
+    "kimi_blocks_gflops", bf16 preferred). Link bandwidths stay assumptions: one GPU cannot measure them."""
+    with open(path) as f:
+        measured = json.load(f)
+    rates = measured.get("kimi_blocks_gflops") or {}
+    dtype = "bfloat16" if "bfloat16" in rates else next(iter(rates), None)
+    if dtype is None:
+        raise ValueError(f"{path}: no 'kimi_blocks_gflops' (run optimizer_step.py with --calibrate-kimi N)")
+    return replace(device, sustained_tflops=rates[dtype] / 1e3,
+                   source=f"NS rate {rates[dtype] / 1e3:.0f} TFLOP/s ({dtype}) measured on {measured.get('device')} "
+                          f"({path}); links and HBM: assumptions")
+
+
+@dataclass
+class StepEstimate:
+    step_s: float  # slowest rank
+    compute_s: float  # of that rank
+    comm_s: float
+    exposed_s: float  # first/last bucket + latencies
+    elementwise_s: float
+    rank: int
+
+
+def project(device: DeviceModel, flops, sent_intra, recv_intra, sent_inter, recv_inter, local_elems,
+            buckets: int, overlap: bool = True) -> StepEstimate:
+    """Per-rank arrays -> the step estimate of the module docstring (overlap=False: compute + comm)."""
+    compute = np.asarray(flops, dtype=np.float64) / (device.sustained_tflops * 1e12)
+    intra = np.maximum(sent_intra, recv_intra) / (device.nvlink_gbs * 1e9)
+    inter = np.maximum(sent_inter, recv_inter) / (device.network_gbs * 1e9)
+    comm = np.maximum(intra, inter)
+    b = max(1, buckets)
+    exposed = comm / b + b * device.latency_us * 1e-6
+    elementwise = np.asarray(local_elems, dtype=np.float64) * ELEMENTWISE_BYTES / (device.hbm_gbs * 1e9)
+    step = (np.maximum(compute, comm) + exposed if overlap else compute + comm) + elementwise
+    r = int(np.argmax(step))
+    return StepEstimate(float(step[r]), float(compute[r]), float(comm[r]), float(exposed[r]), float(elementwise[r]), r)
+
+
+def lower_bound(total_flops: float, world: int, device: DeviceModel) -> float:
+    """Total NS FLOPs spread perfectly over `world` GPUs at datasheet peak: no schedule beats it."""
+    return total_flops / (world * device.peak_tflops * 1e12)

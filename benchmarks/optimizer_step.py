@@ -1,0 +1,140 @@
+"""Optimizer-step microbenchmark: our sharded Muon against the other distributed Muon designs.
+
+    torchrun --nproc_per_node N benchmarks/optimizer_step.py [--json PATH] [--plot PATH]
+        [--steps K] [--warmup K] [--shapes debug|kimi_slice|both] [--methods a,b,...]
+
+CPU (gloo, one thread per rank) or GPU (nccl, one GPU per rank). For each shape set
+(`benchmarks/param_sets.py`: real models sharded by `parallel.parallelize`, fixed seeded
+gradients) and each method (`benchmarks/methods.py`), in ONE process group:
+  1. build every method on its own copy of the parameters;
+  2. check: `--check-steps` steps of each, parameter changes compared with the single-process
+     reference Muon (a method that fails is reported as FAILED, its time is not a result);
+  3. warm up, then time `--steps` interleaved steps (slowest rank per step, median);
+  4. count one step per method: matmul (= NS) FLOPs and bytes sent + received per rank;
+  5. measure this machine's NS rate on the same block shapes (`matmul_rate.ns_rate`, all ranks
+     at once, like the step), and report each method's NS GFLOP/s on its busiest rank against it.
+Rank 0 prints a table per shape set; `--json PATH` and `--plot PATH` write the results
+(`benchmarks/report.py`). `main(argv)` is also the entry point the tests call on forked ranks.
+"""
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # `torchrun benchmarks/optimizer_step.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import harness, report
+from benchmarks.matmul_rate import block_shape_counts, ns_rate
+from benchmarks.methods import METHODS, Method, Skipped, build_method
+from benchmarks.param_sets import SHAPE_SETS, build_param_set
+from optim.config import OptimConfig
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write results as JSON to this path")
+    p.add_argument("--plot", help="write a PNG bar chart to this path (needs matplotlib)")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per method (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per method after the check")
+    p.add_argument("--check-steps", type=int, default=2, help="steps compared with the reference")
+    p.add_argument("--shapes", default="both", choices=SHAPE_SETS + ("both",))
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="sharded Muon bucket size (MB per rank)")
+    p.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; expected a subset of {METHODS}")
+    if min(args.steps, args.check_steps) < 1 or args.warmup < 0:
+        p.error(f"--steps={args.steps} and --check-steps={args.check_steps} must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark on the process group (initialized here from torchrun's environment)."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if device.type == "cuda":
+            device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(args.threads)
+        results = run(args, device)
+        if dist.get_rank() == 0:
+            report.emit(results, json_path=args.json, plot_path=args.plot)
+        return results
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def run(args, device: torch.device) -> dict:
+    world = dist.get_world_size()
+    config = OptimConfig(ns_dtype=args.ns_dtype)
+    sets = SHAPE_SETS if args.shapes == "both" else (args.shapes,)
+    results = {"world_size": world, "device": _device_name(device), "threads_per_rank": args.threads,
+               "steps": args.steps, "warmup": args.warmup, "ns_dtype": args.ns_dtype, "shape_sets": {}}
+    for name in sets:
+        results["shape_sets"][name] = run_shape_set(name, args, config, device)
+    main_set = "kimi_slice" if "kimi_slice" in sets else sets[0]
+    results.update(main_shape_set=main_set, **{k: results["shape_sets"][main_set][k] for k in ("methods", "speedup_vs")})
+    return results
+
+
+def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) -> dict:
+    param_set = build_param_set(name, dist.get_world_size(), device_type=device.type)
+    wanted = args.methods.split(",")
+    built = {m: build_method(m, param_set, config, args.bucket_mb) for m in wanted}
+    reference = build_method("single", param_set, config, args.bucket_mb)
+    methods = {m: x for m, x in built.items() if isinstance(x, Method)}
+    before = harness.full_values(param_set.params)
+    checks = harness.check_against(methods, reference, before, args.check_steps)
+    for _ in range(args.warmup):
+        for m in methods.values():
+            m.step()
+    times = harness.time_steps(methods, args.steps, device)
+    counts = harness.count_steps(methods, device)
+    rates = _ns_rates(param_set, methods, device)
+    rows = {m: report.method_row(methods[m], times[m], counts[m], checks[m], rates[methods[m].ns_dtype])
+            for m in methods}
+    rows.update({m: {"skipped": x.reason} for m, x in built.items() if isinstance(x, Skipped)})
+    shapes = {fqn: tuple(p.shape) for fqn, p in param_set.params.items()}
+    return {"blocks": {f"{r}x{c}": n for (r, c), n in block_shape_counts(shapes, param_set.splits).items()},
+            "matmul_gflops": {str(k).replace("torch.", ""): v for k, v in rates.items()}, "methods": rows, "speedup_vs": report.speedups(rows)}
+
+
+def _ns_rates(param_set, methods: dict, device: torch.device) -> dict:
+    """NS dtype -> this machine's NS GFLOP/s on the set's blocks (mean over ranks, measured together)."""
+    shapes = {fqn: tuple(p.shape) for fqn, p in param_set.params.items()}
+    counts = block_shape_counts(shapes, param_set.splits)
+    out = {}
+    for dtype in sorted({m.ns_dtype for m in methods.values()}, key=str):
+        dist.barrier()
+        rate = torch.tensor([ns_rate(counts, dtype=dtype, device=device)], dtype=torch.float64)
+        dist.all_reduce(rate)
+        out[dtype] = float(rate) / dist.get_world_size()
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def entry(rank: int, world_size: int, argv: list[str]) -> dict:
+    """For tests/multirank.py run_ranks(..., as_torchrun=True): same as the command line."""
+    return main(argv)
+
+
+if __name__ == "__main__":
+    main()
