@@ -12,17 +12,19 @@ Every method in the benchmark is measured the same way, by running one extra (un
         all-gather     sent = received = input bytes x (group size - 1)
         reduce-scatter sent = received = input bytes x (G - 1) / G
         all-reduce     sent = received = bytes x 2 (G - 1) / G  (ring; no method here uses it)
-        broadcast / gather / scatter: the root sends (or receives) one copy per peer
+    Any other collective is listed in `uncounted` (the benchmark prints it) rather than guessed.
     All-gather counted this way is what a ring or a direct exchange moves; it does not depend on
     the backend's algorithm.
 
-Private torch APIs (checked on torch 2.13.0): `ProcessGroup.unbox` turns the dispatcher's boxed
-process group into the Python one, and `distributed_c10d._resolve_process_group` maps a functional
-collective's group name to its group; both only to learn this rank's index and the group size.
+Private torch APIs (checked on torch 2.13.0): `torch.utils._python_dispatch.TorchDispatchMode` (the
+documented way to intercept dispatcher calls; it has no public alias), `ProcessGroup.unbox` (the
+dispatcher's boxed process group -> the Python one) and `distributed_c10d._resolve_process_group`
+(a functional collective's group name -> its group); the last two only to learn this rank's index
+and the group size.
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ class StepCounts:
     bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    uncounted: list = field(default_factory=list)  # collectives whose bytes this module does not model
 
     @property
     def bytes_total(self) -> int:
@@ -51,90 +54,61 @@ class _CommCounter(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        ns = func.namespace
-        if ns == "c10d":
-            self._count_c10d(func.__name__.split(".")[0], args)
-        elif ns == "_c10d_functional":
-            self._count_functional(func.__name__.split(".")[0], args)
-        return func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        boxed = [a for a in args if isinstance(a, torch.ScriptObject)]  # the process group, if any
+        if func.namespace == "c10d" and boxed and not name.startswith(("barrier", "monitored_barrier")):
+            group = dist.ProcessGroup.unbox(boxed[0])
+            self._add(name, _c10d_bytes(name, args, group.size(), group.rank()))
+        elif func.namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            group = distributed_c10d._resolve_process_group(args[-1])
+            self._add(name, _functional_bytes(name, args, group.size(), group.rank()))
+        return func(*args, **(kwargs or {}))
 
-    def _add(self, sent: float, received: float):
-        self.counts.bytes_sent += int(sent)
-        self.counts.bytes_received += int(received)
+    def _add(self, name: str, sent_received):
+        if sent_received is None:
+            self.counts.uncounted.append(name)
+            return
+        self.counts.bytes_sent += int(sent_received[0])
+        self.counts.bytes_received += int(sent_received[1])
         self.counts.collectives += 1
 
-    def _count_c10d(self, name: str, args):
-        if name in ("barrier", "monitored_barrier") or len(args) < 3:
-            return
-        group = dist.ProcessGroup.unbox(args[2])
-        G, me = group.size(), group.rank()
-        if name == "alltoall_base_":
-            out, inp, _, out_splits, in_splits = args[:5]
-            self._add(_peer_bytes(inp, in_splits, G, me), _peer_bytes(out, out_splits, G, me))
-        elif name == "alltoall_":
-            outs, inps = args[0], args[1]
-            self._add(sum(_nbytes(t) for i, t in enumerate(inps) if i != me),
-                      sum(_nbytes(t) for i, t in enumerate(outs) if i != me))
-        elif name in ("allgather_", "allgather_coalesced_"):
-            inputs = args[1]
-            self._add(sum(map(_nbytes, inputs)) * (G - 1), sum(map(_nbytes, inputs)) * (G - 1))
-        elif name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
-            inputs = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
-            self._add(sum(map(_nbytes, inputs)) * (G - 1), sum(map(_nbytes, inputs)) * (G - 1))
-        elif name in ("reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
-            inputs = _flatten(args[1])
-            share = sum(map(_nbytes, inputs)) * (G - 1) / G
-            self._add(share, share)
-        elif name == "allreduce_":
-            share = sum(map(_nbytes, args[0])) * 2 * (G - 1) / G
-            self._add(share, share)
-        elif name == "broadcast_":
-            size = sum(map(_nbytes, args[0]))
-            root = args[3]
-            self._add(size * (G - 1) if me == root else 0, 0 if me == root else size)
-        elif name in ("gather_", "scatter_"):
-            root = args[3]
-            size = sum(map(_nbytes, _flatten(args[1] if name == "gather_" else args[0])))
-            peers = size * (G - 1) if me == root else 0
-            mine = 0 if me == root else size
-            self._add(mine, peers) if name == "gather_" else self._add(peers, mine)
 
-    def _count_functional(self, name: str, args):
-        if name in ("wait_tensor", "_wrap_tensor_autograd"):
-            return
-        group = distributed_c10d._resolve_process_group(args[-1])
-        G, me = group.size(), group.rank()
-        if name == "all_to_all_single":
-            inp, out_splits, in_splits = args[:3]
-            row = _nbytes(inp) // max(1, inp.shape[0]) if inp.ndim else inp.element_size()
-            self._add(row * (sum(in_splits) - in_splits[me]), row * (sum(out_splits) - out_splits[me]))
-        elif name.startswith("all_gather_into_tensor"):
-            inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            size = sum(map(_nbytes, inputs)) * (G - 1)
-            self._add(size, size)
-        elif name.startswith("reduce_scatter_tensor"):
-            inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            share = sum(map(_nbytes, inputs)) * (G - 1) / G
-            self._add(share, share)
-        elif name.startswith("all_reduce"):
-            inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            share = sum(map(_nbytes, inputs)) * 2 * (G - 1) / G
-            self._add(share, share)
-        elif name == "broadcast":
-            size, root = _nbytes(args[0]), args[1]
-            self._add(size * (G - 1) if me == root else 0, 0 if me == root else size)
+def _c10d_bytes(name: str, args, G: int, me: int):
+    """(sent, received) of a `torch.distributed` collective; args (outputs, inputs, group, ...)."""
+    if name == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes)
+        return _peer_bytes(args[1], args[4], G, me), _peer_bytes(args[0], args[3], G, me)
+    if name in ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_"):
+        return (_total(args[1]) * (G - 1),) * 2
+    if name in ("reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        return (_total(args[1]) * (G - 1) // G,) * 2
+    if name == "allreduce_":  # ring all-reduce
+        return (_total(args[0]) * 2 * (G - 1) // G,) * 2
+    return None
+
+
+def _functional_bytes(name: str, args, G: int, me: int):
+    """(sent, received) of a functional collective (DTensor's); args (input(s), ..., group_name)."""
+    if name == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group_name)
+        row = _nbytes(args[0]) // max(1, args[0].shape[0])
+        return row * (sum(args[2]) - args[2][me]), row * (sum(args[1]) - args[1][me])
+    if name.startswith("all_gather_into_tensor"):
+        return (_total(args[0]) * (G - 1),) * 2
+    if name.startswith("reduce_scatter_tensor"):
+        return (_total(args[0]) * (G - 1) // G,) * 2
+    if name.startswith("all_reduce"):
+        return (_total(args[0]) * 2 * (G - 1) // G,) * 2
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _flatten(tensors) -> list:
-    out = []
-    for t in tensors:
-        out.extend(_flatten(t) if isinstance(t, (list, tuple)) else [t])
-    return out
+def _total(tensors) -> int:
+    """Bytes of a tensor or a (nested) list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return _nbytes(tensors)
+    return sum(_total(t) for t in tensors)
 
 
 def _peer_bytes(t: torch.Tensor, splits, G: int, me: int) -> int:

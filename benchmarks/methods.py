@@ -68,6 +68,8 @@ def _torchtitan(params, splits, config):
     if config.coefficients != "jordan" or config.lr_adjust != "rms":
         return Skipped(f"DistMuon has one (a, b, c) tuple and 'match_rms_adamw'; asked for "
                        f"coefficients={config.coefficients!r}, lr_adjust={config.lr_adjust!r}")
+    if all(torchtitan_muon.compute_layout(p, splits[f])[0] is None for f, p in params.items()):
+        return Skipped("no parameter DistMuon can express (nothing is sharded?)")
     opt, skipped = torchtitan_muon.build(params, splits, lr=config.lr, weight_decay=config.weight_decay,
                                          momentum=config.momentum, nesterov=config.nesterov)
     device = next(iter(params.values())).to_local().device

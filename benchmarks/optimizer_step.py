@@ -20,6 +20,7 @@ Rank 0 prints a table per shape set; `--json PATH` and `--plot PATH` write the r
 import argparse
 import os
 import sys
+from collections import Counter
 
 if __package__ in (None, ""):  # `torchrun benchmarks/optimizer_step.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +33,8 @@ from benchmarks.matmul_rate import block_shape_counts, ns_rate
 from benchmarks.methods import METHODS, Method, Skipped, build_method
 from benchmarks.param_sets import SHAPE_SETS, build_param_set
 from optim.config import OptimConfig
+
+KIMI_EXPERT_BLOCK = (2048, 7168)  # moe_inter_dim x dim of kimi_k2_1t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=4.0, help="sharded Muon bucket size (MB per rank)")
     p.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    p.add_argument("--calibrate-kimi", type=int, default=None,
+                   help="also measure the NS rate on N real Kimi K2 expert blocks (2048 x 7168) for "
+                        "projection.py --calibration (default: 8 on GPU, 0 on CPU)")
     args = p.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(METHODS))
     if unknown:
@@ -61,7 +67,8 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # on GPU, CUDA tensors go over NCCL and the harness's CPU scalars over gloo
+        dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
     try:
         if device.type == "cuda":
             device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
@@ -86,7 +93,11 @@ def run(args, device: torch.device) -> dict:
     for name in sets:
         results["shape_sets"][name] = run_shape_set(name, args, config, device)
     main_set = "kimi_slice" if "kimi_slice" in sets else sets[0]
-    results.update(main_shape_set=main_set, **{k: results["shape_sets"][main_set][k] for k in ("methods", "speedup_vs")})
+    n_kimi = args.calibrate_kimi if args.calibrate_kimi is not None else (8 if device.type == "cuda" else 0)
+    if n_kimi > 0:
+        results["kimi_blocks_gflops"] = _kimi_rates(n_kimi, device)
+    main = results["shape_sets"][main_set]  # the top-level "methods" and "speedup_vs" are this set's
+    results.update(main_shape_set=main_set, methods=main["methods"], speedup_vs=main["speedup_vs"])
     return results
 
 
@@ -108,8 +119,10 @@ def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) ->
             for m in methods}
     rows.update({m: {"skipped": x.reason} for m, x in built.items() if isinstance(x, Skipped)})
     shapes = {fqn: tuple(p.shape) for fqn, p in param_set.params.items()}
-    return {"blocks": {f"{r}x{c}": n for (r, c), n in block_shape_counts(shapes, param_set.splits).items()},
-            "matmul_gflops": {str(k).replace("torch.", ""): v for k, v in rates.items()}, "methods": rows, "speedup_vs": report.speedups(rows)}
+    blocks = block_shape_counts(shapes, param_set.splits)
+    return {"blocks": {f"{r}x{c}": n for (r, c), n in blocks.items()},
+            "matmul_gflops": {str(k).replace("torch.", ""): v for k, v in rates.items()},
+            "methods": rows, "speedup_vs": report.speedups(rows)}
 
 
 def _ns_rates(param_set, methods: dict, device: torch.device) -> dict:
@@ -122,6 +135,17 @@ def _ns_rates(param_set, methods: dict, device: torch.device) -> dict:
         rate = torch.tensor([ns_rate(counts, dtype=dtype, device=device)], dtype=torch.float64)
         dist.all_reduce(rate)
         out[dtype] = float(rate) / dist.get_world_size()
+    return out
+
+
+def _kimi_rates(n: int, device: torch.device) -> dict:
+    """NS GFLOP/s on n Kimi K2 expert blocks (99.8% of its NS FLOPs), bf16 and fp32, all ranks at once."""
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        dist.barrier()
+        rate = torch.tensor([ns_rate(Counter({KIMI_EXPERT_BLOCK: n}), dtype=dtype, device=device)], dtype=torch.float64)
+        dist.all_reduce(rate)
+        out[str(dtype).replace("torch.", "")] = float(rate) / dist.get_world_size()
     return out
 
 

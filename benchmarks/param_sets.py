@@ -4,10 +4,10 @@ Two sets, both built as a Transformer and sharded with `parallel.parallelize` fo
 (dense dp_shard = W, experts edp_shard = W: FSDP2 `fully_shard` on both meshes, as in training):
   debug       the `debug` preset (tiny: timings there are mostly per-call overhead).
   kimi_slice  Kimi K2 shapes scaled down 16x in every width (dim 7168 -> 448, expert hidden
-              2048 -> 128, per-head widths 128/64 -> 8/4, q_lora 1536 -> 96, kv_lora 512 -> 32,
-              dense hidden 18432 -> 1152), 8 heads, 2 MoE layers of 16 experts + 1 shared expert:
-              expert-heavy like the real model (~93% of the NS FLOPs are in experts here, 98% in
-              Kimi K2), every Muon block kind present (per head rows, per head cols, per expert, whole).
+              2048 -> 128, per-head widths 128/64 -> 8/4, q_lora 1536 -> 96, kv_lora 512 -> 32),
+              8 heads, 2 MoE layers of 16 routed experts + 1 shared expert, no dense layer: 17.3 GFLOP
+              of NS per step, 99% of it in the 2048:7168-shaped expert matrices (99.8% in Kimi K2),
+              every Muon block kind present (per head rows, per head cols, per expert, whole).
 Only Muon parameters (those with a declared split) are benchmarked; AdamW is the same for every
 method and is left out. Gradients are fixed: seeded per parameter name, identical on every rank.
 """

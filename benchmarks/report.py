@@ -34,12 +34,15 @@ def method_row(method, times: list, counts: list, check: dict, machine_gflops: f
         "machine_ns_gflops": machine_gflops,
         "ns_efficiency": achieved / machine_gflops if machine_gflops > 0 else 0.0,
         "ns_dtype": str(method.ns_dtype).replace("torch.", ""),
+        "uncounted_collectives": sorted({name for c in counts for name in c.uncounted}),
         "check": check,
         "note": method.note,
     }
     if method.planned is not None:
         row["planned_ns_gflop_per_rank_max"] = float(method.planned.stats.flops.max()) / 1e9
         row["planned_load_ratio"] = float(method.planned.stats.load_ratio)
+        st = method.planned.stats
+        row["planned_bytes_per_rank_max"] = int((st.sent_intra + st.sent_inter + st.recv_intra + st.recv_inter).max())
     return row
 
 
@@ -65,7 +68,8 @@ def table(name: str, data: dict, world: int) -> str:
             f"{row['ns_gflop_per_rank_mean']:.3f}", f"{row['bytes_per_rank_max'] / 2**20:.2f}",
             f"{row['ns_gflops_achieved']:.2f}", f"{100 * row['ns_efficiency']:.0f}%",
             f"{check} ({row['check']['max_rel_err']:.1e})",
-        )) + (f"  {row['note']}" if row["note"] else ""))
+        )) + (f"  {row['note']}" if row["note"] else "")
+                     + (f"  bytes exclude {row['uncounted_collectives']}" if row["uncounted_collectives"] else ""))
     rates = ", ".join(f"{k} {v:.2f}" for k, v in data["matmul_gflops"].items())
     lines.append(f"machine NS rate on these blocks (GFLOP/s per rank, all ranks busy): {rates}")
     if data["speedup_vs"]:
@@ -106,9 +110,13 @@ def plot(results: dict, path: str) -> None:
     for ax, (name, data) in zip(axes[0], sets.items()):
         rows = {m: r for m, r in data["methods"].items() if "step_ms" in r}
         colors = ["tab:green" if m.startswith("sharded") else "tab:gray" for m in rows]
-        ax.bar(list(rows), [r["step_ms"] for r in rows.values()], color=colors)
+        values = [r["step_ms"] for r in rows.values()]
+        bars = ax.bar(list(rows), values, color=colors)
+        ax.bar_label(bars, fmt="%.0f")
         ax.set_title(f"{name}, {results['world_size']} ranks ({results['device']})")
-        ax.set_ylabel("optimizer step, ms (median)")
+        ax.set_ylabel("optimizer step, ms (median, log scale)")
+        ax.set_yscale("log")
+        ax.set_ylim(min(values) / 4, max(values) * 2)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

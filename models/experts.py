@@ -3,7 +3,7 @@
 This module is the only user of the private `torch._grouped_mm` (checked on torch 2.13.0, CPU build:
 fp32/bf16/fp16 inputs, any group sizes including 0, autograd for both operands; it requires the
 row strides of both operands to be multiples of 16 bytes, and its backward fails on a stride-0
-incoming gradient, e.g. from `.sum()`, hence `_ContiguousGrad`). Where those conditions do not
+incoming gradient, e.g. from `.sum()`, hence the `_contiguous_grad` hook). Where those conditions do not
 hold, a per-expert loop over split chunks computes the same thing.
 
 Shape letters: T tokens (sorted by expert), D model dim, F expert hidden dim, E experts,
@@ -56,7 +56,9 @@ def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     if _grouped_mm_ok(x_TI, w_EOI):
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         out_TO = torch._grouped_mm(x_TI, w_EOI.transpose(-2, -1), offs=offsets_E)
-        return _ContiguousGrad.apply(out_TO)
+        if out_TO.requires_grad:
+            out_TO.register_hook(_contiguous_grad)
+        return out_TO
     return looped_linear(x_TI, w_EOI, counts_E)
 
 
@@ -76,14 +78,8 @@ def _grouped_mm_ok(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
     return row_bytes % 16 == 0
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (see module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # An empty grad counts as contiguous whatever its strides; give it real ones.
-        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    """Gradient hook: _grouped_mm's backward needs a contiguous incoming gradient (see module docstring).
+    An empty grad counts as contiguous whatever its strides; give it real ones. A hook, not an
+    identity autograd function, so the layer returns no view (FSDP2 warns about views)."""
+    return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)

@@ -8,10 +8,13 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    (S shard positions). A replica's "communication group" is its S ranks. Each shard position holds a
    box of the parameter (see `optim/sharded_boxes.py`); a block's pieces are its intersections with
    the boxes. Parameters of equal shape, split, mesh shape and placements share one piece template.
-2. Shape groups: blocks with equal (rows, cols, NS dtype), across parameters and layers, are
-   orthogonalized in one batched call per bucket.
+2. Shape groups: blocks with equal (short side, long side, NS dtype), across parameters and layers,
+   are orthogonalized in one batched call per bucket; tall blocks join transposed (Newton-Schulz
+   commutes with transposition and `orthogonalize` itself works on the wide orientation), so an
+   expert's w2 [D, F] batches with w1 and w3 [F, D].
 3. Owners, balancing estimated NS FLOPs (`ns_flops`) over ALL ranks at once (a rank's load counts
-   every group it belongs to), blocks largest first (LPT):
+   every group it belongs to), greedily, largest first (LPT) or fewest candidate ranks first,
+   whichever order ends with the lower maximum load:
    a. a block one rank holds whole stays there (no communication) while that rank's load stays
       under the mean load (total FLOPs / world size);
    b. any other block goes to the least loaded rank of its group (ties: the rank holding the
@@ -91,7 +94,7 @@ class ParamLayout:
     boxes: np.ndarray  # [S, ndim, 2] box of each shard position
     block_boxes: np.ndarray  # [n_blocks, ndim, 2]
     pieces: Pieces
-    block_shape: tuple[int, int]
+    block_shape: tuple[int, int]  # (r, c) as the parameter stores a block
     flops: int  # NS FLOPs of one block
     nbytes: int  # bytes of one block in the NS dtype
     shape_group: int
@@ -102,7 +105,7 @@ class Plan:
     options: PlanOptions
     world_size: int
     params: list[ParamLayout]
-    shape_groups: list[tuple[int, int, torch.dtype]]
+    shape_groups: list[tuple[int, int, torch.dtype]]  # (short side, long side, NS dtype)
     replica_split: bool
     # one row per block instance (a block, or a block in one replica when each replica computes it)
     inst: dict[str, np.ndarray] = field(repr=False)  # param, block, replica, owner, bucket, flops
@@ -156,7 +159,7 @@ def _layouts(specs, options):
         boxes, block_boxes, pieces = templates[key]
         r, c = spec.split.block_shape(tuple(spec.shape))
         dtype = options.ns_dtype or spec.dtype
-        sg = shape_groups.setdefault((r, c, dtype), len(shape_groups))
+        sg = shape_groups.setdefault((min(r, c), max(r, c), dtype), len(shape_groups))
         nbytes = r * c * torch.empty((), dtype=dtype).element_size()
         params.append(
             ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), ns_flops(r, c, options.ns_steps), nbytes, sg)
@@ -194,35 +197,57 @@ def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
 
 
 def _assign(params, world_size, split):
-    """Owner of every block instance (module docstring, step 3), one LPT pass over the blocks.
+    """Owner of every block instance (module docstring, step 3): one greedy pass in each of two
+    orders, keeping the one with the lower maximum load.
 
-    Without replica split a block has R instances (one per replica), placed together: row r of the
-    candidate matrix is replica r's group, and each row gets one owner.
+    Orders: largest first (LPT), and fewest candidate ranks first, then largest (so blocks that may
+    go anywhere in a wide group, like experts, fill what narrow groups left). Without replica split
+    a block has R instances, placed together: row r of its candidates is replica r's group.
     """
     reps = [1 if split else p.groups.shape[0] for p in params]
     n_blocks = [len(p.block_boxes) for p in params]
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
-    loads = np.zeros(world_size)
-    owner = [np.full((n, r), -1) for n, r in zip(n_blocks, reps)]
-    replica = [np.tile(np.arange(r), (n, 1)) for n, r in zip(n_blocks, reps)]
-    held = {}  # per piece template: [n_blocks, candidates] fraction of the block each candidate holds
-    items = [(p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
-    items.sort(key=lambda t: -t[0])  # stable: equal FLOPs keep parameter/block order
-    for f, pi, b in items:
-        p = params[pi]
-        if id(p.pieces) not in held:
-            held[id(p.pieces)] = _held_fraction(p, split)
-        own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
-        owner[pi][b], replica[pi][b] = own, rep
-        loads[own] += f  # owners of one block's replica instances are distinct ranks
+    width = [p.groups.size if split else p.groups.shape[1] for p in params]
+    items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
+    best = None
+    for key in (lambda t: t[1], lambda t: t[:2]):  # sorts are stable: ties keep parameter/block order
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps)
+        if best is None or loads.max() < best[0].max():
+            best = loads, owner, replica
+    _, owner, replica = best
     inst = {
-        "param": np.concatenate([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
-        "block": np.concatenate([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
-        "replica": np.concatenate([r.ravel() for r in replica]),
-        "owner": np.concatenate([o.ravel() for o in owner]),
+        "param": _cat([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
+        "block": _cat([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
+        "replica": _cat([r.ravel() for r in replica]),
+        "owner": _cat([o.ravel() for o in owner]),
     }
     inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[inst["param"]]
     return inst
+
+
+def _greedy(params, items, world_size, cap, split, reps):
+    loads = np.zeros(world_size)
+    owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
+    replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
+    held, whole_on = {}, {}  # per piece template: fraction of each block per candidate; holder or -1
+    for _, _, pi, b in items:
+        p = params[pi]
+        if id(p.pieces) not in held:
+            held[id(p.pieces)] = _held_fraction(p, split)
+            whole_on[id(p.pieces)] = p.pieces.whole_on.tolist()
+        whole = whole_on[id(p.pieces)][b]
+        if whole >= 0 and p.groups.shape[0] == 1 and loads[p.groups[0, whole]] + p.flops <= cap:
+            owner[pi][b, 0] = p.groups[0, whole]  # fast path (most experts): stays with its only holder
+            loads[p.groups[0, whole]] += p.flops
+            continue
+        own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
+        owner[pi][b], replica[pi][b] = own, rep
+        loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
+    return loads, owner, replica
+
+
+def _cat(arrays) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
 
 
 def _held_fraction(p, split):
@@ -244,10 +269,6 @@ def _place_block(p, b, loads, cap, split, held):
     """
     R, S = p.groups.shape
     whole = p.pieces.whole_on[b]
-    if whole >= 0 and R == 1:  # fast path: one holder
-        h = p.groups[0, whole]
-        if loads[h] + p.flops <= cap:
-            return [h], [0]
     cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, candidates]
     rows = np.arange(len(cands))
     load = loads[cands]

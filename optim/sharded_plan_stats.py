@@ -107,7 +107,7 @@ def describe(plan, max_rows: int = 16) -> str:
         f"estimated step {s.est_seconds * 1e3:.1f} ms (NS at {opt.flops_per_s:.2e} FLOP/s, "
         f"{opt.intra_node_bytes_per_s:.2e}/{opt.inter_node_bytes_per_s:.2e} B/s intra/inter, "
         f"{opt.ranks_per_node} ranks per node, no overlap)",
-        "shape groups (rows x cols dtype: blocks, communication):",
+        "shape groups (short x long side, dtype: block instances, communication):",
     ]
     sg = np.array([p.shape_group for p in plan.params])
     counts = np.bincount(sg[plan.inst["param"]], minlength=len(plan.shape_groups))

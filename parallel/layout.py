@@ -48,7 +48,7 @@ class ParallelConfig:
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
     values = {a: getattr(config, a) for a in axes}
-    formula = " x ".join(f"{a}={v}" for a, v in values.items())
+    formula = " x ".join(f"parallel.{a}={v}" for a, v in values.items())
     inferred = [a for a, v in values.items() if v == -1]
     if len(inferred) > 1:
         raise ValueError(f"{name} layout {formula}: at most one degree may be -1 (infer), got {inferred}")

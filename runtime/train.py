@@ -20,10 +20,7 @@ from torch import nn
 
 from models import Transformer
 from models.splits import muon_splits
-try:
-    from optim.sharded_muon import ShardedMuon
-except ImportError:
-    ShardedMuon = None
+from optim.sharded_muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import Layout
 from parallel.meshes import Meshes

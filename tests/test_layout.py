@@ -25,9 +25,9 @@ def test_resolve_infers_one_degree_per_layout():
     "config, world, message",
     [
         (ParallelConfig(dp_shard=3), 8,
-         r"dense layout dp_replicate=1 x dp_shard=3 x cp=1 = 3 ranks, but the world size is 8"),
+         r"dense layout parallel.dp_replicate=1 x parallel.dp_shard=3 x parallel.cp=1 = 3 ranks, but the world size is 8"),
         (ParallelConfig(ep=4, edp_shard=4), 8,
-         r"expert layout edp_replicate=1 x edp_shard=4 x ep=4 = 16 ranks, but the world size is 8"),
+         r"expert layout parallel.edp_replicate=1 x parallel.edp_shard=4 x parallel.ep=4 = 16 ranks, but the world size is 8"),
         (ParallelConfig(dp_replicate=-1, dp_shard=-1), 8,
          r"dense layout .*at most one degree may be -1.*\['dp_replicate', 'dp_shard'\]"),
         (ParallelConfig(edp_replicate=-1), 8,

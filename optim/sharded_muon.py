@@ -1,0 +1,204 @@
+"""Sharded Muon: one optimizer for every parameter of a model sharded on two meshes.
+
+Muon for the parameters the model declares as matrices (`muon_splits`), per head / per expert /
+whole; AdamW for the rest; the same numbers as `ReferenceMuon` on full tensors (see
+tests/test_sharded_muon.py). Parameters are DTensors (FSDP2 on the dense or the expert mesh, any
+Replicate / Shard / _StridedShard placements) or, for a single process, plain tensors; nothing is
+configured per parameter.
+
+Construction plans once (optim/plan.py, pure) and derives this rank's buckets
+(optim/sharded_schedule.py). State is created eagerly and rank-symmetric: "momentum_buffer" for
+every Muon parameter, "step"/"exp_avg"/"exp_avg_sq" for every AdamW parameter, as DTensors in the
+parameter's own layout, so `torch.distributed.checkpoint` saves and loads it and an expert that got
+no tokens still has state. A parameter whose grad is None is skipped (torch semantics), but its
+pieces still travel, so every rank issues the same collectives; FSDP2 gives either all or none of
+a parameter's shards a grad.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from optim.adamw import adamw_update, init_adamw_state
+from optim.config import OptimConfig
+from optim.muon_reference import momentum_update, partition_params
+from optim.newton_schulz import lr_scale
+from optim.plan import PlanOptions, make_plan
+from optim.sharded_pipeline import BucketPipeline
+from optim.sharded_schedule import collectives, group_keys, rank_schedule
+from optim.sharded_specs import param_spec
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedMuon(torch.optim.Optimizer):
+    """Param groups as in `ReferenceMuon` (group["kind"] "muon" / "adamw", both with "lr").
+
+    Options: bucket_mb (NS input each rank owns per bucket), replica_split ("auto" | "on" | "off":
+    split the NS work across HSDP replicas, all-gathering results over the replica axis),
+    overlap (False: one bucket at a time, for benchmarks), ranks_per_node (cost model and stats),
+    record_events (keep `events`, the (event, bucket) order of the last step, for tests).
+    """
+
+    def __init__(
+        self,
+        named_params,
+        splits,
+        config: OptimConfig,
+        *,
+        bucket_mb: float = 256.0,
+        replica_split: str = "auto",
+        overlap: bool = True,
+        ranks_per_node: int = 8,
+        record_events: bool = False,
+    ):
+        if isinstance(named_params, nn.Module):
+            named_params = named_params.named_parameters()
+        muon, adamw = partition_params(named_params, splits, config)
+        muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
+                          weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
+                          ns_steps=config.ns_steps, coefficients=config.coefficients,
+                          lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
+        adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
+                           weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
+                           eps=config.adam_eps)
+        super().__init__([muon_group, adamw_group], defaults={})
+        self.overlap = overlap
+        self.events = [] if record_events else None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        specs = [param_spec(n, p, splits[n]) for n, p in muon]
+        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=config.ns_torch_dtype(),
+                              ns_steps=config.ns_steps, ranks_per_node=ranks_per_node)
+        self.plan = make_plan(specs, world, options)
+        _check_local_shapes(self.plan, [p for _, p in muon], rank)
+        self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
+        groups = _process_groups(self.plan, [p for _, p in muon], rank, world)
+        self._pipeline = BucketPipeline(
+            self.plan, rank_schedule(self.plan, rank), groups, ns_dtype=config.ns_torch_dtype(),
+            steps=config.ns_steps, coefficients=config.coefficients, events=self.events,
+        )
+        for p in muon_group["params"]:
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        for p in adamw_group["params"]:
+            self.state[p].update(init_adamw_state(p))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step. Flow (communication only in b and d; see optim/sharded_pipeline.py):
+        a. momentum on local shards: buf = mu buf + g, u = g + mu buf (Nesterov); p *= 1 - lr wd;
+        b. per bucket: pack u's local pieces, one uneven all_to_all_single per group (async);
+        c. owners assemble full blocks, one batched orthogonalize per shape group and bucket;
+        d. all-to-all back (async; bucket k+1 launched before bucket k computes); with replica
+           split, all-gather of the results over the replica axis;
+        e. apply p[piece] -= lr * lr_scale(block) * O[piece] to the local shards;
+        then AdamW on the local shards of the other parameters.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.events is not None:
+            self.events.clear()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group):
+        params, lr = group["params"], group["lr"]
+        u = []
+        for p in params:  # a. momentum and weight decay, local shards only
+            if p.grad is None:
+                u.append(torch.zeros_like(_local(p)))
+                continue
+            _check_grad(p)
+            buf = _local(self.state[p]["momentum_buffer"])
+            u.append(momentum_update(buf, _local(p.grad), group["momentum"], group["nesterov"]))
+            _local(p).mul_(1 - lr * group["weight_decay"])
+
+        def apply(held, result):  # e. one piece of one local shard
+            p = params[held.param]
+            if p.grad is not None:
+                _local(p)[held.local].add_(result.to(p.dtype) * self._scales[held.param], alpha=-lr)
+
+        self._pipeline.run(u, apply, self.overlap)  # b-d
+
+    def _adamw_step(self, group):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            _check_grad(p)
+            state = self.state[p]
+            local_state = {"step": state["step"], "exp_avg": _local(state["exp_avg"]),
+                           "exp_avg_sq": _local(state["exp_avg_sq"])}
+            adamw_update(_local(p), _local(p.grad), local_state, lr=group["lr"], betas=group["betas"],
+                         eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+def _check_grad(p):
+    if isinstance(p, DTensor) and (not isinstance(p.grad, DTensor) or p.grad.placements != p.placements):
+        got = p.grad.placements if isinstance(p.grad, DTensor) else type(p.grad).__name__
+        raise ValueError(f"gradient placements {got} differ from the parameter's {p.placements}")
+
+
+def _check_local_shapes(plan, params, rank):
+    """The planner's box of this rank must be the shard torch actually gave it."""
+    for lp, p in zip(plan.params, params):
+        where = np.argwhere(lp.groups == rank)
+        if len(where) == 0:
+            continue
+        box = lp.boxes[where[0][1]]
+        expected = tuple(int(hi - lo) for lo, hi in box)
+        if tuple(_local(p).shape) != expected:
+            raise ValueError(
+                f"{lp.spec.name}: local shard {tuple(_local(p).shape)} on rank {rank}, but placements "
+                f"{lp.spec.placements} on mesh {lp.groups.shape} predict {expected} (box {box.tolist()})"
+            )
+
+
+def _process_groups(plan, params, rank, world) -> dict:
+    """Group (sorted ranks) -> process group, for every group this rank communicates in.
+
+    A group equal to one axis of a parameter's mesh reuses that mesh's group; the whole world
+    reuses the default group; any other (e.g. edp_shard x ep together) is created with new_group,
+    which every rank calls for every such group in sorted order (a collective call).
+    """
+    keys, _, _ = group_keys(plan)
+    used = sorted({g for listed in collectives(plan) for _, g in listed})
+    out = {}
+    for g in used:
+        key = keys[g]
+        source = _mesh_axis(plan, params, key)
+        if key == tuple(range(world)):
+            out[key] = dist.group.WORLD
+        elif source is not None:
+            pi, axis = source
+            if rank in key:
+                out[key] = params[pi].device_mesh.get_group(axis)
+        else:
+            group = dist.new_group(list(key))
+            if rank in key:
+                out[key] = group
+    return out
+
+
+def _mesh_axis(plan, params, key):
+    """(param index, mesh axis) of a DTensor mesh axis whose groups include `key`, else None."""
+    seen = set()
+    for pi, (lp, p) in enumerate(zip(plan.params, params)):
+        ranks = lp.spec.mesh_ranks
+        if not isinstance(p, DTensor) or (ranks.shape, ranks.tobytes()) in seen:
+            continue
+        seen.add((ranks.shape, ranks.tobytes()))
+        for axis in range(ranks.ndim):
+            rows = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis])
+            if any(tuple(sorted(r.tolist())) == key for r in rows):
+                return pi, axis
+    return None
