@@ -2,7 +2,7 @@
 
 Muon hyperparameters follow Moonlight (arXiv 2502.16982): one learning rate and weight decay for
 both the Muon and the AdamW parameter groups, made compatible by the "rms" per-block lr adjustment.
-(The sharded Muon adds its distributed options below the Muon ones.)
+The last four fields are the sharded Muon's distributed options (optim/sharded_muon.py).
 """
 
 from dataclasses import dataclass
@@ -12,6 +12,7 @@ import torch
 from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES
 
 NAMES = ("muon", "adamw")
+REPLICA_SPLIT = ("auto", "on", "off")
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -29,10 +30,14 @@ class OptimConfig:
     adam_beta1: float = 0.9  # AdamW beta1 (the AdamW parameters under muon, all under adamw)
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
+    bucket_mb: float = 256.0  # sharded Muon: NS input each rank owns per pipelined all-to-all bucket, MiB
+    replica_split: str = "auto"  # sharded Muon: split NS over HSDP replicas too ("on"/"off"; "auto" = the plan's cost model)
+    overlap: bool = True  # sharded Muon: next bucket's all-to-all in flight during this bucket's NS
+    ranks_per_node: int = 8  # sharded Muon: ranks per node, for the plan's intra/inter-node cost model
 
     def __post_init__(self):
         choices = {"name": NAMES, "coefficients": tuple(COEFFICIENT_SETS), "lr_adjust": LR_ADJUST_MODES,
-                   "ns_dtype": tuple(NS_DTYPES)}
+                   "ns_dtype": tuple(NS_DTYPES), "replica_split": REPLICA_SPLIT}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")
@@ -40,9 +45,11 @@ class OptimConfig:
         checks = {"lr": 0 <= self.lr, "weight_decay": 0 <= self.weight_decay,
                   "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
                   "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
-                  "adam_eps": self.adam_eps > 0}
+                  "adam_eps": self.adam_eps > 0, "bucket_mb": self.bucket_mb > 0,
+                  "ranks_per_node": self.ranks_per_node >= 1}
         ranges = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)", "ns_steps": ">= 1",
-                  "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0"}
+                  "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0",
+                  "bucket_mb": "> 0", "ranks_per_node": ">= 1"}
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: must be {ranges[key]}")

@@ -33,6 +33,7 @@ nothing overlapped; the plan's estimate is the maximum over ranks. "auto" plans 
 the cheaper.
 """
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,7 @@ import torch
 from models.splits import MatrixSplit
 from optim.newton_schulz import ns_flops
 from optim.sharded_boxes import all_boxes, placement_kind
+from optim.sharded_plan_stats import PlanStats, describe, plan_stats
 
 REPLICA_SPLIT = ("auto", "on", "off")
 
@@ -110,18 +112,15 @@ class Plan:
     # one row per block instance (a block, or a block in one replica when each replica computes it)
     inst: dict[str, np.ndarray] = field(repr=False)  # param, block, replica, owner, bucket, flops
     num_buckets: int = 0
-    stats: "object" = None  # PlanStats (optim/sharded_plan_stats.py)
+    stats: PlanStats | None = None
 
     def describe(self, max_rows: int = 16) -> str:
-        from optim.sharded_plan_stats import describe
-
+        """Readable summary: totals, shape groups, and a per-rank table (the most loaded ranks)."""
         return describe(self, max_rows)
 
 
 def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = PlanOptions()) -> Plan:
     """Plan every Muon parameter in `specs` (see the module docstring)."""
-    from optim.sharded_plan_stats import plan_stats
-
     params, shape_groups = _layouts(specs, options)
     replicated = any(p.groups.shape[0] > 1 for p in params)
     choices = {"on": [True], "off": [False], "auto": [False, True] if replicated else [False]}
@@ -197,11 +196,12 @@ def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
 
 
 def _assign(params, world_size, split):
-    """Owner of every block instance (module docstring, step 3): one greedy pass in each of two
-    orders, keeping the one with the lower maximum load.
+    """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
+    orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
+    1% over the mean).
 
-    Orders: largest first (LPT), and fewest candidate ranks first, then largest (so blocks that may
-    go anywhere in a wide group, like experts, fill what narrow groups left). Without replica split
+    Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
+    group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
     a block has R instances, placed together: row r of its candidates is replica r's group.
     """
     reps = [1 if split else p.groups.shape[0] for p in params]
@@ -210,10 +210,12 @@ def _assign(params, world_size, split):
     width = [p.groups.size if split else p.groups.shape[1] for p in params]
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     best = None
-    for key in (lambda t: t[1], lambda t: t[:2]):  # sorts are stable: ties keep parameter/block order
+    for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
         loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
+        if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
+            break
     _, owner, replica = best
     inst = {
         "param": _cat([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
@@ -229,21 +231,42 @@ def _greedy(params, items, world_size, cap, split, reps):
     loads = np.zeros(world_size)
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
-    held, whole_on = {}, {}  # per piece template: fraction of each block per candidate; holder or -1
+    held, whole_on, heaps = {}, {}, {}  # per piece template: block fractions per candidate, holder
     for _, _, pi, b in items:
         p = params[pi]
         if id(p.pieces) not in held:
             held[id(p.pieces)] = _held_fraction(p, split)
             whole_on[id(p.pieces)] = p.pieces.whole_on.tolist()
         whole = whole_on[id(p.pieces)][b]
-        if whole >= 0 and p.groups.shape[0] == 1 and loads[p.groups[0, whole]] + p.flops <= cap:
-            owner[pi][b, 0] = p.groups[0, whole]  # fast path (most experts): stays with its only holder
-            loads[p.groups[0, whole]] += p.flops
+        if whole >= 0 and p.groups.shape[0] == 1:  # fast path (most experts): one candidate row
+            own = int(p.groups[0, whole])
+            if loads[own] + p.flops > cap:
+                own = _least_loaded(heaps, p.groups[0], loads, own)
+            owner[pi][b, 0] = own
+            loads[own] += p.flops
+            if id(p.groups) in heaps:
+                heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, owner, replica
+
+
+def _least_loaded(heaps, ranks, loads, holder) -> int:
+    """argmin of loads over `ranks` (lowest rank on ties, the holder first), via a lazy heap.
+
+    Loads only grow, so a heap entry's load is never above the rank's current load: an entry that
+    is current when popped is a true minimum; a stale one is refreshed and pushed back.
+    """
+    heap = heaps.get(id(ranks))
+    if heap is None:
+        heap = heaps[id(ranks)] = [(loads[r], int(r)) for r in ranks]
+        heapq.heapify(heap)
+    while heap[0][0] != loads[heap[0][1]]:
+        _, r = heapq.heappop(heap)
+        heapq.heappush(heap, (loads[r], r))
+    return holder if loads[holder] <= heap[0][0] else heap[0][1]
 
 
 def _cat(arrays) -> np.ndarray:
@@ -293,7 +316,7 @@ def _buckets(plan: Plan) -> int:
     first = np.searchsorted(owner_sorted, owner_sorted)  # first row of each owner's run
     offset = cum - bytes_sorted - (cum[first] - bytes_sorted[first])
     bucket = np.empty(len(order), dtype=np.int64)
-    bucket[order] = offset // int(plan.options.bucket_mb * 2**20)
+    bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
     inst["bucket"] = bucket
     canon = np.lexsort((inst["replica"], inst["block"], inst["param"], sg, bucket))
     for k in list(inst):

@@ -77,9 +77,11 @@ class ShardedMuon(torch.optim.Optimizer):
         self.plan = make_plan(specs, world, options)
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
-        groups = _process_groups(self.plan, [p for _, p in muon], rank, world)
+        listed = collectives(self.plan)
+        groups = _process_groups(self.plan, listed, [p for _, p in muon], rank, world)
+        device = _local(muon[0][1]).device if muon else torch.device("cpu")
         self._pipeline = BucketPipeline(
-            self.plan, rank_schedule(self.plan, rank), groups, ns_dtype=config.ns_torch_dtype(),
+            self.plan, rank_schedule(self.plan, rank, listed), groups, device=device, ns_dtype=config.ns_torch_dtype(),
             steps=config.ns_steps, coefficients=config.coefficients, events=self.events,
         )
         for p in muon_group["params"]:
@@ -163,7 +165,7 @@ def _check_local_shapes(plan, params, rank):
             )
 
 
-def _process_groups(plan, params, rank, world) -> dict:
+def _process_groups(plan, listed, params, rank, world) -> dict:
     """Group (sorted ranks) -> process group, for every group this rank communicates in.
 
     A group equal to one axis of a parameter's mesh reuses that mesh's group; the whole world
@@ -171,7 +173,7 @@ def _process_groups(plan, params, rank, world) -> dict:
     which every rank calls for every such group in sorted order (a collective call).
     """
     keys, _, _ = group_keys(plan)
-    used = sorted({g for listed in collectives(plan) for _, g in listed})
+    used = sorted({g for in_bucket in listed for _, g in in_bucket})
     out = {}
     for g in used:
         key = keys[g]

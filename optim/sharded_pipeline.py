@@ -25,8 +25,8 @@ from optim.newton_schulz import orthogonalize
 
 
 class BucketPipeline:
-    def __init__(self, plan, buckets, groups, *, ns_dtype, steps, coefficients, events=None):
-        self.plan, self.buckets, self.groups = plan, buckets, groups
+    def __init__(self, plan, buckets, groups, *, device, ns_dtype, steps, coefficients, events=None):
+        self.plan, self.buckets, self.groups, self.device = plan, buckets, groups, device
         self.ns_dtype, self.steps, self.coefficients = ns_dtype, steps, coefficients
         self.events = events  # list to append (event, bucket) to, or None
         self.flight = {}
@@ -61,15 +61,21 @@ class BucketPipeline:
             self.events.append((event, k))
 
     def _a2a(self, recv_sizes, send_sizes, send, group):
-        recv = torch.empty(sum(recv_sizes), dtype=self.ns_dtype)
+        recv = torch.empty(sum(recv_sizes), dtype=self.ns_dtype, device=self.device)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.groups[group], async_op=True)
         return work, recv
+
+    def _pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer in the NS dtype (an empty one when there is nothing to send)."""
+        if not pieces:
+            return torch.empty(0, dtype=self.ns_dtype, device=self.device)
+        return torch.cat([t.reshape(-1) for t in pieces]).to(self.ns_dtype)
 
     def _launch(self, k, u):
         b, flight = self.buckets[k], self.flight.setdefault(k, {})
         flight["fwd"] = []
         for ex in b.exchanges:  # forward: held pieces -> owners
-            send = _pack([u[b.held[i].param][b.held[i].local] for i in ex.sends], self.ns_dtype)
+            send = self._pack([u[b.held[i].param][b.held[i].local] for i in ex.sends])
             flight["fwd"].append((ex, *self._a2a(ex.recv_sizes, ex.send_sizes, send, ex.group)))
         self._log("launch", k)
 
@@ -89,7 +95,8 @@ class BucketPipeline:
             work.wait()
         self._log("received", k)
         short_long = [self.plan.shape_groups[batch.shape_group][:2] for batch in b.batches]
-        blocks = [torch.empty(len(batch.blocks), s, l, dtype=self.ns_dtype) for batch, (s, l) in zip(b.batches, short_long)]
+        blocks = [torch.empty(len(batch.blocks), s, l, dtype=self.ns_dtype, device=self.device)
+                  for batch, (s, l) in zip(b.batches, short_long)]
         views = self._views(b, blocks)
         for h, o in b.copies:  # (an expert's piece has a leading expert dim of 1 in u)
             views[o].copy_(u[b.held[h].param][b.held[h].local].reshape(views[o].shape))
@@ -104,7 +111,7 @@ class BucketPipeline:
         out = self._views(b, flight.pop("out"))
         flight["ret"] = []
         for ex in b.exchanges:  # reverse: owners -> holders
-            send = _pack([out[i] for i in ex.recvs], self.ns_dtype)
+            send = self._pack([out[i] for i in ex.recvs])
             flight["ret"].append((ex, *self._a2a(ex.send_sizes, ex.recv_sizes, send, ex.group)))
         flight["results"] = {h: out[o] for h, o in b.copies}
         self._log("return", k)
@@ -120,7 +127,7 @@ class BucketPipeline:
             apply(b.held[i], piece)
         flight["gather"] = []
         for ex in b.gathers:  # replica split: my replica's results to the other replicas
-            mine = _pack([results[i] for i in ex.sends], self.ns_dtype)
+            mine = self._pack([results[i] for i in ex.sends])
             send = torch.cat([mine] * sum(1 for n in ex.send_sizes if n)) if mine.numel() else mine
             flight["gather"].append((ex, *self._a2a(ex.recv_sizes, ex.send_sizes, send, ex.group)))
         self._log("applied", k)
@@ -131,12 +138,6 @@ class BucketPipeline:
             work.wait()
             for i, piece in zip(ex.recvs, _split(recv, [b.held[i].shape for i in ex.recvs])):
                 apply(b.held[i], piece)
-
-
-def _pack(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    if not pieces:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([t.reshape(-1) for t in pieces]).to(dtype)
 
 
 def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:

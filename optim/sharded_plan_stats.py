@@ -112,16 +112,15 @@ def describe(plan, max_rows: int = 16) -> str:
     sg = np.array([p.shape_group for p in plan.params])
     counts = np.bincount(sg[plan.inst["param"]], minlength=len(plan.shape_groups))
     for g, (r, c, dtype) in enumerate(plan.shape_groups):
-        free = "none" if g in s.comm_free_groups else "all-to-all"
+        free = "none" if g in s.comm_free_groups else "communicated"
         lines.append(f"  {r} x {c} {str(dtype).replace('torch.', '')}: {counts[g]} blocks, {free}")
     lines.append("rank  blocks   NS GFLOP  sent intra/inter MB  recv intra/inter MB")
     ranks = np.argsort(-s.flops, kind="stable")[:max_rows] if plan.world_size > max_rows else range(plan.world_size)
     mb = 2.0**20
     for r in sorted(ranks):
-        lines.append(
-            f"{r:4d} {s.blocks[r]:7d} {s.flops[r] / 1e9:10.1f} {s.sent_intra[r] / mb:10.1f}/{s.sent_inter[r] / mb:<9.1f}"
-            f" {s.recv_intra[r] / mb:10.1f}/{s.recv_inter[r] / mb:<9.1f}"
-        )
+        sent = f"{s.sent_intra[r] / mb:10.1f}/{s.sent_inter[r] / mb:<9.1f}"
+        received = f"{s.recv_intra[r] / mb:10.1f}/{s.recv_inter[r] / mb:<9.1f}"
+        lines.append(f"{r:4d} {s.blocks[r]:7d} {s.flops[r] / 1e9:10.1f} {sent} {received}")
     if plan.world_size > max_rows:
         lines.append(f"({max_rows} most loaded of {plan.world_size} ranks shown)")
     return "\n".join(lines)

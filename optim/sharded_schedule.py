@@ -63,11 +63,14 @@ class Bucket:
 def group_keys(plan) -> tuple[list[tuple[int, ...]], list[np.ndarray], list[np.ndarray]]:
     """Sorted list of every group's sorted ranks; per param: id of each replica's communication
     group [R] and of each shard position's replica group [S]."""
-    comm = [[tuple(sorted(row.tolist())) for row in p.groups] for p in plan.params]
-    rep = [[tuple(sorted(col.tolist())) for col in p.groups.T] for p in plan.params]
-    keys = sorted({k for ks in comm + rep for k in ks})
+    distinct = {id(p.groups): p.groups for p in plan.params}  # the planner shares equal group arrays
+    comm = {i: [tuple(sorted(row.tolist())) for row in g] for i, g in distinct.items()}
+    rep = {i: [tuple(sorted(col.tolist())) for col in g.T] for i, g in distinct.items()}
+    keys = sorted({k for ks in list(comm.values()) + list(rep.values()) for k in ks})
     index = {k: i for i, k in enumerate(keys)}
-    return keys, [np.array([index[k] for k in ks]) for ks in comm], [np.array([index[k] for k in ks]) for ks in rep]
+    comm_id = {i: np.array([index[k] for k in ks]) for i, ks in comm.items()}
+    rep_id = {i: np.array([index[k] for k in ks]) for i, ks in rep.items()}
+    return keys, [comm_id[id(p.groups)] for p in plan.params], [rep_id[id(p.groups)] for p in plan.params]
 
 
 def collectives(plan) -> list[list[tuple[str, int]]]:
@@ -89,8 +92,8 @@ def collectives(plan) -> list[list[tuple[str, int]]]:
     return out
 
 
-def rank_schedule(plan, me: int) -> list[Bucket]:
-    """The buckets as rank `me` runs them."""
+def rank_schedule(plan, me: int, listed=None) -> list[Bucket]:
+    """The buckets as rank `me` runs them (`listed`: `collectives(plan)` if already computed)."""
     keys, comm_id, rep_id = group_keys(plan)
     buckets = [Bucket() for _ in range(plan.num_buckets)]
     mine = _my_rows(plan, me, comm_id, rep_id)
@@ -105,8 +108,8 @@ def rank_schedule(plan, me: int) -> list[Bucket]:
             b.owned.append(Owned(*_batch_slot(plan, b, row), row["block"]))
         if row["held"] and row["owner"] == me:
             b.copies.append((held_at[row["id"]], owned_at[row["id"]]))
-    for k, listed in enumerate(collectives(plan)):
-        for kind, g in listed:
+    for k, in_bucket in enumerate(collectives(plan) if listed is None else listed):
+        for kind, g in in_bucket:
             if me not in keys[g]:
                 continue
             rows = [r for r in mine if r["bucket"] == k and r[kind] == g]

@@ -66,7 +66,7 @@ def model_specs(config, layout, dtype: torch.dtype = torch.float32) -> list[Para
 
 
 def _expert_placements(n_experts: int, layout) -> tuple:
-    if n_experts // layout.ep < layout.edp_shard:  # parallel/layout.py Layout.expert_shard_dim
+    if layout.expert_shard_dim(n_experts) == 1:  # the rule parallel/fsdp.py applies
         return (Replicate(), Shard(1), Shard(0))
     if layout.ep == 1:
         return (Replicate(), Shard(0), Shard(0))

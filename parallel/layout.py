@@ -94,9 +94,10 @@ class Layout:
         return n_routed_experts // self.ep
 
     def expert_shard_dim(self, n_routed_experts: int) -> int:
-        """Tensor dim FSDP shards expert weights on: 0 (whole experts per rank) when every rank of an
-        edp_shard group gets at least one local expert, else 1 (a matrix dim, avoids empty shards)."""
-        return 0 if self.local_experts(n_routed_experts) >= self.edp_shard else 1
+        """Tensor dim FSDP shards expert weights on: 0 (whole experts per rank) when the local experts
+        split evenly over the edp_shard ranks, else 1 (a matrix dim). FSDP2 chunks unevenly: 48 local
+        experts (Kimi K2, ep=8) over edp_shard=32 would give 24 ranks 2 experts and 8 ranks none."""
+        return 0 if self.local_experts(n_routed_experts) % self.edp_shard == 0 else 1
 
     def validate(self, model_config, seq_len: int, global_batch: int) -> None:
         """Check the layout against the model and the batch; ValueError naming fields and numbers."""
@@ -118,7 +119,7 @@ class Layout:
                     raise ValueError(
                         f"model.{name}={size} is not divisible by parallel.edp_shard={self.edp_shard} "
                         f"(local experts n_routed_experts/ep = {n_experts}/{self.ep} = "
-                        f"{self.local_experts(n_experts)} < edp_shard, so experts are sharded on a matrix dim)"
+                        f"{self.local_experts(n_experts)} do not split evenly over edp_shard, so experts are sharded on a matrix dim)"
                     )
         if seq_len % (2 * self.cp):
             raise ValueError(

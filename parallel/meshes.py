@@ -68,7 +68,8 @@ def describe(layout: Layout, model_config=None) -> str:
     if model_config is not None and model_config.n_routed_experts > 0:
         n = model_config.n_routed_experts
         dim = layout.expert_shard_dim(n)
-        why = "whole experts per rank" if dim == 0 else f"{layout.local_experts(n)} local experts < edp_shard"
+        why = ("whole experts per rank" if dim == 0
+               else f"{layout.local_experts(n)} local experts do not split evenly over edp_shard={layout.edp_shard}")
         lines.append(
             f"routed experts: {n} / ep={layout.ep} = {layout.local_experts(n)} per ep rank, "
             f"FSDP-sharded on tensor dim {dim} over edp_shard={layout.edp_shard} ({why})"

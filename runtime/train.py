@@ -52,7 +52,9 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
 
 def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
     """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest."""
-    return ShardedMuon(list(model.named_parameters()), muon_splits(model), config.optim)
+    o = config.optim
+    return ShardedMuon(list(model.named_parameters()), muon_splits(model), o, bucket_mb=o.bucket_mb,
+                       replica_split=o.replica_split, overlap=o.overlap, ranks_per_node=o.ranks_per_node)
 
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout) -> Loader:

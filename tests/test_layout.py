@@ -60,7 +60,7 @@ def _layout(world=8, **degrees) -> Layout:
         (_layout(dp_replicate=2, dp_shard=4), DEBUG, 64, 12,
          r"global_batch=12 is not divisible by dp_replicate=2 x dp_shard=4 = 8 data-parallel ranks"),
         (_layout(world=64, ep=1), DEBUG, 64, 64,
-         r"model.moe_inter_dim=32 is not divisible by parallel.edp_shard=64 .*8/1 = 8 < edp_shard"),
+         r"model.moe_inter_dim=32 is not divisible by parallel.edp_shard=64 .*8/1 = 8 do not split evenly over edp_shard"),
         (Layout(world_size=8, dp_replicate=1, dp_shard=4, cp=1, ep=1, edp_replicate=1, edp_shard=8), DEBUG, 64, 8,
          r"dense layout dp_replicate=1 x dp_shard=4 x cp=1 = 4 ranks, but the world size is 8"),
         (Layout(world_size=8, dp_replicate=1, dp_shard=8, cp=1, ep=0, edp_replicate=1, edp_shard=8), DEBUG, 64, 8,
@@ -81,6 +81,7 @@ def test_valid_layouts_pass():
 def test_expert_shard_dim_switches_to_a_matrix_dim_when_experts_run_out():
     assert _layout(ep=2, edp_shard=4).expert_shard_dim(8) == 0  # 4 local experts, 4 ranks: 1 each
     assert _layout(ep=2, edp_shard=4).expert_shard_dim(4) == 1  # 2 local experts, 4 ranks
+    assert _layout(ep=1, edp_shard=8).expert_shard_dim(12) == 1  # 12 experts over 8 ranks: uneven
     assert "tensor dim 1" in describe(_layout(ep=2, edp_shard=4), preset("debug", n_routed_experts=4))
 
 

@@ -11,7 +11,6 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -114,8 +113,8 @@ def _run_cases(rank, world, cases):
         for n, p in params.items():  # the box function agrees with what DTensor holds
             assert torch.equal(p.to_local(), full[n][tuple(slice(lo, hi) for lo, hi in box_of(p))]), n
         splits = {n: s for n, (_, s) in case.params().items() if s is not None}
-        opt = ShardedMuon(params.items(), splits, case.config(), bucket_mb=case.bucket_mb, replica_split=case.replica_split,
-                          overlap=case.overlap, record_events=True)
+        opt = ShardedMuon(params.items(), splits, case.config(), bucket_mb=case.bucket_mb,
+                          replica_split=case.replica_split, overlap=case.overlap, record_events=True)
         for step in range(STEPS):
             for n, p in params.items():
                 p.grad = shard(full_tensor(case, n, p.shape, step), mesh, case.placements())
@@ -225,14 +224,14 @@ def set_toy_grads(model, step):
         p.grad = g
 
 
-def _real_fsdp(rank, world, expert_mesh_shape, n_experts):
+def _real_fsdp(rank, world, expert_mesh_shape, n_experts, replica_split):
     model, full = _fsdp_toy(rank, world, expert_mesh_shape, n_experts)
     layouts = {}
     for n, p in model.named_parameters():  # our boxes are the shards FSDP2 really holds
         box = box_of(p)
         assert torch.equal(p.to_local(), full[n][tuple(slice(lo, hi) for lo, hi in box)]), (n, box)
         layouts[n] = tuple(p.placements)
-    opt = ShardedMuon(model.named_parameters(), model.splits(), CONFIG, bucket_mb=0.002, replica_split="on")
+    opt = ShardedMuon(model.named_parameters(), model.splits(), CONFIG, bucket_mb=0.002, replica_split=replica_split)
     for step in range(STEPS):
         set_toy_grads(model, step)
         opt.step()
@@ -249,9 +248,10 @@ def toy_reference(n_experts):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mesh_shape, n_experts", [((2, 2, 2), 6), ((1, 4, 2), 6)])
-def test_real_fully_shard_layouts_and_equivalence(mesh_shape, n_experts):
-    results = run_ranks(_real_fsdp, WORLD, mesh_shape, n_experts)
+@pytest.mark.parametrize("mesh_shape, n_experts, replica_split", [((2, 2, 2), 6, "on"), ((1, 4, 2), 6, "auto")])
+def test_real_fully_shard_layouts_and_equivalence(mesh_shape, n_experts, replica_split):
+    """Dense params on the (2, 4) HSDP mesh and experts on the expert mesh, in ONE optimizer."""
+    results = run_ranks(_real_fsdp, WORLD, mesh_shape, n_experts, replica_split)
     assert "_StridedShard" in str(results[0][1]["experts.w1"])  # FSDP2's ep-then-edp_shard mark
     assert results[0][1]["wq.weight"] == (Replicate(), Shard(0))
     assert_matches_reference([r[0] for r in results], toy_reference(n_experts), f"fully_shard {mesh_shape}")
