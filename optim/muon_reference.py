@@ -94,6 +94,18 @@ def partition_params(
     return [(n, p) for n, p in named if n in muon_names], [(n, p) for n, p in named if n not in muon_names]
 
 
+def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
+    """The "muon" and "adamw" param groups (both with "lr", so LR schedulers scale both)."""
+    muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
+                      weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
+                      ns_steps=config.ns_steps, coefficients=config.coefficients,
+                      lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
+    adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
+                       weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
+                       eps=config.adam_eps)
+    return [muon_group, adamw_group]
+
+
 class ReferenceMuon(torch.optim.Optimizer):
     """Muon for parameters named in `splits` (when config.name == "muon"), AdamW for the others.
 
@@ -116,14 +128,7 @@ class ReferenceMuon(torch.optim.Optimizer):
         muon, adamw = partition_params(named_params, splits, config)
         # kept out of the param groups (which go into state dicts): parameter -> its split
         self.splits = {p: splits[name] for name, p in muon}
-        muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
-                          weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
-                          ns_steps=config.ns_steps, coefficients=config.coefficients,
-                          lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
-        adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
-                           weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
-                           eps=config.adam_eps)
-        super().__init__([muon_group, adamw_group], defaults={})
+        super().__init__(param_groups(muon, adamw, config), defaults={})
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from optim.adamw import adamw_update, init_adamw_state
 from optim.config import OptimConfig
-from optim.muon_reference import momentum_update, partition_params
+from optim.muon_reference import momentum_update, param_groups, partition_params
 from optim.newton_schulz import lr_scale
 from optim.plan import PlanOptions, make_plan
 from optim.sharded_pipeline import BucketPipeline
@@ -59,14 +59,7 @@ class ShardedMuon(torch.optim.Optimizer):
         if isinstance(named_params, nn.Module):
             named_params = named_params.named_parameters()
         muon, adamw = partition_params(named_params, splits, config)
-        muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
-                          weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
-                          ns_steps=config.ns_steps, coefficients=config.coefficients,
-                          lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
-        adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
-                           weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
-                           eps=config.adam_eps)
-        super().__init__([muon_group, adamw_group], defaults={})
+        super().__init__(param_groups(muon, adamw, config), defaults={})
         self.overlap = overlap
         self.events = [] if record_events else None
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -84,9 +77,9 @@ class ShardedMuon(torch.optim.Optimizer):
             self.plan, rank_schedule(self.plan, rank, listed), groups, device=device, ns_dtype=config.ns_torch_dtype(),
             steps=config.ns_steps, coefficients=config.coefficients, events=self.events,
         )
-        for p in muon_group["params"]:
+        for p in self.param_groups[0]["params"]:
             self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        for p in adamw_group["params"]:
+        for p in self.param_groups[1]["params"]:
             self.state[p].update(init_adamw_state(p))
 
     @torch.no_grad()

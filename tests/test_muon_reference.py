@@ -33,15 +33,6 @@ class Toy(nn.Module):
                 "gate.weight": WHOLE}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small matmuls on the shared 2-core machine: one thread is ~50x faster than oversubscribed two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_toy() -> Toy:
     torch.manual_seed(0)
     return Toy()

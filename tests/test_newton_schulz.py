@@ -24,15 +24,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 0.06}
 SHAPES = [(48, 96), (96, 48), (64, 64)]  # wide, tall, square
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small matmuls on the shared 2-core machine: one thread is ~50x faster than oversubscribed two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def scalar_ns(coefficients: str, s: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """What NS does to one singular value s of the Frobenius-normalized input (float64)."""
     x = s / COEFFICIENT_SETS[coefficients][1]
