@@ -50,19 +50,24 @@ def plan_stats(plan) -> PlanStats:
     flops = np.bincount(inst["owner"], weights=inst["flops"], minlength=world)
     blocks = np.bincount(inst["owner"], minlength=world)
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
-    communicated = set()
+    communicated, gathered = set(), {}
     for pi, idx in enumerate(instances_by_param(plan)):
         p = plan.params[pi]
         rows = param_pieces(plan, pi, idx)
         nbytes = rows["numel"] * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
         moving = rows["holder"] != rows["owner"]
-        for a, b in ((rows["holder"], rows["owner"]), (rows["owner"], rows["holder"])):  # forward, return
-            _count(traffic, a[moving], b[moving], nbytes[moving], opt.ranks_per_node, world)
+        _count_both_ways(traffic, rows["holder"][moving], rows["owner"][moving], nbytes[moving], opt.ranks_per_node,
+                         world)
         if moving.any():
             communicated.add(p.shape_group)
         if plan.replica_split and p.groups.shape[0] > 1 and len(idx):
-            _replica_gather(plan, p, rows, nbytes, traffic)
+            R, S = p.groups.shape
+            at = plan.inst["replica"][rows["inst"]] * S + rows["shard"]
+            entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(R * S)])
+            entry[1] += np.bincount(at, weights=nbytes, minlength=R * S)
             communicated.add(p.shape_group)
+    for groups, computed in gathered.values():
+        _replica_gather(traffic, groups, computed.reshape(groups.shape), opt.ranks_per_node, world)
     comm_free = [g for g in range(len(plan.shape_groups)) if g not in communicated]
     mean = flops.mean() if world else 0.0
     seconds = (
@@ -77,23 +82,34 @@ def plan_stats(plan) -> PlanStats:
     )
 
 
-def _count(traffic, src, dst, nbytes, ranks_per_node, world):
-    intra = (src // ranks_per_node) == (dst // ranks_per_node)
-    for mask, kind in ((intra, "intra"), (~intra, "inter")):
-        traffic[f"sent_{kind}"] += np.bincount(src[mask], weights=nbytes[mask], minlength=world)
-        traffic[f"recv_{kind}"] += np.bincount(dst[mask], weights=nbytes[mask], minlength=world)
+def _count_both_ways(traffic, holder, owner, nbytes, ranks_per_node, world):
+    """Forward (holder -> owner) and return (owner -> holder): each rank sends what it receives."""
+    inter = ((holder // ranks_per_node) != (owner // ranks_per_node)).astype(np.int64)
+    both = (np.bincount(holder * 2 + inter, weights=nbytes, minlength=2 * world)
+            + np.bincount(owner * 2 + inter, weights=nbytes, minlength=2 * world)).reshape(world, 2)
+    for i, kind in enumerate(("intra", "inter")):
+        traffic[f"sent_{kind}"] += both[:, i]
+        traffic[f"recv_{kind}"] += both[:, i]
 
 
-def _replica_gather(plan, p, rows, nbytes, traffic):
+def _replica_gather(traffic, groups, computed, ranks_per_node, world):
     """Traffic of the all-gather over the replica axis: every piece of a result goes from its holder
-    to the same shard position in each replica that did not compute it."""
-    R = p.groups.shape[0]
-    replica = plan.inst["replica"][rows["inst"]]
-    dst = p.groups[:, rows["shard"]]  # [R, rows]
-    other = np.arange(R)[:, None] != replica[None, :]
-    src = np.broadcast_to(rows["holder"], dst.shape)[other]
-    size = np.broadcast_to(nbytes, dst.shape)[other]
-    _count(traffic, src, dst[other], size, plan.options.ranks_per_node, plan.world_size)
+    groups[r, s] to the same shard position s of each other replica. `computed` [R, S]: bytes of the
+    pieces held at (replica r, shard position s) of the blocks replica r computed. Counted per
+    (replica, shard position), not per piece: byte counts are integers, so the sums are exact."""
+    R, S = groups.shape
+    node = groups // ranks_per_node
+    key = (node * S + np.arange(S)).ravel()  # (node, shard position): the ranks one node holds of column s
+    _, key = np.unique(key, return_inverse=True)
+    same_node = np.bincount(key)[key].reshape(R, S)  # replicas whose rank at s shares my node (me included)
+    node_bytes = np.bincount(key, weights=computed.ravel())[key].reshape(R, S)
+    column = computed.sum(axis=0, keepdims=True)
+    parts = {
+        "sent_intra": computed * (same_node - 1), "sent_inter": computed * (R - same_node),
+        "recv_intra": node_bytes - computed, "recv_inter": column - node_bytes,
+    }
+    for k, v in parts.items():
+        traffic[k] += np.bincount(groups.ravel(), weights=v.ravel(), minlength=world)
 
 
 def describe(plan, max_rows: int = 16) -> str:

@@ -1,6 +1,7 @@
 """The pure sharded-Muon planner: shard boxes, pieces, load balance (debug on 8 ranks, Kimi K2 on 256
 ranks without allocating it), replica-split choice, and rank-consistent collective schedules."""
 
+import hashlib
 import itertools
 import time
 
@@ -149,6 +150,40 @@ def test_kimi_k2_on_256_ranks_balances_without_allocating():
     assert sum(len(p.block_boxes) for p in plan.params if p.spec.split == PER_EXPERT) == 60 * 3 * 384
     assert plan.stats.load_ratio <= 1.05
     assert plan.stats.flops.min() > 0
+    assert fingerprint(plan) == "730d81fc790931c4"  # pinned before the planner was vectorized
+
+
+def fingerprint(plan) -> str:
+    """Hash of everything a plan decides: instances (owners, replicas, buckets) and per-rank stats."""
+    h = hashlib.sha256()
+    for k in sorted(plan.inst):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(plan.inst[k]).tobytes())
+    s = plan.stats
+    for a in (s.blocks, s.flops, s.sent_intra, s.sent_inter, s.recv_intra, s.recv_inter):
+        h.update(np.asarray(a, dtype=np.float64).tobytes())
+    h.update(repr((plan.num_buckets, plan.replica_split, s.comm_free_groups, s.load_ratio, s.est_seconds)).encode())
+    return h.hexdigest()[:16]
+
+
+# Computed with the per-block planner before it was vectorized (heaps, one sort key, per-replica
+# gather counts): the faster planner must make the very same plans.
+PINNED = {
+    ("awkward", "off"): "b6f0c1ed80f702f9", ("awkward", "on"): "72fb008d3620b95b",
+    (0, "off"): "7470ceac6cc9fd8e", (1, "off"): "d39feb14b1c986da", (2, "off"): "3837affe7ad07694",
+    (3, "off"): "ff165c7060240c81", (0, "on"): "1d7e754b159afc43", (1, "on"): "3c6c4f1c5c16a3e7",
+    (2, "on"): "8a639a7ba32973bb", (3, "on"): "216afb40e3da6ba2",
+}
+
+
+@pytest.mark.parametrize("case, replica_split", sorted(PINNED, key=str))
+def test_plans_are_pinned(case, replica_split):
+    if case == "awkward":
+        plan = make_plan(awkward_specs(), 8, PlanOptions(replica_split=replica_split, bucket_mb=0.0005))
+    else:
+        specs = model_specs(preset("debug"), ParallelConfig(**debug_layouts()[case]).resolve(8))
+        plan = make_plan(specs, 8, PlanOptions(replica_split=replica_split))
+    assert fingerprint(plan) == PINNED[case, replica_split]
 
 
 def test_auto_replica_split_picks_the_cheaper_plan():
