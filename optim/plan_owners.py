@@ -1,0 +1,182 @@
+"""Owner assignment of the sharded Muon plan (optim/plan.py, step 3): which rank orthogonalizes each
+block instance, balancing estimated NS FLOPs greedily over all ranks. Pure numpy, no process group.
+`assign` is the entry point; the heaps are fast paths that pick exactly what `_place_block` would.
+"""
+
+import heapq
+
+import numpy as np
+
+
+def assign(params, world_size, split):
+    """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
+    orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
+    1% over the mean).
+
+    Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
+    group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
+    a block has R instances, placed together: row r of its candidates is replica r's group.
+    """
+    reps = [1 if split else p.groups.shape[0] for p in params]
+    n_blocks = [len(p.block_boxes) for p in params]
+    cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
+    width = [p.groups.size if split else p.groups.shape[1] for p in params]
+    items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
+    best = None
+    for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps)
+        if best is None or loads.max() < best[0].max():
+            best = loads, owner, replica
+        if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
+            break
+    _, owner, replica = best
+    inst = {
+        "param": _cat([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
+        "block": _cat([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
+        "replica": _cat([r.ravel() for r in replica]),
+        "owner": _cat([o.ravel() for o in owner]),
+    }
+    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[inst["param"]]
+    return inst
+
+
+def _greedy(params, items, world_size, cap, split, reps):
+    loads = np.zeros(world_size)
+    owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
+    replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
+    held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per piece template / per group
+    for _, _, pi, b in items:
+        p = params[pi]
+        if id(p.pieces) not in held:
+            held[id(p.pieces)] = _held_fraction(p, split)
+            whole_on[id(p.pieces)] = p.pieces.whole_on.tolist()
+            shares[id(p.pieces)] = _equal_shares(held[id(p.pieces)])
+        whole = whole_on[id(p.pieces)][b]
+        if whole >= 0 and p.groups.shape[0] == 1:  # fast path (whole experts): one candidate row
+            own = int(p.groups[0, whole])
+            if loads[own] + p.flops > cap:
+                own = _least_loaded(heaps, p.groups, loads, own)
+            owner[pi][b, 0] = own
+            loads[own] += p.flops
+            if id(p.groups) in heaps:
+                heapq.heappush(heaps[id(p.groups)], (loads[own], own))
+            continue
+        masks, pattern, share = shares[id(p.pieces)]
+        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
+            own = _least_loaded_equal(share_heaps, p, masks, pattern[b], share[b], loads)
+            if own is not None:
+                owner[pi][b, 0] = own
+                continue
+        own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
+        owner[pi][b], replica[pi][b] = own, rep
+        loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
+    return loads, owner, replica
+
+
+def _least_loaded(heaps, groups, loads, holder) -> int:
+    """argmin of loads over `groups[0]` (lowest rank on ties, the holder first), via a lazy heap.
+
+    Loads only grow, so a heap entry's load is never above the rank's current load: an entry that
+    is current when popped is a true minimum; a stale one is refreshed and pushed back.
+    """
+    heap = heaps.get(id(groups))  # keyed by the (interned, long-lived) group array
+    if heap is None:
+        heap = heaps[id(groups)] = [(loads[r], int(r)) for r in groups[0]]
+        heapq.heapify(heap)
+    while heap[0][0] != loads[heap[0][1]]:
+        _, r = heapq.heappop(heap)
+        heapq.heappush(heap, (loads[r], r))
+    return holder if loads[holder] <= heap[0][0] else heap[0][1]
+
+
+def _equal_shares(held):
+    """Blocks whose holders hold equal shares: (distinct holder masks [S] with a bytes key, each
+    block's mask index or -1 where shares differ, each block's share)."""
+    share = held.max(axis=1)
+    equal = ((held == 0) | (held == share[:, None])).all(axis=1)
+    packed = np.ascontiguousarray(np.packbits(held > 0, axis=1))
+    _, first, pattern = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(),
+                                  return_index=True, return_inverse=True)
+    masks = [(held[i] > 0, packed[i].tobytes()) for i in first]  # bytes: the key of the mask's heap
+    return masks, np.where(equal, pattern.ravel(), -1).tolist(), share.tolist()
+
+
+def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
+    """`_place_block` for a block of a one-replica group whose holders (mask k) hold equal shares,
+    via lazy heaps over the whole row and over the holders; adds the block's FLOPs to the chosen
+    rank's load.
+
+    `_place_block` picks argmin(load - 1e-9 * flops * held), first position on ties. Loads are
+    integers (sums of integer FLOPs); below 2**51 they stay distinct after the equal term is taken
+    off, so among holders the pick is the least loaded (first position on ties), and so it is among
+    the others, whose term is 0: the row's minimum when that is not a holder (else a holder wins).
+    The two are compared with `_place_block`'s own arithmetic. None (caller falls back) above 2**51.
+    """
+    ranks, (mask, mask_key) = p.groups[0], masks[k]
+    row_key, holder_key = (id(p.groups), b"row"), (id(p.groups), mask_key)
+    low = _heap_top(heaps, row_key, ranks, None, loads)
+    best = _heap_top(heaps, holder_key, ranks, mask, loads) if share > 0 and not mask[low[1]] else None
+    if low[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
+        return None
+    pos = low[1]
+    if best is not None:
+        pos = min((best[0] - 1e-9 * p.flops * share, best[1]), (low[0] - 1e-9 * p.flops * 0.0, low[1]))[1]
+    own = int(ranks[pos])
+    loads[own] += p.flops
+    for key in (row_key, holder_key):  # refresh the chosen rank where it is on top; elsewhere lazily
+        heap = heaps.get(key)
+        if heap and heap[0][1] == pos:
+            heapq.heapreplace(heap, (loads[own], pos))
+    return own
+
+
+def _heap_top(heaps, key, ranks, member, loads):
+    """(load, position) of the least loaded rank of ranks[member] (all when None; first position on
+    ties), or None when there is none.
+
+    A lazy heap, one entry per rank: loads only grow, so an entry is never above its rank's load;
+    a current top entry is the true minimum, a stale one is refreshed in place.
+    """
+    heap = heaps.get(key)
+    if heap is None:
+        member = np.ones(len(ranks), dtype=bool) if member is None else member
+        heap = heaps[key] = [(loads[r], int(i)) for i, r in zip(np.nonzero(member)[0], ranks[member])]
+        heapq.heapify(heap)
+    if not heap:
+        return None
+    while heap[0][0] != loads[ranks[heap[0][1]]]:
+        heapq.heapreplace(heap, (loads[ranks[heap[0][1]]], heap[0][1]))
+    return heap[0]
+
+
+def _cat(arrays) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
+
+
+def _held_fraction(p, split):
+    R, S = p.groups.shape
+    out = np.zeros((len(p.block_boxes), S))
+    blocks = np.repeat(np.arange(len(p.block_boxes)), np.diff(p.pieces.start))
+    total = np.maximum(1, np.bincount(blocks, weights=p.pieces.numel, minlength=len(out)))
+    out[blocks, p.pieces.shard] = p.pieces.numel / total[blocks]
+    return np.tile(out, (1, R)) if split else out
+
+
+def _place_block(p, b, loads, cap, split, held):
+    """Owners (one per candidate row) and replicas of block b.
+
+    Candidate rows: each replica's group (no replica split), or all replicas' ranks as one row.
+    A block held whole goes to its holder (across replicas: the least loaded holder) while the
+    holder stays under `cap` (the mean load); anything else goes to the least loaded candidate,
+    ties to the rank holding the largest piece.
+    """
+    R, S = p.groups.shape
+    whole = p.pieces.whole_on[b]
+    cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, candidates]
+    rows = np.arange(len(cands))
+    load = loads[cands]
+    pick = np.argmin(load - 1e-9 * p.flops * held, axis=1)
+    if whole >= 0 and R > 1:
+        holder = (whole + np.argmin(load[:, whole::S], axis=1) * S) if split else np.full(R, whole)
+        pick = np.where(load[rows, holder] + p.flops <= cap, holder, pick)
+    return cands[rows, pick], (pick // S if split else rows)
