@@ -125,7 +125,7 @@ def describe(plan, max_rows: int = 16) -> str:
         f"{opt.ranks_per_node} ranks per node, no overlap)",
         "shape groups (short x long side, dtype: block instances, communication):",
     ]
-    sg = np.array([p.shape_group for p in plan.params])
+    sg = np.array([p.shape_group for p in plan.params], dtype=np.int64)
     counts = np.bincount(sg[plan.inst["param"]], minlength=len(plan.shape_groups))
     for g, (r, c, dtype) in enumerate(plan.shape_groups):
         free = "none" if g in s.comm_free_groups else "communicated"

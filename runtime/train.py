@@ -130,6 +130,8 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     torch.manual_seed(config.training.seed)
     model = build_model(config, meshes, layout, device)
     optimizer = build_optimizer(model, config)
+    if rank == 0:
+        print(optimizer.plan.describe(), flush=True)  # who orthogonalizes what, and what it costs
     scheduler = build_scheduler(optimizer, config.training)
     loader = build_loader(config, meshes, layout)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,

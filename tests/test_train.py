@@ -69,3 +69,8 @@ def test_profiler_writes_a_trace(tmp_path):
     _losses(tmp_path, "--profile.enabled=true", "--profile.steps=1,2")
     with open(tmp_path / "profile" / "rank0.json") as f:
         assert json.load(f)["traceEvents"]
+
+
+def test_adamw_only_runs_every_parameter_through_adamw(tmp_path):
+    losses = _losses(tmp_path, "--optim.name=adamw", "--optim.lr=0.003")
+    assert losses[-1] < losses[0]
