@@ -13,8 +13,17 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from parallel.meshes import build_meshes, describe  # noqa: E402
-from runtime.config import ConfigError, help_text, load_config  # noqa: E402
+from runtime.config import help_text, load_config  # noqa: E402
+from runtime.data import Loader  # noqa: E402
 from runtime.train import train  # noqa: E402
+
+
+def check_environment(config) -> None:
+    """The requested device exists and the data source opens (ValueError naming the key otherwise)."""
+    if config.training.device_type() == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    Loader(config.data, config.training.seed, grad_accum=config.training.grad_accum,
+           vocab_size=config.model.vocab_size).batch(0)  # the first batch's token ids fit the model
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +34,8 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)
         layout = config.layout(world_size)
-    except ConfigError as e:  # every rank fails the same way, before any collective: no hang
+        check_environment(config)
+    except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
         print(f"config error: {e}", file=sys.stderr)
         return 2
     device_type = config.training.device_type()

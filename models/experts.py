@@ -74,8 +74,8 @@ def _grouped_mm_ok(x_TI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
         return False
     if w_EOI.dtype != x_TI.dtype or not (x_TI.is_contiguous() and w_EOI.is_contiguous()):
         return False
-    row_bytes = x_TI.shape[-1] * x_TI.element_size()  # = row stride of x and of w[e]
-    return row_bytes % 16 == 0
+    # Row strides of x and w[e] (I elements) and of the output (O elements) must be 16-byte multiples.
+    return all(n * x_TI.element_size() % 16 == 0 for n in (x_TI.shape[-1], w_EOI.shape[1]))
 
 
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,8 @@ def read_sidecar(path: str) -> dict | None:
 
 def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
     """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"data.path: no such file {path!r}")
     meta = read_sidecar(path) or {}
     if dtype == "auto":
         if "dtype" not in meta:
@@ -130,6 +132,7 @@ class Loader:
         self.positions_S = cp_chunk_positions(config.seq_len, cp_degree, cp_rank)
         self.tokens, source_vocab = open_tokens(config)
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
+        self.model_vocab = vocab_size
         self._check_sizes(source_vocab, vocab_size)
 
     def _check_sizes(self, source_vocab: int, model_vocab: int | None) -> None:
@@ -161,7 +164,11 @@ class Loader:
         else:
             starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len)
             windows = [self.tokens[s:s + length] for s in starts[rows]]
-        return torch.from_numpy(np.stack(windows).astype(np.int64))
+        windows = np.stack(windows).astype(np.int64)
+        if self.model_vocab and windows.max(initial=0) >= self.model_vocab:  # wrong dtype or tokenizer
+            raise ValueError(f"data: token id {windows.max()} in the {self.config.source} source at step {step} "
+                             f">= model.vocab_size={self.model_vocab}")
+        return torch.from_numpy(windows)
 
     def next_step(self) -> list[MicroBatch]:
         """The micro-batches of the next step; advances the position saved in checkpoints."""

@@ -177,6 +177,9 @@ def test_grouped_mm_path_equals_loop_with_empty_experts():
     assert torch.all(grads[0][1][1] == 0) and torch.all(grads[0][1][3] == 0)
     grouped_linear(x, w, counts).sum().backward()  # stride-0 incoming gradient is handled
     assert not _grouped_mm_ok(x[:, :15].contiguous(), w[:, :, :15].contiguous())  # 60-byte rows
+    w_odd_out = torch.randn(5, 13, 16, generator=g)  # 52-byte output rows: torch._grouped_mm refuses them
+    assert not _grouped_mm_ok(x, w_odd_out)
+    torch.testing.assert_close(grouped_linear(x, w_odd_out, counts), looped_linear(x, w_odd_out, counts), **TOL)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast skips the private op: we cast
         assert grouped_linear(x, w, counts).dtype == torch.bfloat16
 

@@ -7,7 +7,9 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from launch.pretrain import main
 from multirank import run_ranks
@@ -75,8 +77,14 @@ def test_checkpoint_saved_on_8_ranks_resumes_on_4_with_another_layout(tmp_path):
     (["--parallel.ep=3"], "parallel.ep"),
     (["--data.batch_size=3"], "batch"),
     (["--parallel.dp_shard=3"], "dp_shard"),
+    (["--data.source=bin", "--data.path=/nonexistent.bin"], "data.path"),
+    (["--data.source=bin", "--data.path={tmp}/ids.bin", "--data.dtype=uint16"], "model.vocab_size"),  # ids 300
+    pytest.param(["--training.device=cuda"], "training.device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists here")),
 ])
 def test_config_errors_exit_on_every_rank_with_one_line(tmp_path, capfd, argv, key):
+    np.full(4096, 300, dtype=np.uint16).tofile(tmp_path / "ids.bin")  # token ids beyond the debug vocab (256)
+    argv = [a.format(tmp=tmp_path) for a in argv]
     codes = run_ranks(_main, 2, argv + [f"--run.dir={tmp_path}"], as_torchrun=True, timeout=60)
     assert codes == [2, 2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
