@@ -21,7 +21,10 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
       largest piece), so a parameter's blocks spread over owners, and whole blocks leave ranks that
       hold more than their share (e.g. FSDP's torch.chunk leaving some ranks without experts).
    Without replica split every replica repeats this for its own copy; with replica split each block
-   is computed by one replica and its result all-gathered over the replica axis.
+   is computed by one replica and its result all-gathered over the replica axis, where each holder
+   of the computing replica sends its piece to the R - 1 others: the (replica, owner) of a block then
+   minimizes the largest time of the ranks it touches, the owner's NS FLOPs plus all-gather sends
+   and each holder's sends, in the cost model's units (`_place_split_block`).
    Speed (Kimi K2, 69k expert blocks on 2048 ranks): the greedy stays sequential, but the common
    blocks skip numpy: whole blocks of one-replica groups and blocks whose holders hold equal shares
    (experts split on a matrix dim) take their rank from lazy heaps, picking exactly what
@@ -30,28 +33,34 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    `bucket_mb`; bucket k is the union of every rank's k-th cut, so all ranks run the same bucket
    sequence and every group member issues the same collectives (empty pieces are zero-length splits).
 
-Replica split at scale (Kimi K2, W = 1024..4096, dense dp_replicate = W / 8): "on" loses to "off" for
-two reasons, measured with this planner.
+Replica split at scale (Kimi K2, W = 256..4096, dense dp_replicate = W / 8, H200 numbers of
+benchmarks/projection.py): "on" loses to "off" at every W, for reasons measured with this planner.
   - FLOPs: the dense layer's three 7168 x 18432 matrices are WHOLE blocks of 22.6 TFLOP each (bf16,
     5 steps). Computed once, each exceeds the mean load at W = 4096 (11.7 TFLOP), and a block is the
     unit of NS work, so max/mean >= 22.6 / 11.7 = 1.94, which the plan reaches: inherent, not a
-    balancing defect (at W <= 1024 "on" balances within 0.3%). "off" repeats the dense NS in every
+    balancing defect (at W <= 1024 "on" balances within 1.2%). "off" repeats the dense NS in every
     replica, which raises the mean (41 TFLOP at W = 4096) above the largest block.
-  - Traffic: owners balance FLOPs only, but the replica all-gather makes every holder of a replica
-    send its pieces of that replica's results to all R - 1 other replicas. Which replica computes
-    how many bytes is left to the FLOPs greedy: at W = 1024 replica 0 computes 1.56 GB of dense
-    results against a mean of 0.15 GB (it owns the big blocks), so its ranks send 28.6 GB across
-    nodes (0.72 s at 40 GB/s) while every rank receives ~6.3 GB. A replica choice that also balances
-    result bytes per replica would bound sends near the receives, except that one 7168 x 18432
-    block alone is 264 MB (at W = 4096: 264 MB / 8 x 511 replicas = 16.9 GB sent per holder), so
-    at large R splitting such blocks across replicas cannot pay; splitting only the small blocks
-    (per parameter) is the direction. Not done yet: "auto" keeps "off" there.
+  - Traffic: every rank receives its shard position's pieces of ALL dense results (2.3 GB), on top
+    of the expert pieces "off" moves too, and a holder sends each piece it holds of its replica's
+    results R - 1 times (the all-gather is one all_to_all_single, not a ring). Choosing replicas by
+    sends as well as FLOPs (step 3) brought the busiest sender from 28.6 to 8.1 GB at W = 1024 and
+    to the busiest receiver's 17.7 GB at W = 256; what remains is one 7168 x 18432 block's 264 MB /
+    8 x (R - 1) per holder (4.2 GB at W = 1024, 16.9 GB at W = 4096), which no replica choice splits.
+  Projected steps, "on" vs "off": 0.50 vs 0.44 s (W = 256), 0.25 vs 0.15 s (1024), 0.68 vs 0.083 s
+  (4096). Per block, repeating the NS costs the owner flops / flops_per_s in every replica, while
+  splitting costs each rank nbytes / S / inter_node_bytes_per_s and each holder R - 1 times that:
+  a head block (128 x 7168) costs about as much either way, a 2048 x 7168 block is 12x cheaper to
+  receive than to recompute, the 7168 x 18432 blocks 46x, but a holder's R - 1 sends outweigh the
+  recompute from R = 13 and R = 46 respectively. The way forward is a per-parameter choice (repeat
+  small blocks, split large ones while R is small) and, for large R, a ring all-gather; both need
+  the schedule (optim/sharded_schedule.py) to take the replica split per parameter, not per plan.
 
 Cost model (for replica_split="auto" and `describe`): a rank's step time is
   NS FLOPs / flops_per_s + max(sent, received) intra-node bytes / intra_node_bytes_per_s
                          + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
-nothing overlapped; the plan's estimate is the maximum over ranks. "auto" plans both ways and keeps
-the cheaper.
+nothing overlapped; the plan's estimate is the maximum over ranks (`est_overlapped`: the same with
+the three terms overlapped, the max of them instead of the sum). The bucket pipeline overlaps
+between the two, so "auto" plans both ways and keeps "on" only when it is cheaper under both.
 """
 
 from dataclasses import dataclass, field
@@ -147,12 +156,32 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
     choices = {"on": [True], "off": [False], "auto": [False, True] if replicated else [False]}
     plans = []
     for split in choices[options.replica_split]:
-        inst = assign(params, world_size, split)
+        inst = assign(params, world_size, split, _byte_flops(params, options) if split else None)
         plan = Plan(options, world_size, params, shape_groups, split, inst)
         plan.num_buckets = _buckets(plan)
         plan.stats = plan_stats(plan)
         plans.append(plan)
-    return min(plans, key=lambda p: p.stats.est_seconds)
+    if len(plans) == 2 and _cheaper(plans[1].stats, plans[0].stats):  # "auto": (off, on)
+        return plans[1]
+    return plans[0]
+
+
+def _cheaper(a: PlanStats, b: PlanStats) -> bool:
+    """Whether plan a beats plan b with and without overlap (how much the pipeline overlaps is
+    between the two; at Kimi K2 W = 256 they disagree on replica split, and "off" is the safer)."""
+    return a.est_seconds < b.est_seconds and a.est_overlapped < b.est_overlapped
+
+
+def _byte_flops(params, options) -> list[float]:
+    """Per parameter: NS FLOPs that take as long as one byte of its replica all-gather (inter-node
+    bandwidth when the replica axis crosses nodes)."""
+    out = []
+    for p in params:
+        nodes = p.groups // options.ranks_per_node
+        crosses = bool((nodes != nodes[:1]).any())
+        bw = options.inter_node_bytes_per_s if crosses else options.intra_node_bytes_per_s
+        out.append(options.flops_per_s / bw)
+    return out
 
 
 # ---------------------------------------------------------------- geometry

@@ -1,5 +1,6 @@
 """Owner assignment of the sharded Muon plan (optim/plan.py, step 3): which rank orthogonalizes each
-block instance, balancing estimated NS FLOPs greedily over all ranks. Pure numpy, no process group.
+block instance, balancing estimated NS FLOPs (with replica split: and all-gather sends) greedily over
+all ranks. Pure numpy, no process group.
 `assign` is the entry point; the heaps are fast paths that pick exactly what `_place_block` would.
 """
 
@@ -8,10 +9,13 @@ import heapq
 import numpy as np
 
 
-def assign(params, world_size, split):
+def assign(params, world_size, split, byte_flops=None):
     """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
     orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
     1% over the mean).
+
+    `byte_flops` (replica split only): per parameter, the NS FLOPs that cost as much time as one
+    byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
 
     Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
     group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
@@ -24,7 +28,7 @@ def assign(params, world_size, split):
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps)
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps, byte_flops)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
@@ -40,8 +44,9 @@ def assign(params, world_size, split):
     return inst
 
 
-def _greedy(params, items, world_size, cap, split, reps):
+def _greedy(params, items, world_size, cap, split, reps, byte_flops):
     loads = np.zeros(world_size)
+    sends = np.zeros(world_size)  # replica split: all-gather sends so far, in FLOP-equivalents
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per piece template / per group
@@ -67,7 +72,10 @@ def _greedy(params, items, world_size, cap, split, reps):
             if own is not None:
                 owner[pi][b, 0] = own
                 continue
-        own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
+        if split and p.groups.shape[0] > 1 and byte_flops is not None:
+            own, rep = _place_split_block(p, b, loads, sends, cap, held[id(p.pieces)][b], byte_flops[pi])
+        else:
+            own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, owner, replica
@@ -180,3 +188,25 @@ def _place_block(p, b, loads, cap, split, held):
         holder = (whole + np.argmin(load[:, whole::S], axis=1) * S) if split else np.full(R, whole)
         pick = np.where(load[rows, holder] + p.flops <= cap, holder, pick)
     return cands[rows, pick], (pick // S if split else rows)
+
+
+def _place_split_block(p, b, loads, sends, cap, held, byte_flops):
+    """Replica split: the (replica, owner) of block b that minimizes the largest time of the ranks it
+    touches: the owner's NS FLOPs plus its sends, and each holder in the chosen replica, who sends
+    its piece of the result to the R - 1 other replicas (sends as FLOP-equivalents, `byte_flops`
+    per byte). A block held whole stays on its least costly holder while that one's FLOPs stay
+    under `cap`; ties go to the rank holding the largest piece. Adds the sends to `sends`."""
+    R, S = p.groups.shape
+    frac = held[:S]  # the same fraction at each shard position in every replica
+    add = frac * p.nbytes * (R - 1) * byte_flops  # [S] sends of each holder of the computing replica
+    busy = loads[p.groups] + sends[p.groups] + add  # [R, S] after the block's all-gather
+    holders = np.where(frac > 0, busy, 0.0).max(axis=1, keepdims=True)  # [R, 1]
+    score = np.maximum(busy + p.flops, holders) - 1e-9 * p.flops * frac
+    whole = p.pieces.whole_on[b]
+    rep, pos = np.unravel_index(np.argmin(score), score.shape)
+    if whole >= 0:
+        r = int(np.argmin(score[:, whole]))
+        if loads[p.groups[r, whole]] + p.flops <= cap:
+            rep, pos = r, whole
+    sends[p.groups[rep]] += add
+    return np.array([p.groups[rep, pos]]), np.array([rep])

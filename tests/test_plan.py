@@ -142,15 +142,22 @@ def test_kimi_k2_on_256_ranks_balances_without_allocating():
     layout = ParallelConfig(dp_replicate=32, dp_shard=8, edp_shard=32, ep=8).resolve(256)
     start = time.perf_counter()
     specs = model_specs(preset("kimi_k2_1t"), layout)
-    plan = make_plan(specs, 256, PlanOptions(bucket_mb=1024, ns_dtype=torch.bfloat16))
+    plans = {s: make_plan(specs, 256, PlanOptions(bucket_mb=1024, ns_dtype=torch.bfloat16, replica_split=s))
+             for s in ("off", "on")}
     elapsed = time.perf_counter() - start
-    print(plan.describe(), f"\nplanned in {elapsed:.1f} s")
+    print(plans["off"].describe(), f"\nplanned both ways in {elapsed:.1f} s")
     # 60 MoE layers x 3 x 384 experts: 48 per ep rank chunked 2,2,..,0 over 32 edp_shard ranks (8
     # ranks get none), so balance needs whole experts moved off their holders.
-    assert sum(len(p.block_boxes) for p in plan.params if p.spec.split == PER_EXPERT) == 60 * 3 * 384
-    assert plan.stats.load_ratio <= 1.05
-    assert plan.stats.flops.min() > 0
-    assert fingerprint(plan) == "730d81fc790931c4"  # pinned before the planner was vectorized
+    for plan in plans.values():
+        assert sum(len(p.block_boxes) for p in plan.params if p.spec.split == PER_EXPERT) == 60 * 3 * 384
+        assert plan.stats.load_ratio <= 1.05
+        assert plan.stats.flops.min() > 0
+    assert fingerprint(plans["off"]) == "730d81fc790931c4"  # pinned before the planner was vectorized
+    # replica split, replicas chosen by all-gather sends too: the busiest sender sends no more than
+    # the busiest receiver receives (17.7 GB; 22.6 GB when replicas were chosen by FLOPs alone)
+    on = plans["on"].stats
+    assert on.sent_inter.max() <= 1.01 * on.recv_inter.max()
+    assert fingerprint(plans["on"]) == "9cf766aac14d56d4"
 
 
 def fingerprint(plan) -> str:
@@ -167,12 +174,13 @@ def fingerprint(plan) -> str:
 
 
 # Computed with the per-block planner before it was vectorized (heaps, one sort key, per-replica
-# gather counts): the faster planner must make the very same plans.
+# gather counts): the faster planner must make the very same plans. Replica-split plans with more
+# than one replica were re-pinned when replicas started being chosen by all-gather sends too.
 PINNED = {
-    ("awkward", "off"): "b6f0c1ed80f702f9", ("awkward", "on"): "72fb008d3620b95b",
+    ("awkward", "off"): "b6f0c1ed80f702f9", ("awkward", "on"): "ed1ce05664f736b4",
     (0, "off"): "7470ceac6cc9fd8e", (1, "off"): "d39feb14b1c986da", (2, "off"): "3837affe7ad07694",
-    (3, "off"): "ff165c7060240c81", (0, "on"): "1d7e754b159afc43", (1, "on"): "3c6c4f1c5c16a3e7",
-    (2, "on"): "8a639a7ba32973bb", (3, "on"): "216afb40e3da6ba2",
+    (3, "off"): "ff165c7060240c81", (0, "on"): "1d7e754b159afc43", (1, "on"): "b1448a9e74bb3304",
+    (2, "on"): "b65734bdc900e7b4", (3, "on"): "216afb40e3da6ba2",
 }
 
 
