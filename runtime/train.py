@@ -109,6 +109,8 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
         update_expert_bias(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
     end = time.perf_counter()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": global_tokens,
             "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped}
