@@ -147,7 +147,7 @@ def rows_for_world(config, world: int, device, args) -> list[dict]:
                          f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}")
     traffic = {k: getattr(s, k) for k in ("sent_intra", "recv_intra", "sent_inter", "recv_inter")}
     rows = [dict(common, method="sharded", **_estimate(est, s.flops, traffic, plan.num_buckets),
-                 load_ratio=float(s.load_ratio), replica_split=bool(plan.replica_split), plan_seconds=seconds)]
+                 load_ratio=float(s.load_ratio), replica_split=plan.replica_split, plan_seconds=seconds)]
     g = gather_all_traffic(specs, world)
     # one gather per parameter, the next one in flight during this one's NS (generous: Moonlight's is sequential)
     est_g = project(device, g["flops"], g["sent_intra"], g["recv_intra"], g["sent_inter"], g["recv_inter"], elems,
@@ -168,7 +168,7 @@ def _estimate(est, flops, traffic, buckets) -> dict:
 
 
 def format_row(r: dict) -> str:
-    split = {True: "on", False: "off"}.get(r.get("replica_split"), "-")
+    split = {True: "on", False: "off", "mixed": "mixed"}.get(r.get("replica_split"), "-")
     return (f"{r['world']:5d} {r['method']:11s} {r['step_s']:9.3f} {r['compute_s']:9.3f} {r['comm_s']:8.3f} "
             f"{r['exposed_s'] + r['elementwise_s']:8.3f} {r['ns_tflop_per_rank_max']:9.1f} {r['load_ratio']:6.3f} "
             f"{r['inter_gb_per_rank_max']:8.2f} {r['intra_gb_per_rank_max']:8.2f} {r['buckets']:5d} {split:>5s} "

@@ -20,11 +20,12 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    b. any other block goes to the least loaded rank of its group (ties: the rank holding the
       largest piece), so a parameter's blocks spread over owners, and whole blocks leave ranks that
       hold more than their share (e.g. FSDP's torch.chunk leaving some ranks without experts).
-   Without replica split every replica repeats this for its own copy; with replica split each block
-   is computed by one replica and its result all-gathered over the replica axis, where each holder
-   of the computing replica sends its piece to the R - 1 others: the (replica, owner) of a block then
-   minimizes the largest time of the ranks it touches, the owner's NS FLOPs plus all-gather sends
-   and each holder's sends, in the cost model's units (`_place_split_block`).
+   A parameter not split across replicas (`ParamLayout.split` False) has every replica repeat this
+   for its own copy; for a split one each block is computed by one replica and its result
+   all-gathered over the replica axis, where each holder of the computing replica sends its piece
+   to the R - 1 others: the (replica, owner) of a block then minimizes the largest time of the
+   ranks it touches, the owner's NS FLOPs plus all-gather sends and each holder's sends, in the
+   cost model's units (`_place_split_block`).
    Speed (Kimi K2, 69k expert blocks on 2048 ranks): the greedy stays sequential, but the common
    blocks skip numpy: whole blocks of one-replica groups and blocks whose holders hold equal shares
    (experts split on a matrix dim) take their rank from lazy heaps, picking exactly what
@@ -51,19 +52,25 @@ benchmarks/projection.py): "on" loses to "off" at every W, for reasons measured 
   splitting costs each rank nbytes / S / inter_node_bytes_per_s and each holder R - 1 times that:
   a head block (128 x 7168) costs about as much either way, a 2048 x 7168 block is 12x cheaper to
   receive than to recompute, the 7168 x 18432 blocks 46x, but a holder's R - 1 sends outweigh the
-  recompute from R = 13 and R = 46 respectively. The way forward is a per-parameter choice (repeat
-  small blocks, split large ones while R is small) and, for large R, a ring all-gather; both need
-  the schedule (optim/sharded_schedule.py) to take the replica split per parameter, not per plan.
+  recompute from R = 13 and R = 46 respectively.
+Mixed plans: the split is per parameter (`ParamLayout.split`, read by the owners, the stats and the
+schedule), and "auto" also plans the split `_split_pays` picks: a parameter whose holder's R - 1
+sends of its largest piece take less time than one block's NS. On Kimi K2 (H200 numbers) that is
+the dense layer's three 7168 x 18432 matrices at W = 256 and nothing at W >= 1024; the mixed plan
+projects 0.465 s at W = 256 (est 0.767 / 0.412 s overlapped, against "off"'s 0.759 / 0.390 s): the
+FLOPs it saves come off compute while the step is bound by inter-node traffic, which the gathers
+add to, so "auto" keeps "off" there. A ring all-gather for large R remains the open lever.
 
 Cost model (for replica_split="auto" and `describe`): a rank's step time is
   NS FLOPs / flops_per_s + max(sent, received) intra-node bytes / intra_node_bytes_per_s
                          + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
 nothing overlapped; the plan's estimate is the maximum over ranks (`est_overlapped`: the same with
 the three terms overlapped, the max of them instead of the sum). The bucket pipeline overlaps
-between the two, so "auto" plans both ways and keeps "on" only when it is cheaper under both.
+between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
+it is cheaper than the one kept under both.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -130,6 +137,7 @@ class ParamLayout:
     flops: int  # NS FLOPs of one block
     nbytes: int  # bytes of one block in the NS dtype
     shape_group: int
+    split: bool = False  # replica split: each block computed by one replica, its result all-gathered
 
 
 @dataclass(eq=False)
@@ -138,7 +146,7 @@ class Plan:
     world_size: int
     params: list[ParamLayout]
     shape_groups: list[tuple[int, int, torch.dtype]]  # (short side, long side, NS dtype)
-    replica_split: bool
+    replica_split: bool | str  # True: every replicated parameter split, False: none, "mixed": some
     # one row per block instance (a block, or a block in one replica when each replica computes it)
     inst: dict[str, np.ndarray] = field(repr=False)  # param, block, replica, owner, bucket, flops
     num_buckets: int = 0
@@ -149,21 +157,49 @@ class Plan:
         return describe(self, max_rows)
 
 
-def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = PlanOptions()) -> Plan:
-    """Plan every Muon parameter in `specs` (see the module docstring)."""
-    params, shape_groups = _layouts(specs, options)
-    replicated = any(p.groups.shape[0] > 1 for p in params)
-    choices = {"on": [True], "off": [False], "auto": [False, True] if replicated else [False]}
-    plans = []
-    for split in choices[options.replica_split]:
-        inst = assign(params, world_size, split, _byte_flops(params, options) if split else None)
-        plan = Plan(options, world_size, params, shape_groups, split, inst)
-        plan.num_buckets = _buckets(plan)
-        plan.stats = plan_stats(plan)
-        plans.append(plan)
-    if len(plans) == 2 and _cheaper(plans[1].stats, plans[0].stats):  # "auto": (off, on)
-        return plans[1]
-    return plans[0]
+def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = PlanOptions(),
+              split: set[str] | None = None) -> Plan:
+    """Plan every Muon parameter in `specs` (see the module docstring). `split`: names of the
+    parameters to split across replicas, overriding `options.replica_split` (tests, experiments)."""
+    layouts, shape_groups = _layouts(specs, options)
+    byte_flops = _byte_flops(layouts, options)
+    replicated = [p.groups.shape[0] > 1 for p in layouts]
+    none = [False] * len(layouts)
+    if split is not None:
+        chosen = [r and p.spec.name in split for p, r in zip(layouts, replicated)]
+        kind = "mixed" if chosen not in (none, replicated) else any(chosen)
+        return _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+    mixed = _split_pays(layouts, byte_flops)
+    candidates = {"off": [(False, none)], "on": [(True, replicated)], "auto": [(False, none)]}
+    if options.replica_split == "auto" and any(replicated):  # after "off": "on", then mixed if it differs
+        candidates["auto"] += [(True, replicated)] + ([("mixed", mixed)] if mixed not in (none, replicated) else [])
+    best = None
+    for kind, chosen in candidates[options.replica_split]:
+        plan = _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+        if best is None or _cheaper(plan.stats, best.stats):
+            best = plan
+    return best
+
+
+def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
+    """The plan with parameter i split across replicas where split[i] (`kind`: Plan.replica_split)."""
+    params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
+    plan = Plan(options, world_size, params, shape_groups, kind, assign(params, world_size, byte_flops))
+    plan.num_buckets = _buckets(plan)
+    plan.stats = plan_stats(plan)
+    return plan
+
+
+def _split_pays(params, byte_flops) -> list[bool]:
+    """Per parameter, the "auto" rule for a mixed plan: split across replicas when a holder's
+    all-gather sends of its largest piece, (R - 1) x piece bytes, take less time than the NS of one
+    block, which splitting saves in each other replica (both in FLOP-equivalents, `byte_flops`)."""
+    out = []
+    for p, bf in zip(params, byte_flops):
+        R = p.groups.shape[0]
+        piece_bytes = int(p.pieces.numel.max(initial=0)) * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
+        out.append(R > 1 and (R - 1) * piece_bytes * bf < p.flops)
+    return out
 
 
 def _cheaper(a: PlanStats, b: PlanStats) -> bool:

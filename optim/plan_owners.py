@@ -9,26 +9,26 @@ import heapq
 import numpy as np
 
 
-def assign(params, world_size, split, byte_flops=None):
+def assign(params, world_size, byte_flops=None):
     """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
     orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
-    1% over the mean).
+    1% over the mean). Each parameter's `split` says whether its blocks are split across replicas.
 
-    `byte_flops` (replica split only): per parameter, the NS FLOPs that cost as much time as one
-    byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
+    `byte_flops` (read for split parameters): per parameter, the NS FLOPs that cost as much time as
+    one byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
 
     Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
     group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
     a block has R instances, placed together: row r of its candidates is replica r's group.
     """
-    reps = [1 if split else p.groups.shape[0] for p in params]
+    reps = [1 if p.split else p.groups.shape[0] for p in params]
     n_blocks = [len(p.block_boxes) for p in params]
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
-    width = [p.groups.size if split else p.groups.shape[1] for p in params]
+    width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, split, reps, byte_flops)
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, byte_flops)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
@@ -44,19 +44,20 @@ def assign(params, world_size, split, byte_flops=None):
     return inst
 
 
-def _greedy(params, items, world_size, cap, split, reps, byte_flops):
+def _greedy(params, items, world_size, cap, reps, byte_flops):
     loads = np.zeros(world_size)
     sends = np.zeros(world_size)  # replica split: all-gather sends so far, in FLOP-equivalents
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
-    held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per piece template / per group
+    held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
     for _, _, pi, b in items:
         p = params[pi]
-        if id(p.pieces) not in held:
-            held[id(p.pieces)] = _held_fraction(p, split)
-            whole_on[id(p.pieces)] = p.pieces.whole_on.tolist()
-            shares[id(p.pieces)] = _equal_shares(held[id(p.pieces)])
-        whole = whole_on[id(p.pieces)][b]
+        t = (id(p.pieces), p.split)
+        if t not in held:
+            held[t] = _held_fraction(p, p.split)
+            whole_on[t] = p.pieces.whole_on.tolist()
+            shares[t] = _equal_shares(held[t])
+        whole = whole_on[t][b]
         if whole >= 0 and p.groups.shape[0] == 1:  # fast path (whole experts): one candidate row
             own = int(p.groups[0, whole])
             if loads[own] + p.flops > cap:
@@ -66,16 +67,16 @@ def _greedy(params, items, world_size, cap, split, reps, byte_flops):
             if id(p.groups) in heaps:
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
-        masks, pattern, share = shares[id(p.pieces)]
+        masks, pattern, share = shares[t]
         if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
             own = _least_loaded_equal(share_heaps, p, masks, pattern[b], share[b], loads)
             if own is not None:
                 owner[pi][b, 0] = own
                 continue
-        if split and p.groups.shape[0] > 1 and byte_flops is not None:
-            own, rep = _place_split_block(p, b, loads, sends, cap, held[id(p.pieces)][b], byte_flops[pi])
+        if p.split and p.groups.shape[0] > 1 and byte_flops is not None:
+            own, rep = _place_split_block(p, b, loads, sends, cap, held[t][b], byte_flops[pi])
         else:
-            own, rep = _place_block(p, b, loads, cap, split, held[id(p.pieces)][b])
+            own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, owner, replica

@@ -41,7 +41,8 @@ class ShardedMuon(torch.optim.Optimizer):
     Options: bucket_mb (NS input each rank owns per bucket), replica_split ("auto" | "on" | "off":
     split the NS work across HSDP replicas, all-gathering results over the replica axis),
     overlap (False: one bucket at a time, for benchmarks), ranks_per_node (cost model and stats),
-    record_events (keep `events`, the (event, bucket) order of the last step, for tests).
+    record_events (keep `events`, the (event, bucket) order of the last step, for tests),
+    split_params (names of parameters to split across replicas, overriding replica_split; tests).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class ShardedMuon(torch.optim.Optimizer):
         overlap: bool = True,
         ranks_per_node: int = 8,
         record_events: bool = False,
+        split_params: set[str] | None = None,
     ):
         if isinstance(named_params, nn.Module):
             named_params = named_params.named_parameters()
@@ -67,7 +69,7 @@ class ShardedMuon(torch.optim.Optimizer):
         specs = [param_spec(n, p, splits[n]) for n, p in muon]
         options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=config.ns_torch_dtype(),
                               ns_steps=config.ns_steps, ranks_per_node=ranks_per_node)
-        self.plan = make_plan(specs, world, options)
+        self.plan = make_plan(specs, world, options, split=split_params)
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
         listed = collectives(self.plan)

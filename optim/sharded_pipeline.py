@@ -7,8 +7,9 @@ Per bucket k:
   compute(k)  wait for bucket k's all-to-alls, assemble full blocks (received pieces + own copies)
               into one [n, short, long] tensor per shape group, ONE batched `orthogonalize` each.
   return(k)   issue the reverse all_to_all_single (async): result pieces travel back to holders.
-  finish(k)   wait for the return, apply the results; with replica split, issue the all-gather
-              over the replica axis (all_to_all_single with the same segment for every member).
+  finish(k)   wait for the return, apply the results; for the parameters split across replicas,
+              issue the all-gather over the replica axis (all_to_all_single with the same segment
+              for every member).
   gathered(k) wait for that all-gather and apply what other replicas computed.
 
 With overlap: launch(k+1) is issued before compute(k), and return(k) is waited only after
@@ -126,7 +127,7 @@ class BucketPipeline:
         for i, piece in results.items():
             apply(b.held[i], piece)
         flight["gather"] = []
-        for ex in b.gathers:  # replica split: my replica's results to the other replicas
+        for ex in b.gathers:  # split parameters: my replica's results to the other replicas
             mine = self._pack([results[i] for i in ex.sends])
             send = torch.cat([mine] * sum(1 for n in ex.send_sizes if n)) if mine.numel() else mine
             flight["gather"].append((ex, *self._a2a(ex.recv_sizes, ex.send_sizes, send, ex.group)))

@@ -3,8 +3,9 @@
 of the module docstring of `optim/plan.py`, summed and overlapped. Pure numpy over the plan's arrays.
 
 Traffic counted per step, both directions: a piece whose holder is not its block's owner crosses
-once to the owner (forward all-to-all) and once back (return all-to-all); with replica split, every
-piece of a result also goes from its holder to the same shard position in each other replica.
+once to the owner (forward all-to-all) and once back (return all-to-all); for a parameter split across
+replicas (`ParamLayout.split`), every piece of a result also goes from its holder to the same shard
+position in each other replica.
 """
 
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ def plan_stats(plan) -> PlanStats:
                          world)
         if moving.any():
             communicated.add(p.shape_group)
-        if plan.replica_split and p.groups.shape[0] > 1 and len(idx):
+        if p.split and p.groups.shape[0] > 1 and len(idx):
             R, S = p.groups.shape
             at = plan.inst["replica"][rows["inst"]] * S + rows["shard"]
             entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(R * S)])
@@ -114,12 +115,18 @@ def _replica_gather(traffic, groups, computed, ranks_per_node, world):
         traffic[k] += np.bincount(groups.ravel(), weights=v.ravel(), minlength=world)
 
 
+def _split_word(plan) -> str:
+    if plan.replica_split == "mixed":
+        return f"on for {sum(p.split for p in plan.params)} of {len(plan.params)} params"
+    return "on" if plan.replica_split else "off"
+
+
 def describe(plan, max_rows: int = 16) -> str:
     s, opt = plan.stats, plan.options
     n_blocks = sum(len(p.block_boxes) for p in plan.params)
     lines = [
         f"Sharded Muon plan: {plan.world_size} ranks, {len(plan.params)} Muon params, {n_blocks} blocks "
-        f"({len(plan.inst['owner'])} computed, replica split {'on' if plan.replica_split else 'off'}), "
+        f"({len(plan.inst['owner'])} computed, replica split {_split_word(plan)}), "
         f"{plan.num_buckets} buckets of <= {opt.bucket_mb:g} MB per rank",
         f"NS FLOPs per rank: max {s.flops.max():.3e}, mean {s.flops.mean():.3e}, max/mean {s.load_ratio:.3f}; "
         f"estimated step {s.est_seconds * 1e3:.1f} ms, {s.est_overlapped * 1e3:.1f} ms overlapped "

@@ -8,8 +8,10 @@ A piece this rank both holds and owns is a copy (no communication).
 Buffer order, identical on both ends of every collective: forward all-to-all segments by group
 member (destination on the sender, source on the receiver), inside a segment by (instance, piece)
 in the plan's canonical order; the return all-to-all is the same exchange with roles swapped.
-Replica all-gather (replica split): each member sends its replica's results for its shard
-position, ordered by (instance, piece), to every other member.
+Replica all-gather (for each parameter split across replicas, `ParamLayout.split`): each member sends
+its replica's results for its shard position, ordered by (instance, piece), to every other member;
+the pieces of parameters each replica computes itself (not split) never enter it, even when they
+share the bucket and the replica group.
 """
 
 from dataclasses import dataclass, field
@@ -84,7 +86,7 @@ def collectives(plan) -> list[list[tuple[str, int]]]:
         replica = plan.inst["replica"][rows["inst"]]
         moving = rows["holder"] != rows["owner"]
         found |= {("a2a", int(k), int(g)) for k, g in set(zip(bucket[moving], comm_id[pi][replica[moving]]))}
-        if plan.replica_split and p.groups.shape[0] > 1:
+        if p.split and p.groups.shape[0] > 1:
             found |= {("gather", int(k), int(g)) for k, g in set(zip(bucket, rep_id[pi][rows["shard"]]))}
     out = [[] for _ in range(plan.num_buckets)]
     for kind, k, g in sorted(found, key=lambda t: (t[1], t[0], t[2])):
@@ -131,7 +133,7 @@ def _my_rows(plan, me, comm_id, rep_id) -> list[dict]:
         rows = param_pieces(plan, pi, idx)
         replica = plan.inst["replica"][rows["inst"]]
         at_mine = rows["shard"] == my_shard
-        held = at_mine & ((replica == my_rep) | plan.replica_split)
+        held = at_mine & ((replica == my_rep) | p.split)
         for j in np.nonzero(held | (rows["owner"] == me))[0]:
             out.append(_row(plan, p, pi, rows, j, my_rep, my_shard, bool(held[j]), comm_id, rep_id))
     return out
@@ -149,7 +151,8 @@ def _row(plan, p, pi, rows, j, my_rep, my_shard, held, comm_id, rep_id) -> dict:
         held=held, owner=int(rows["owner"][j]), holder=int(rows["holder"][j]),
         source=int(p.groups[replica, my_shard]),  # who has this piece's result in the computing replica
         gathered=held and replica != my_rep,
-        a2a=int(comm_id[pi][replica]), gather=int(rep_id[pi][my_shard]) if p.groups.shape[0] > 1 else -1,
+        a2a=int(comm_id[pi][replica]),
+        gather=int(rep_id[pi][my_shard]) if p.split and p.groups.shape[0] > 1 else -1,  # split params only
         local=local, block=block[-2:], shape=tuple(int(hi - lo) for lo, hi in box),
         numel=int(rows["numel"][j]),
     )

@@ -91,11 +91,18 @@ def test_pieces_cover_every_block_once_and_whole_blocks_stay_local():
     assert (plan.inst["owner"][mine] == holders).mean() >= 0.5  # most stay where they are
 
 
-@pytest.mark.parametrize("replica_split", ["off", "on"])
+# "mixed": wq and w3 split across replicas, wo, gate (same replica groups, same buckets) computed in
+# every replica
+SPLIT_CHOICES = {"off": None, "on": None, "mixed": {"wq", "w3"}}
+
+
+@pytest.mark.parametrize("replica_split", sorted(SPLIT_CHOICES))
 def test_every_rank_issues_the_same_collectives_with_matching_splits(replica_split):
     """What makes a deadlock impossible: members of each group list the group's collectives in the
     same order, and what a sends b is what b expects from a (zero-length included)."""
-    plan = make_plan(awkward_specs(), 8, PlanOptions(replica_split=replica_split, bucket_mb=0.0005))
+    options = PlanOptions(replica_split="auto" if replica_split == "mixed" else replica_split, bucket_mb=0.0005)
+    plan = make_plan(awkward_specs(), 8, options, split=SPLIT_CHOICES[replica_split])
+    assert plan.replica_split == {"off": False, "on": True, "mixed": "mixed"}[replica_split]
     assert plan.num_buckets > 2
     schedules = [rank_schedule(plan, r) for r in range(8)]
     keys, _, _ = group_keys(plan)
@@ -122,8 +129,35 @@ def test_every_rank_issues_the_same_collectives_with_matching_splits(replica_spl
                 common = set(s1) & set(s2)
                 assert [g for g in s1 if g in common] == [g for g in s2 if g in common]
     assert n_collectives > 0
-    if replica_split == "on":
+    if replica_split != "off":
         assert any(b.gathers for s in schedules for b in s)
+    if replica_split == "mixed":  # each rank holds (gathered or computed) every piece at its shard position
+        for rank, buckets in enumerate(schedules):
+            held = {p.spec.name: 0 for p in plan.params}
+            for b in buckets:
+                for h in b.held:
+                    held[plan.params[h.param].spec.name] += int(np.prod(h.shape))
+            for p in plan.params:
+                where = np.argwhere(p.groups == rank)
+                if len(where):
+                    box = p.boxes[where[0][1]]
+                    assert held[p.spec.name] == np.prod(box[:, 1] - box[:, 0]), (rank, p.spec.name)
+
+
+def test_mixed_plan_splits_only_the_chosen_parameters():
+    plan = make_plan(awkward_specs(), 8, PlanOptions(bucket_mb=0.0005), split={"wq", "w3", "w1"})
+    by_name = {p.spec.name: p for p in plan.params}
+    assert [n for n, p in by_name.items() if p.split] == ["wq", "w3"]  # w1 has one replica: nothing to split
+    count = np.bincount(plan.inst["param"], minlength=len(plan.params))
+    for pi, p in enumerate(plan.params):  # split: each block once; not split: once per replica
+        assert count[pi] == len(p.block_boxes) * (1 if p.split else p.groups.shape[0]), p.spec.name
+    gathered = {plan.params[b.held[i].param].spec.name for r in range(8) for b in rank_schedule(plan, r)
+                for ex in b.gathers for i in ex.sends + ex.recvs}
+    assert gathered == {"wq", "w3"}  # the all-gathers carry the split parameters only
+    assert "on for 2 of 6 params" in plan.describe()
+    on = make_plan(awkward_specs(), 8, PlanOptions(bucket_mb=0.0005, replica_split="on"))
+    assert fingerprint(make_plan(awkward_specs(), 8, PlanOptions(bucket_mb=0.0005, replica_split="on"),
+                                 split={"wq", "wo", "gate", "w3"})) == fingerprint(on)
 
 
 def debug_layouts():
@@ -205,6 +239,21 @@ def test_auto_replica_split_picks_the_cheaper_plan():
         forced = {s: make_plan(specs, 8, PlanOptions(replica_split=s, **network)) for s in ("on", "off")}
         assert auto.replica_split is expect
         assert auto.stats.est_seconds == min(p.stats.est_seconds for p in forced.values())
+
+
+def test_auto_picks_a_mixed_plan_when_it_is_cheaper_both_ways():
+    """8 heads of 1024 x 1024 whose NS (32 s each at 1e9 FLOP/s) outweighs a holder's 3 sends of
+    4 MiB (30 s), next to 64 wide [4, 4096] matrices whose NS is ms but whose gather is 0.23 s each:
+    split the heads, repeat the small ones (with them split too, the gathers make "on" comm-bound)."""
+    specs = [spec("w", (8 * 1024, 1024), per_head_rows(8), (4, 2), (R, S0))]
+    specs += [spec(f"s{i}", (4, 4096), WHOLE, (4, 2), (R, S0)) for i in range(64)]
+    network = dict(flops_per_s=1e9, inter_node_bytes_per_s=4.2e5, ranks_per_node=2)
+    auto = make_plan(specs, 8, PlanOptions(**network))
+    assert auto.replica_split == "mixed"
+    assert [p.spec.name for p in auto.params if p.split] == ["w"]
+    for forced in (make_plan(specs, 8, PlanOptions(replica_split=s, **network)) for s in ("on", "off")):
+        assert auto.stats.est_seconds < forced.stats.est_seconds
+        assert auto.stats.est_overlapped < forced.stats.est_overlapped
 
 
 def test_expert_blocks_whole_on_ep_ranks_are_communication_free():

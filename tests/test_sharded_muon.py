@@ -1,5 +1,6 @@
 """ShardedMuon on 8 gloo ranks against ReferenceMuon on full tensors, for every dense and expert
-layout, awkward shapes, replica split on/off, real FSDP2, DCP save/load, and the bucket overlap.
+layout, awkward shapes, replica split on/off/mixed (per parameter), real FSDP2, DCP save/load, and
+the bucket overlap.
 
 All equivalence cases run inside ONE run_ranks call (forking 8 ranks costs ~1 s; each case then
 costs a few collectives); ranks return their local shards and the parent compares them with the
@@ -51,6 +52,7 @@ class Case:
     bucket_mb: float = 1.0
     overlap: bool = True
     ns_dtype: str = "float32"
+    split: frozenset | None = None  # a mixed plan: exactly these params split across replicas
 
     def config(self):
         return dataclasses.replace(CONFIG, ns_dtype=self.ns_dtype)
@@ -75,6 +77,11 @@ CASES = [
     Case("expert edp_shard=2 x ep=4, 6 experts (an ep rank without experts)", (1, 2, 4), n_experts=6, bucket_mb=0.001),
     Case("expert edp_replicate=2 x edp_shard=2 x ep=2", (2, 2, 2), n_experts=6),
     Case("expert edp_replicate=2 x edp_shard=2 x ep=2, replica split", (2, 2, 2), n_experts=6, replica_split="on"),
+    # mixed plans: split and non-split params share buckets and replica groups
+    Case("dense dp_replicate=2 x dp_shard=4, mixed split", (2, 4), bucket_mb=0.0004,
+         split=frozenset({"wq", "gate", "w_big"})),
+    Case("expert edp_replicate=2 x edp_shard=2 x ep=2, mixed split", (2, 2, 2), n_experts=6, bucket_mb=0.0004,
+         split=frozenset({"w1"})),
     Case("expert 2 local experts < edp_shard=4: Shard(1)", (1, 4, 2), n_experts=4, expert_dim=1),
     Case("dense dp_replicate=2 x dp_shard=4, bf16 Newton-Schulz", (2, 4), ns_dtype="bfloat16"),
     Case("expert edp_shard=2 x ep=4, bf16 Newton-Schulz", (1, 2, 4), n_experts=6, ns_dtype="bfloat16"),
@@ -114,7 +121,12 @@ def _run_cases(rank, world, cases):
             assert torch.equal(p.to_local(), full[n][tuple(slice(lo, hi) for lo, hi in box_of(p))]), n
         splits = {n: s for n, (_, s) in case.params().items() if s is not None}
         opt = ShardedMuon(params.items(), splits, case.config(), bucket_mb=case.bucket_mb,
-                          replica_split=case.replica_split, overlap=case.overlap, record_events=True)
+                          replica_split=case.replica_split, overlap=case.overlap, record_events=True,
+                          split_params=case.split or None)
+        if case.split:
+            assert opt.plan.replica_split == "mixed"
+            assert {p.spec.name for p in opt.plan.params if p.split} == case.split
+            assert any(b.gathers for b in opt._pipeline.buckets)
         for step in range(STEPS):
             for n, p in params.items():
                 p.grad = shard(full_tensor(case, n, p.shape, step), mesh, case.placements())
