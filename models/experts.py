@@ -39,11 +39,16 @@ class GroupedExperts(nn.Module):
         order (sum = T). Returns out_TD in the same order. Experts with no tokens still get a
         (zero) gradient, so every rank steps the same optimizer state."""
         assert counts_E.shape == (self.w1.shape[0],), (counts_E.shape, self.w1.shape)
-        hidden_TF = F.silu(grouped_linear(x_TD, self.w1, counts_E)) * grouped_linear(x_TD, self.w3, counts_E)
-        return grouped_linear(hidden_TF, self.w2, counts_E)
+        return swiglu_experts(x_TD, self.w1, self.w2, self.w3, counts_E)
 
     def muon_splits(self) -> dict[str, MatrixSplit]:
         return {"w1": PER_EXPERT, "w2": PER_EXPERT, "w3": PER_EXPERT}
+
+
+def swiglu_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, counts_E) -> torch.Tensor:
+    """Each expert's SwiGLU on its group of rows: w2 (silu(w1 x) * w3 x), grouped matmuls."""
+    hidden_TF = F.silu(grouped_linear(x_TD, w1_EFD, counts_E)) * grouped_linear(x_TD, w3_EFD, counts_E)
+    return grouped_linear(hidden_TF, w2_EDF, counts_E)
 
 
 def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

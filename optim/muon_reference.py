@@ -106,6 +106,21 @@ def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
     return [muon_group, adamw_group]
 
 
+def step_groups(optimizer, closure=None):
+    """torch.optim step protocol over the "muon" and "adamw" groups: the optimizer's `_muon_step`
+    and `_adamw_step` per group; returns the closure's loss."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        if group["kind"] == "muon":
+            optimizer._muon_step(group)
+        else:
+            optimizer._adamw_step(group)
+    return loss
+
+
 class ReferenceMuon(torch.optim.Optimizer):
     """Muon for parameters named in `splits` (when config.name == "muon"), AdamW for the others.
 
@@ -132,16 +147,7 @@ class ReferenceMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["kind"] == "muon":
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
-        return loss
+        return step_groups(self, closure)
 
     def _muon_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]

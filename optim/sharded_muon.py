@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from optim.adamw import adamw_update, init_adamw_state
 from optim.config import OptimConfig
-from optim.muon_reference import momentum_update, param_groups, partition_params
+from optim.muon_reference import momentum_update, param_groups, partition_params, step_groups
 from optim.newton_schulz import lr_scale
 from optim.plan import PlanOptions, make_plan
 from optim.sharded_pipeline import BucketPipeline
@@ -95,18 +95,9 @@ class ShardedMuon(torch.optim.Optimizer):
         e. apply p[piece] -= lr * lr_scale(block) * O[piece] to the local shards;
         then AdamW on the local shards of the other parameters.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         if self.events is not None:
             self.events.clear()
-        for group in self.param_groups:
-            if group["kind"] == "muon":
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
-        return loss
+        return step_groups(self, closure)
 
     def _muon_step(self, group):
         params, lr = group["params"], group["lr"]

@@ -20,12 +20,11 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.experts import GroupedExperts, grouped_linear
+from models.experts import GroupedExperts, swiglu_experts
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -51,7 +50,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts_E: 
     w1, w2, w3 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)  # [L, F, D], [L, D, F], [L, F, D]
     n_ranks = dist.get_world_size(self.ep_group)
     if n_ranks == 1:
-        return _swiglu_experts(x_TD, w1, w2, w3, counts_E)
+        return swiglu_experts(x_TD, w1, w2, w3, counts_E)
     n_local = counts_E.shape[0] // n_ranks
     send_counts_PL = counts_E.view(n_ranks, n_local)
     recv_counts_PL = torch.empty_like(send_counts_PL)
@@ -65,7 +64,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts_E: 
         recv_counts_PL.flatten(), output_size=sum(recv_splits)  # output_size: no second host sync
     )
     order_R = torch.argsort(expert_of_row_R, stable=True)
-    y_sorted_RD = _swiglu_experts(x_RD[order_R], w1, w2, w3, recv_counts_PL.sum(0))
+    y_sorted_RD = swiglu_experts(x_RD[order_R], w1, w2, w3, recv_counts_PL.sum(0))
     y_RD = y_sorted_RD[torch.argsort(order_R)]
     return _all_to_all(y_RD, send_splits, recv_splits, self.ep_group)  # communication: combine
 
@@ -73,12 +72,6 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts_E: 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """The local experts of an (unsharded by FSDP) expert weight; gradients flow back as Shard(0)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
-def _swiglu_experts(x_TD, w1_LFD, w2_LDF, w3_LFD, counts_L):
-    """GroupedExperts' computation with explicit weights (same grouped matmul as the model)."""
-    hidden_TF = F.silu(grouped_linear(x_TD, w1_LFD, counts_L)) * grouped_linear(x_TD, w3_LFD, counts_L)
-    return grouped_linear(hidden_TF, w2_LDF, counts_L)
 
 
 def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
@@ -56,24 +57,14 @@ class MicroBatch(NamedTuple):
     positions_S: torch.Tensor  # int64 global positions of the S tokens (RoPE and the causal mask)
 
 
-def cp_chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Global positions held by context-parallel `rank`: chunks `rank` and `2*cp-1-rank` of 2*cp, int64 [L/cp]."""
-    if seq_len % (2 * cp) != 0:
-        raise ValueError(f"data.seq_len={seq_len} is not divisible by 2*cp={2 * cp} (load-balanced context "
-                         f"parallelism cuts each sequence into 2*cp chunks)")
-    assert 0 <= rank < cp, (rank, cp)
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
-    return torch.cat([first, second])
-
-
 def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
     """Raise ValueError unless the global batch splits evenly over micro-batches, dp ranks and cp chunks."""
     if config.batch_size % (grad_accum * dp_degree) != 0:
         raise ValueError(f"data.batch_size={config.batch_size} is not divisible by training.grad_accum={grad_accum} "
                          f"x data-parallel degree {dp_degree} = {grad_accum * dp_degree}")
-    cp_chunk_positions(config.seq_len, cp_degree, 0)
+    if config.seq_len % (2 * cp_degree) != 0:
+        raise ValueError(f"data.seq_len={config.seq_len} is not divisible by 2*cp={2 * cp_degree} (load-balanced "
+                         f"context parallelism cuts each sequence into 2*cp chunks)")
 
 
 def read_sidecar(path: str) -> dict | None:
@@ -129,7 +120,7 @@ class Loader:
         self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
         self.rows = config.batch_size // (grad_accum * dp_degree)  # B
         self.first_row = dp_rank * self.rows
-        self.positions_S = cp_chunk_positions(config.seq_len, cp_degree, cp_rank)
+        self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
         self.tokens, source_vocab = open_tokens(config)
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self.model_vocab = vocab_size

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from runtime import corpus
-from runtime.data import DataConfig, Loader, cp_chunk_positions, window_starts
+from parallel.context_parallel import load_balanced_positions
+from runtime.data import DataConfig, Loader, window_starts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,9 +96,9 @@ def test_loader_position_resumes_from_state_dict():
 
 
 def test_cp_chunks_are_load_balanced_and_cover_the_sequence():
-    assert cp_chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert cp_chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    everything = torch.cat([cp_chunk_positions(24, 3, r) for r in range(3)])
+    assert load_balanced_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert load_balanced_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    everything = torch.cat([load_balanced_positions(24, 3, r) for r in range(3)])
     assert sorted(everything.tolist()) == list(range(24))
 
 
