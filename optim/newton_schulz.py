@@ -11,9 +11,10 @@ polynomials push the singular values into a band around 1:
   "jordan"         (3.4445, -4.7750, 2.0315) five times (Keller Jordan, modded-nanogpt, 2024):
                    s in [1e-2, 1] -> [0.682, 1.135]; deliberately not convergent, it trades accuracy
                    for a steep slope at 0 (a = 3.4445) so small singular values grow fast.
-  "polar_express"  five per-iteration tuples (Amsel et al. 2025, arXiv 2505.16932): a minimax-optimal
-                   composition, s in [1e-3, 1] -> [0.847, 1.142] after the 1.02 safety margin on the
-                   normalization; more steps repeat the last tuple.
+  "polar_express"  five per-iteration tuples as modded-nanogpt uses them, derived from Polar Express
+                   (Amsel et al. 2025, arXiv 2505.16932; the paper's Algorithm 1 lists different
+                   tuples with a 1.01 safety factor): s in [1e-3, 1] -> [0.847, 1.142] after the
+                   1.02 safety margin on the normalization; more steps repeat the last tuple.
 
 The Gram matrix A is formed on the short side (s = min(m, n)), so one iteration costs
 4 s^2 l + 2 s^3 FLOPs with l = max(m, n) (`ns_flops`). All maths runs in the input dtype; callers
@@ -27,6 +28,8 @@ import math
 import torch
 
 JORDAN = ((3.4445, -4.7750, 2.0315),) * 5
+# modded-nanogpt's variant of Polar Express (not the tuples of the paper's Algorithm 1, which use a
+# 1.01 safety factor); paired with a 1.02 factor on the normalization in COEFFICIENT_SETS.
 POLAR_EXPRESS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -55,8 +58,10 @@ def orthogonalize(
     """Approximate polar factor of every matrix in x [..., m, n]; returns [..., m, n] in x.dtype.
 
     Each matrix is normalized by its own Frobenius norm (times the set's safety factor, plus eps,
-    so an all-zero matrix gives zeros). Batch entries never interact: the result for one matrix
-    does not depend on what else is in the batch, nor on the memory layout of x.
+    so an all-zero matrix gives zeros). Batch entries never interact mathematically. Numerically, in
+    fp32 on CPU the result for one matrix does not depend on what else is in the batch (measured,
+    torch 2.13); in bf16 it can: CPUs with AMX-bf16 round a batched matmul's last bit differently
+    with the batch size, so batched and one-by-one results agree only to bf16 rounding.
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs [..., m, n], got shape {tuple(x.shape)}")
