@@ -1,11 +1,16 @@
 """Entry point: `torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]`.
 
-load config -> check the layout (every rank, before any process group) -> init the process group ->
-build meshes -> train -> tear down in `finally`. A config mistake exits with status 2 and one line.
+load config -> check the layout and data (every rank, before any process group) -> init the process
+group -> lock the run dir -> build meshes -> train -> tear down in `finally`.
+
+Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 143 preempted (checkpoint saved).
+Every stop prints one line, from rank 0 only (runtime/errors.py).
 """
 
+import datetime
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
@@ -14,8 +19,12 @@ import torch.distributed as dist  # noqa: E402
 
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
-from runtime.data import Loader  # noqa: E402
+from runtime.data import Loader, check_token_ids  # noqa: E402
+from runtime.errors import RunError  # noqa: E402
+from runtime.run_lock import run_lock  # noqa: E402
 from runtime.train import train  # noqa: E402
+
+STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def check_environment(config) -> None:
@@ -23,7 +32,31 @@ def check_environment(config) -> None:
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
     Loader(config.data, config.training.seed, grad_accum=config.training.grad_accum,
-           vocab_size=config.model.vocab_size).batch(0)  # the first batch's token ids fit the model
+           vocab_size=config.model.vocab_size)
+    check_token_ids(config.data, config.model.vocab_size)
+
+
+def rendezvous_store(rank: int, world_size: int) -> dist.Store:
+    """The env:// store, with keys prefixed per torchrun restart attempt.
+
+    torchrun's agent keeps ONE store across `--max-restarts` attempts, and torch's env:// init gives
+    every attempt the same key names, so restarted workers read the dead workers' gloo addresses
+    ("connectFullMesh failed ... Connection refused"; reproduced on torch 2.13 with 5 of 6 restarts
+    failing, 0 of 6 with this prefix)."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=STORE_TIMEOUT)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def stop(rank: int, message: str, code: int) -> int:
+    """Rank 0 prints the one line; under torchrun the other ranks wait a moment before exiting, since
+    torchrun ends every worker as soon as one exits and would otherwise often cut rank 0 off."""
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(2)
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -36,22 +69,22 @@ def main(argv: list[str]) -> int:
         layout = config.layout(world_size)
         check_environment(config)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return stop(rank, f"config error: {e}", 2)
     device_type = config.training.device_type()
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")) if device_type == "cuda" else None)
     if device_type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ:  # torchrun (or any env:// launcher)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-    else:  # plain `python launch/pretrain.py`: one process, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    store = rendezvous_store(rank, world_size) if "MASTER_ADDR" in os.environ else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
-        meshes = build_meshes(layout, device_type)
-        if rank == 0:
-            print(describe(layout, config.model), flush=True)
-        train(config, layout, meshes, device)
+        with run_lock(config.run.dir, rank):
+            meshes = build_meshes(layout, device_type)
+            if rank == 0:
+                print(describe(layout, config.model), flush=True)
+            train(config, layout, meshes, device)
+    except RunError as e:  # raised identically on every rank
+        return stop(rank, str(e), e.exit_code)
     finally:
         dist.destroy_process_group()
     return 0

@@ -5,6 +5,7 @@ both the Muon and the AdamW parameter groups, made compatible by the "rms" per-b
 The last four fields are the sharded Muon's distributed options (optim/sharded_muon.py).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,16 @@ class OptimConfig:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")
-        # `not (lo <= x)` instead of `x < lo` so that NaN is rejected too
-        checks = {"lr": 0 <= self.lr, "weight_decay": 0 <= self.weight_decay,
-                  "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
+        # `not (lo <= x)` instead of `x < lo` so that NaN is rejected too; isfinite because inf passes `0 <= x`
+        finite = {k: math.isfinite(getattr(self, k)) for k in ("lr", "weight_decay", "adam_eps", "bucket_mb")}
+        checks = {"lr": finite["lr"] and 0 <= self.lr,
+                  "weight_decay": finite["weight_decay"] and 0 <= self.weight_decay, "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
                   "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
-                  "adam_eps": self.adam_eps > 0, "bucket_mb": self.bucket_mb > 0,
-                  "ranks_per_node": self.ranks_per_node >= 1}
-        ranges = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)", "ns_steps": ">= 1",
-                  "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)", "adam_eps": "> 0",
-                  "bucket_mb": "> 0", "ranks_per_node": ">= 1"}
+                  "adam_eps": finite["adam_eps"] and self.adam_eps > 0,
+                  "bucket_mb": finite["bucket_mb"] and self.bucket_mb > 0, "ranks_per_node": self.ranks_per_node >= 1}
+        ranges = {"lr": "finite and >= 0", "weight_decay": "finite and >= 0", "momentum": "in [0, 1)",
+                  "ns_steps": ">= 1", "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)",
+                  "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0", "ranks_per_node": ">= 1"}
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: must be {ranges[key]}")

@@ -9,6 +9,11 @@ marker, fsyncs it and renames the directory to `step_<N>` (a rename is atomic on
 point leaves either the previous checkpoint or the new complete one. All ranks must see the same file
 system (a shared one across nodes).
 
+What is checked: every checkpoint's marker also records what must match to resume (the model config,
+the optimizer, the schedule; `meta` of `save`), so a resume with another model fails with one line
+naming the differing keys instead of silently dropping weights (DCP ignores extra keys). A save that
+fails (disk full, I/O error) removes its `.tmp` and keeps every older checkpoint.
+
 Resharding: FSDP2 parameters and optimizer states are DTensors; DCP stores each shard with its global
 offsets, so a checkpoint saved under one layout loads under another. Plain (replicated) tensors and
 Python values are written once (by the rank DCP picks) and read by every rank: all ranks must hold
@@ -16,6 +21,7 @@ the same value (true for the data position, the step and the RNG states of a see
 """
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -29,8 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from runtime.errors import RunError
 
 MARKER = "COMPLETE"
+
+
+class Unloadable(RunError):
+    """A complete-looking checkpoint whose files do not load (truncated, missing, garbled)."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -133,11 +146,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _publish(tmp: str, final: str, step: int) -> None:
-    """Rank 0: mark `tmp` complete and rename it to `final`."""
+def _publish(tmp: str, final: str, step: int, meta: dict) -> None:
+    """Rank 0: mark `tmp` complete (the marker holds `meta`) and rename it to `final`."""
     marker = os.path.join(tmp, MARKER)
     with open(marker, "w") as f:
-        json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+        json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **meta}, f)
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(final):  # re-saving a step (e.g. after a resume): the new one replaces it
@@ -153,32 +166,108 @@ def _prune(directory: str, keep: int) -> None:
             shutil.rmtree(path)
 
 
-def save(step: int, directory: str, app_state: dict, *, keep: int = 0) -> str:
+def save(step: int, directory: str, app_state: dict, *, keep: int = 0, meta: dict | None = None) -> str:
     """Save `app_state` (name -> Stateful or state dict) as `<directory>/step_<step>`; collective.
 
-    Every rank of the default process group must call it. Returns the checkpoint's path.
+    Every rank of the default process group must call it. Returns the checkpoint's path. `meta` (JSON)
+    goes into the marker (see `read_meta`). If writing fails on any rank, every rank raises RunError
+    (DCP reports a failure on one rank to all), the `.tmp` is removed and older checkpoints stay.
     """
     final = os.path.join(directory, f"step_{step}")
     tmp = final + ".tmp"
     if _rank() == 0:
         os.makedirs(directory, exist_ok=True)
-        for name in os.listdir(directory):  # leftovers of saves that crashed
+        for name in os.listdir(directory):  # leftovers of saves that crashed (the run-dir lock excludes other runs)
             if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]):
                 shutil.rmtree(os.path.join(directory, name))
     _barrier()  # nobody writes into tmp before the leftovers are gone
-    with _single_process_ok():
-        dcp.save(app_state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_ok():
+            dcp.save(app_state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    except Exception as e:  # raised on every rank
+        full = _disk_full(e, directory)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        what = "no space left on device" if full else f"{_reason(e)}"
+        raise RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
+                       f"kept (newest: {latest_checkpoint(directory) or 'none'})") from None
     _barrier()  # every rank's shards are on disk
     if _rank() == 0:
-        _publish(tmp, final, step)
+        _publish(tmp, final, step, meta or {})
         _prune(directory, keep)
     _barrier()  # nobody looks for the checkpoint before it is published
     return final
 
 
+def _disk_full(error: BaseException, directory: str) -> bool:
+    """Whether a failed save ran out of space: ENOSPC anywhere in the error, or (torch.save's zip writer
+    reports a short write as "unexpected pos") under 64 MiB left on the file system."""
+    if "No space left" in str(error) or any(getattr(e, "errno", None) == errno.ENOSPC for e in _causes(error)):
+        return True
+    return shutil.disk_usage(directory).free < 64 * 2**20
+
+
+def _causes(error: BaseException | None):
+    """`error`, the per-rank errors a DCP CheckpointException wraps, and their causes, depth first."""
+    if error is None:
+        return
+    yield error
+    for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> WrappedException
+        yield from _causes(getattr(failure, "exc", None))
+    yield from _causes(error.__cause__)
+
+
+def _reason(error: BaseException) -> str:
+    """The first root cause of `error` in one line, at most 200 characters."""
+    causes = list(_causes(error))
+    root = next((e for e in causes if not getattr(e, "failures", None) and e.__cause__ is None), error)
+    text = (str(root).strip().splitlines() or [""])[0]
+    return f"{type(root).__name__}: {text}"[:200]
+
+
 def load(path: str, app_state: dict) -> None:
-    """Load a checkpoint written by `save` into `app_state` in place (Stateful objects get load_state_dict)."""
+    """Load a checkpoint written by `save` into `app_state` in place (Stateful objects get load_state_dict).
+
+    Raises Unloadable (one line, on every rank) if it does not load: a missing, truncated or garbled file."""
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    with _single_process_ok():
-        dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    try:
+        with _single_process_ok():
+            dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP gathers every rank's failure and raises it on all ranks
+        raise Unloadable(_reason(e)) from None
+
+
+def read_meta(path: str) -> dict:
+    """The marker of a complete checkpoint: {"step", "world_size", **meta}; Unloadable if unreadable."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise Unloadable(f"unreadable {MARKER} marker: {e}") from None
+    if not isinstance(meta, dict):
+        raise Unloadable(f"unreadable {MARKER} marker: not a JSON object")
+    return meta
+
+
+def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """`key: saved -> current` for every key of `current` whose saved value differs (keys the
+    checkpoint does not record are skipped: older checkpoints record less)."""
+    current = json.loads(json.dumps(current))  # tuples -> lists, as the marker stores them
+    return [f"{prefix}{k}: {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
+
+
+def all_finite(model: torch.nn.Module, optimizers) -> bool:
+    """Whether every parameter and optimizer-state tensor is finite on every rank; collective
+    (communication: one int, MIN over all ranks). Checked before a save: never checkpoint NaN."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            local += [v.to_local() if isinstance(v, DTensor) else v for v in state.values()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    device = local[0].device if local else torch.device("cpu")
+    ok = torch.tensor([int(all(bool(torch.isfinite(t).all()) for t in local))], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())

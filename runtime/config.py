@@ -46,6 +46,10 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/debug"  # run directory: metrics.jsonl, checkpoints/ (a run resumes from the newest), traces
 
+    def __post_init__(self):
+        if not self.dir.strip():
+            raise ValueError("run.dir must not be empty")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
@@ -60,6 +64,7 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (data.batch_size is split into them)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) if available, else cpu (gloo)
     log_interval: int = 1  # print a log line every N steps (metrics.jsonl gets every step)
+    max_nonfinite_steps: int = 10  # stop (exit 3) after this many consecutive non-finite steps (0 = never)
 
     def __post_init__(self):
         checks = {"steps": (self.steps >= 1, ">= 1"), "seed": (self.seed >= 0, ">= 0"),
@@ -67,7 +72,8 @@ class TrainingConfig:
                   "warmup_steps": (self.warmup_steps >= 0, ">= 0"),  # > steps is fine: a short run only warms up
                   "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
                   "decay_fraction": (0 <= self.decay_fraction <= 1, "in [0, 1]"),
-                  "grad_accum": (self.grad_accum >= 1, ">= 1"), "log_interval": (self.log_interval >= 1, ">= 1")}
+                  "grad_accum": (self.grad_accum >= 1, ">= 1"), "log_interval": (self.log_interval >= 1, ">= 1"),
+                  "max_nonfinite_steps": (self.max_nonfinite_steps >= 0, ">= 0")}
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")
@@ -187,7 +193,8 @@ def _coerce(value, tp, key: str, from_text: bool):
     try:
         return _scalar(value, tp, from_text)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}") from None
+        raise ConfigError(f"{key}: expected {'a finite ' if tp is float else ''}{_type_name(tp)}, "
+                          f"got {value!r}") from None
 
 
 def _scalar(value, tp, from_text: bool):
@@ -197,13 +204,20 @@ def _scalar(value, tp, from_text: bool):
             raise ValueError(value)
         return value.lower() == "true"
     if from_text:
-        return tp(value)  # int("abc") and float("x") raise ValueError
+        return _finite(tp(value))  # int("abc") and float("x") raise ValueError
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = {bool: isinstance(value, bool), int: is_number and isinstance(value, int), float: is_number,
           str: isinstance(value, str)}[tp]
     if not ok:
         raise TypeError(value)
-    return tp(value)
+    return _finite(tp(value))
+
+
+def _finite(value):
+    """No knob takes inf or nan: they pass range checks like `x >= 0` and poison the run."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(value)
+    return value
 
 
 def _read_toml(path: str) -> dict:
@@ -212,7 +226,7 @@ def _read_toml(path: str) -> dict:
             return tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
 
 

@@ -72,8 +72,15 @@ def read_sidecar(path: str) -> dict | None:
     sidecar = path + ".json"
     if not os.path.exists(sidecar):
         return None
-    with open(sidecar) as f:
-        return json.load(f)
+    try:
+        with open(sidecar, "rb") as f:
+            meta = json.loads(f.read().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"data.path: the sidecar {sidecar} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32"):
+        raise ValueError(f"data.path: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\" or "
+                         f"\"uint32\", got {str(meta)[:80]}")
+    return meta
 
 
 def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
@@ -88,6 +95,8 @@ def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
     elif meta.get("dtype", dtype) != dtype:
         raise ValueError(f"data.dtype={dtype} but the sidecar {path}.json says {meta['dtype']}")
     itemsize, size = np.dtype(dtype).itemsize, os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"data.path: {path} is empty (0 tokens)")
     if size % itemsize != 0:
         raise ValueError(f"data.path: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
     return np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0))
@@ -101,6 +110,31 @@ def open_tokens(config: DataConfig) -> tuple[np.ndarray | None, int]:
         return open_bin(config.path, config.dtype)
     assert config.source == "synthetic", config.source
     return None, 0
+
+
+def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """(position, id) of the first token id >= limit in a (memory-mapped) array, read in chunks of
+    `chunk` tokens so memory stays bounded; None if there is none."""
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start:start + chunk])
+        if part.max() >= limit:
+            offset = int(np.argmax(part >= limit))
+            return start + offset, int(part[offset])
+    return None
+
+
+def check_token_ids(config: DataConfig, vocab_size: int) -> None:
+    """ValueError naming the file if any token id of a `bin` source is >= vocab_size. Scans the whole
+    file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
+    if config.source != "bin":
+        return
+    tokens, _ = open_bin(config.path, config.dtype)
+    if np.iinfo(tokens.dtype).max < vocab_size:
+        return  # no id of this dtype can reach the vocabulary size
+    found = first_id_at_least(tokens, vocab_size)
+    if found is not None:
+        raise ValueError(f"data.path: {config.path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
+                         f"at token {found[0]:,} of {len(tokens):,}; wrong tokenizer or data.dtype?")
 
 
 def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int) -> np.ndarray:

@@ -80,12 +80,23 @@ class MetricsLogger:
             self._file = open(self.path, "a")
 
     def _keep_steps_before(self, start_step: int) -> None:
+        """Drop records of steps >= start_step and a torn last line (a crash mid-write); atomic rewrite."""
         if not os.path.exists(self.path):
             return
+        kept = []
         with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
-        with open(self.path, "w") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn by a crash while being written
+                if record["step"] < start_step:
+                    kept.append(json.dumps(record) + "\n")
+        with open(self.path + ".tmp", "w") as f:
             f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.path + ".tmp", self.path)
 
     def log(self, step: int, *, loss, grad_norm, lr, tokens: int, step_time_s: float, optimizer_time_s: float,
             **extra) -> dict | None:

@@ -3,15 +3,22 @@
     build model (meta) -> parallelize -> materialize shards -> seeded init
     build optimizer (sharded Muon + AdamW) and schedule; resume from the newest checkpoint
     for each step: forward/backward over micro-batches -> clip over both meshes -> optimizer step
-                   -> expert-bias update -> metrics -> checkpoint
+                   -> expert-bias update -> metrics -> stop checks -> checkpoint
 
 Loss convention (parallel/gradients.py): each rank's loss is the sum of its tokens' cross-entropy
 divided by the GLOBAL token count of the step, and FSDP reductions sum, so gradients, losses and
 norms equal the single-process ones whatever the layout. A step whose loss or gradient norm is not
 finite is skipped on every rank (both are global values, so all ranks agree).
+
+Faults (runtime/guards.py, runtime/checkpoint.py): resume falls back from a checkpoint that does not
+load to the newest older one that does; too many consecutive non-finite steps stop the run (exit 3);
+SIGTERM saves a checkpoint after the current step and stops (exit 143); a checkpoint is never written
+from a non-finite state.
 """
 
+import dataclasses
 import math
+import os
 import time
 
 import torch
@@ -28,9 +35,11 @@ from parallel.parallelize import parallelize
 from runtime import checkpoint
 from runtime.config import JobConfig
 from runtime.data import Loader
+from runtime.errors import Preempted, RunError
+from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
 from runtime.profile import maybe_profile
-from runtime.schedule import build_scheduler
+from runtime.schedule import build_scheduler, lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -116,18 +125,81 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
             "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped}
 
 
-def resume(config: JobConfig, app_state: dict, rank: int) -> int:
-    """Load the newest complete checkpoint under the run dir, if any; returns the step to start at."""
-    path = checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(config.run.dir))
-    if path is None:
-        return 0
-    checkpoint.load(path, app_state)
-    if rank == 0:
-        print(f"resumed from {path}", flush=True)
-    return checkpoint.checkpoint_step(path)
+def run_meta(config: JobConfig) -> dict:
+    """What a checkpoint records about its run: what must match to resume, and the lr schedule."""
+    t = config.training
+    schedule = {"optim.lr": config.optim.lr, "training.steps": t.steps, "training.warmup_steps": t.warmup_steps,
+                "training.schedule": t.schedule, "training.min_lr_ratio": t.min_lr_ratio,
+                "training.decay_fraction": t.decay_fraction}
+    return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule}
+
+
+def _check_resumable(path: str, config: JobConfig) -> dict:
+    """The checkpoint's marker; RunError naming every differing key if it belongs to another model."""
+    saved, current = checkpoint.read_meta(path), run_meta(config)
+    diffs = checkpoint.differences(saved.get("model", {}), current["model"], "model.")
+    diffs += checkpoint.differences(saved, {"optim.name": current["optim.name"]})
+    if diffs:
+        raise RunError(f"run.dir {config.run.dir} holds checkpoint {path} of another run ({'; '.join(diffs)}); "
+                       f"resume with the same settings or choose another run.dir")
+    return saved
+
+
+def _schedule_change(saved: dict, config: JobConfig, step: int) -> str | None:
+    """A line saying how the lr at `step` changes if the schedule's settings changed since the checkpoint."""
+    old, new = saved.get("schedule"), run_meta(config)["schedule"]
+    diffs = checkpoint.differences(old or {}, new)
+    if not diffs:
+        return None
+
+    def lr(s):
+        return s["optim.lr"] * lr_factor(step, steps=s["training.steps"], warmup_steps=s["training.warmup_steps"],
+                                         schedule=s["training.schedule"], min_lr_ratio=s["training.min_lr_ratio"],
+                                         decay_fraction=s["training.decay_fraction"])
+
+    return (f"the lr schedule changed since the checkpoint ({'; '.join(diffs)}): it is recomputed, so the lr "
+            f"at step {step} is {lr(new):.3e} instead of {lr({**new, **old}):.3e}")
+
+
+def resume(config: JobConfig, app_state: dict, say) -> int:
+    """Load the newest checkpoint under the run dir that loads; returns the step to start at.
+
+    A checkpoint that fails to load (truncated, missing or garbled files) is reported in one line and
+    the next older one is tried; if checkpoints exist but none loads, RunError: a run dir with
+    checkpoints never silently starts from scratch. Collective (DCP), identical decisions on every rank."""
+    directory = checkpoint.checkpoint_dir(config.run.dir)
+    found = checkpoint.complete_checkpoints(directory)
+    for path in reversed(found):
+        try:
+            saved = _check_resumable(path, config)
+            checkpoint.load(path, app_state)
+        except checkpoint.Unloadable as e:
+            say(f"checkpoint {path} does not load ({e}); trying an older one")
+            continue
+        step = checkpoint.checkpoint_step(path)
+        say(f"resumed from {path}")
+        change = _schedule_change(saved, config, step)
+        if change:
+            say(change)
+        return step
+    if found:
+        raise RunError(f"no checkpoint under {directory} loads (tried {', '.join(map(os.path.basename, found))}); "
+                       f"move them away to start the run over")
+    return 0
+
+
+def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsLogger) -> None:
+    """Save `step_<step>` unless the model or optimizer state is not finite (then older checkpoints stay)."""
+    train_state = app_state["train"]
+    if not checkpoint.all_finite(train_state.model, train_state.optimizers):
+        log.info(f"step {step}: the model or optimizer state is not finite; checkpoint step_{step} not written")
+        return
+    checkpoint.save(step, checkpoint.checkpoint_dir(config.run.dir), app_state, keep=config.checkpoint.keep,
+                    meta=run_meta(config))
 
 
 def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device) -> None:
+    """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
     model = build_model(config, meshes, layout, device)
@@ -138,19 +210,27 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     loader = build_loader(config, meshes, layout)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState()}
-    start = resume(config, app_state, rank)
+    start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True))
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
                         world_size=layout.world_size, log_interval=config.training.log_interval)
-    with maybe_profile(config.profile, config.run.dir, rank) as profiler:
-        for step in range(start, config.training.steps):
-            stats = train_step(model, optimizer, scheduler, loader, config, device)
-            if stats.pop("skipped"):
-                log.info(f"step {step}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; skipped")
-            log.log(step, **stats)
-            profiler.step()
-            if config.checkpoint.due(step + 1) or step + 1 == config.training.steps:
-                checkpoint.save(step + 1, checkpoint.checkpoint_dir(config.run.dir), app_state,
-                                keep=config.checkpoint.keep)
-    log.close()
+    divergence = DivergenceGuard(config.training.max_nonfinite_steps)
+    with maybe_profile(config.profile, config.run.dir, rank) as profiler, Preemption(device) as preemption:
+        try:
+            for step in range(start, config.training.steps):
+                stats = train_step(model, optimizer, scheduler, loader, config, device)
+                skipped = stats.pop("skipped")
+                if skipped:
+                    log.info(f"step {step}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; skipped")
+                log.log(step, **stats)
+                profiler.step()
+                divergence.record(step, finite=not skipped)
+                preempted, last = preemption.requested(), step + 1 == config.training.steps
+                if preempted or last or (config.checkpoint.due(step + 1) and not skipped):
+                    save_checkpoint(step + 1, config, app_state, log)
+                if preempted:
+                    raise Preempted(f"preempted (SIGTERM) after step {step}: checkpoint step_{step + 1} saved; "
+                                    f"relaunch the same command to continue")
+        finally:
+            log.close()

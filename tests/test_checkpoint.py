@@ -13,6 +13,7 @@ from multirank import run_ranks
 from runtime.checkpoint import (MARKER, CheckpointConfig, ModelOptimState, RNGState, checkpoint_step,
                                 complete_checkpoints, latest_checkpoint, load, save)
 from runtime.data import DataConfig, Loader
+from runtime.errors import RunError
 
 
 def _model(seed):
@@ -134,8 +135,9 @@ def test_incomplete_checkpoints_are_ignored_and_cleaned_up(tmp_path):
     _train_step(model, optimizer, 0)
     app = {"model_optim": ModelOptimState(model, optimizer), "data": loader}
     save(1, directory, app)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(RunError, match="simulated crash during save while writing checkpoint step_2 .* kept"):
         save(2, directory, {**app, "extra": _CrashingState()})
+    assert not os.path.exists(os.path.join(directory, "step_2.tmp"))
     dcp.save(app, checkpoint_id=os.path.join(directory, "step_3.tmp"), no_dist=True)  # shards written, never renamed
     open(os.path.join(directory, "step_3.tmp", MARKER), "w").close()
     dcp.save(app, checkpoint_id=os.path.join(directory, "step_4"), no_dist=True)  # data but no marker

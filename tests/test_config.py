@@ -1,6 +1,7 @@
 """Config: TOML + `--section.key=value`, typed values, one-line errors naming the key, --help, layouts."""
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ import pytest
 from models import preset
 from runtime.config import (ConfigError, JobConfig, default_layout, field_help, fill_layout, help_text,
                             load_config)
+from optim.config import OptimConfig
 from parallel.layout import ParallelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +47,7 @@ def test_toml_then_command_line_overrides(tmp_path):
     ([], '[training]\nsteps = "10"\n', "training.steps: expected int, got '10'"),
     ([], "[training]\nsteps = 1.5\n", "training.steps: expected int, got 1.5"),
     ([], "[training]\nseed = true\n", "training.seed: expected int, got True"),
-    (["--optim.lr=fast"], None, "optim.lr: expected float, got 'fast'"),
+    (["--optim.lr=fast"], None, "optim.lr: expected a finite float, got 'fast'"),
     (["--optim.nesterov=yes"], None, "optim.nesterov: expected bool, got 'yes'"),
     (["--training.schedule=linear"], None, "training.schedule: expected one of 'cosine', 'wsd', got 'linear'"),
     (["--profile.steps=1,x"], None, "profile.steps: expected int, got 'x'"),
@@ -67,6 +69,18 @@ def test_errors_are_one_line_naming_the_key(tmp_path, argv, toml, message):
     with pytest.raises(ConfigError) as error:
         load_config(argv)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_binary_toml_names_the_file(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=f"--config: {path} is not valid TOML"):
+        load_config(["--config", str(path)])
+
+
+def test_optim_config_rejects_inf_when_built_directly():
+    with pytest.raises(ValueError, match="optim.lr=inf: must be finite and >= 0"):
+        OptimConfig(lr=math.inf)
 
 
 @pytest.mark.parametrize("argv, world_size, message", [

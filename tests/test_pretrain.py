@@ -82,13 +82,13 @@ def test_checkpoint_saved_on_8_ranks_resumes_on_4_with_another_layout(tmp_path):
     pytest.param(["--training.device=cuda"], "training.device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists here")),
 ])
-def test_config_errors_exit_on_every_rank_with_one_line(tmp_path, capfd, argv, key):
+def test_config_errors_exit_on_every_rank_with_rank0s_line(tmp_path, capfd, argv, key):
     np.full(4096, 300, dtype=np.uint16).tofile(tmp_path / "ids.bin")  # token ids beyond the debug vocab (256)
     argv = [a.format(tmp=tmp_path) for a in argv]
     codes = run_ranks(_main, 2, argv + [f"--run.dir={tmp_path}"], as_torchrun=True, timeout=60)
     assert codes == [2, 2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
-    assert len(lines) == 2 and all(key in line for line in lines), lines
+    assert len(lines) == 1 and key in lines[0], lines  # rank 0's alone: under torchrun it is always there
 
 
 def test_help_lists_every_key_with_default(capsys):

@@ -1,0 +1,19 @@
+"""Conditions a run stops on that the user must act on, raised identically on every rank.
+
+The entry point prints the one-line message (rank 0) and exits with `exit_code`:
+  2    bad input or run dir (config, data, checkpoints, lock, disk full): fix it, then relaunch;
+  3    the run diverged (too many consecutive non-finite steps): change the config, then relaunch;
+  143  preempted (SIGTERM): a checkpoint was saved; relaunch the same command to continue.
+"""
+
+
+class RunError(Exception):
+    exit_code = 2
+
+
+class Diverged(RunError):
+    exit_code = 3
+
+
+class Preempted(RunError):
+    exit_code = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
