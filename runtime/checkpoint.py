@@ -184,7 +184,7 @@ def save(step: int, directory: str, app_state: dict, *, keep: int = 0, meta: dic
     try:
         with _single_process_ok():
             dcp.save(app_state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    except Exception as e:  # raised on every rank
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks
         full = _disk_full(e, directory)
         _barrier()
         if _rank() == 0:
@@ -235,7 +235,7 @@ def load(path: str, app_state: dict) -> None:
     try:
         with _single_process_ok():
             dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP gathers every rank's failure and raises it on all ranks
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks (a BaseException)
         raise Unloadable(_reason(e)) from None
 
 

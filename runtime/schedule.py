@@ -44,3 +44,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training) -> torch.optim.l
                                schedule=training.schedule, min_lr_ratio=training.min_lr_ratio,
                                decay_fraction=training.decay_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int, peak_lr: float) -> None:
+    """After loading a checkpoint: continue at `step` with THIS config's schedule and peak lr.
+
+    LambdaLR's saved state holds the old peak (`base_lrs`) and the lr of the next step computed under the
+    old schedule; the lr is a pure function of (config, step), so recompute it rather than trust them.
+    Same arithmetic as LambdaLR (peak * factor(step)): an unchanged config resumes bitwise."""
+    scheduler.base_lrs = [peak_lr] * len(scheduler.base_lrs)
+    scheduler.last_epoch = step
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = peak_lr, peak_lr * factor(step)

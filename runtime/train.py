@@ -39,7 +39,7 @@ from runtime.errors import Preempted, RunError
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
 from runtime.profile import maybe_profile
-from runtime.schedule import build_scheduler, lr_factor
+from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -177,6 +177,7 @@ def resume(config: JobConfig, app_state: dict, say) -> int:
             say(f"checkpoint {path} does not load ({e}); trying an older one")
             continue
         step = checkpoint.checkpoint_step(path)
+        resume_schedule(app_state["scheduler"], step, config.optim.lr)
         say(f"resumed from {path}")
         change = _schedule_change(saved, config, step)
         if change:
