@@ -7,7 +7,9 @@ the token ids of all files, in order, as one flat array: uint16 when every id fi
 else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_tokens"} that the loader
 reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
 boundary). Files are read in chunks that end at line breaks, so memory stays bounded; the output
-appears atomically (written to `<out>.tmp`, then renamed).
+appears atomically (written to `<out>.tmp`, then renamed; a failure removes the `.tmp`). Refused, with
+one line and exit status 2: `--out` naming an input file, a missing or unreadable `tokenizer.json`,
+input that yields no tokens.
 
 Not named `tokenize.py`: scripts in launch/ run with launch/ on sys.path, where such a file would
 shadow the standard library's `tokenize` module (imported by torch through `inspect`).
@@ -37,18 +39,53 @@ def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
             yield "".join(lines)
 
 
-def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
-    """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
+def load_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from a local tokenizer.json; ValueError naming the file otherwise."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--tokenizer: no such file {path}")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises plain Exception for a malformed file
+        raise ValueError(f"--tokenizer: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+
+
+def check_paths(paths: list[str], out: str) -> None:
+    """ValueError if an input is missing or is the output file (writing would destroy it)."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"no such input file {path}")
+        if os.path.exists(out) and os.path.samefile(path, out):
+            raise ValueError(f"--out {out} is also an input file; writing it would destroy the input")
+
+
+def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
+    """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
+    check_paths(paths, out)
+    tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos is not None and eos_id is None:
         raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
+    try:
+        num_tokens = _write_ids(tokenizer, paths, out + ".tmp", dtype, eos_id)
+        if num_tokens == 0:
+            raise ValueError(f"the input files ({', '.join(paths)}) hold no tokens")
+        os.replace(out + ".tmp", out)
+    finally:
+        if os.path.exists(out + ".tmp"):
+            os.remove(out + ".tmp")
+    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "num_tokens": num_tokens}
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: int | None) -> int:
     num_tokens = 0
-    with open(out + ".tmp", "wb") as f:
+    with open(tmp, "wb") as f:
         for path in paths:
             for chunk in _chunks(path):
                 ids = np.asarray(tokenizer.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
@@ -57,11 +94,7 @@ def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | N
             if eos_id is not None:
                 f.write(np.asarray([eos_id], dtype=dtype).tobytes())
                 num_tokens += 1
-    os.replace(out + ".tmp", out)
-    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "num_tokens": num_tokens}
-    with open(out + ".json", "w") as f:
-        json.dump(meta, f, indent=1)
-    return meta
+    return num_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, UnicodeDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"{args.out}: {meta['num_tokens']:,} tokens, {meta['dtype']}, vocab {meta['vocab_size']:,}")
     return 0
 

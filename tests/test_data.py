@@ -190,3 +190,37 @@ def test_tokenize_uses_uint32_above_65536_tokens(tmp_path):
     meta = tokenize_files(str(tmp_path / "tokenizer.json"), [str(tmp_path / "a.txt")], str(tmp_path / "o.bin"))
     assert meta == {"dtype": "uint32", "vocab_size": 70008, "num_tokens": 3}
     assert np.fromfile(tmp_path / "o.bin", dtype=np.uint32).tolist() == [ids["w69999"], ids["the"], ids["w0"]]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("out_is_input", "--out {tmp}/a.txt is also an input file; writing it would destroy the input"),
+    ("missing_tokenizer", "--tokenizer: no such file {tmp}/missing.json"),
+    ("invalid_tokenizer", "--tokenizer: {tmp}/bad.json is not a valid tokenizer.json ("),
+    ("empty_input", "the input files ({tmp}/empty.txt) hold no tokens"),
+    ("missing_input", "no such input file {tmp}/nope.txt"),
+])
+def test_tokenize_errors_are_one_line_and_leave_nothing_behind(tmp_path, case, message):
+    _tiny_tokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("the cat sat\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.json").write_text('{"version": "1.0", "model": 42}')
+    tokenizer, out, inputs = "tokenizer.json", "out.bin", ["a.txt"]
+    if case == "out_is_input":
+        out = "a.txt"
+    elif case == "missing_tokenizer":
+        tokenizer = "missing.json"
+    elif case == "invalid_tokenizer":
+        tokenizer = "bad.json"
+    elif case == "empty_input":
+        inputs = ["empty.txt"]
+    else:
+        inputs = ["nope.txt"]
+    cmd = [sys.executable, os.path.join(REPO, "launch", "tokenize_text.py"), "--tokenizer", str(tmp_path / tokenizer),
+           "--out", str(tmp_path / out)] + [str(tmp_path / name) for name in inputs]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: " + message.format(tmp=tmp_path)] or (
+        case == "invalid_tokenizer" and result.stderr.startswith("error: " + message.format(tmp=tmp_path))
+        and result.stderr.count("\n") == 1), result.stderr
+    assert (tmp_path / "a.txt").read_text() == "the cat sat\n"  # the input survives
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp") or name.startswith("out.bin")]

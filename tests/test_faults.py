@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -26,6 +27,7 @@ from runtime.run_lock import LOCK_NAME
 BASE = ["--training.steps=4", "--training.warmup_steps=1", "--data.seq_len=32", "--data.batch_size=8",
         "--checkpoint.interval=2", "--checkpoint.keep=0"]
 EXACT = ("loss", "grad_norm", "lr")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main(rank, world_size, argv, sigterm_after_step=None, run_dir=None):
@@ -246,3 +248,39 @@ def test_disk_full_during_a_checkpoint_names_it_and_keeps_the_previous(small_fil
     newest = max(int(name.split("_")[1]) for name in kept)
     assert f"(newest: {run_dir}/checkpoints/step_{newest})" in line
     assert _params_finite(str(run_dir / "checkpoints" / f"step_{newest}"), tmp_path)
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_torchrun_restarts_a_killed_worker_and_finishes_with_the_same_losses(tmp_path):
+    """`torchrun --max-restarts 1`, `kill -9` of one worker after the first checkpoint: the restarted
+    workers rendezvous again (per-attempt store keys), resume from the checkpoint and end with the
+    losses of an uninterrupted run."""
+    argv = BASE[:1] + ["--training.steps=6"] + BASE[1:]
+    _, reference = run(tmp_path / "reference", 2, "--training.steps=6")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+           "launch/pretrain.py", *argv, f"--run.dir={run_dir}"]
+    agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step_2").exists() and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.05)
+    os.kill(_children(agent.pid)[-1], signal.SIGKILL)
+    output = agent.communicate(timeout=300)[0]
+    assert agent.returncode == 0, output[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_" in output  # the restarted workers, not the first ones
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(6))
+    assert exact(records) == exact(reference)
+
+
+def test_under_torchrun_a_config_error_prints_rank0s_line_exactly_once(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/pretrain.py",
+           "--training.steps=abc", f"--run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "config error" in line]
+    assert lines == ["config error: training.steps: expected int, got 'abc'"], out.stderr[-2000:]
