@@ -5,6 +5,7 @@ Sections and where each one's dataclass lives (next to the component it configur
   [model]      preset + any ModelConfig field      [training]    TrainingConfig    here
   [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
   [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
+  [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -33,6 +34,8 @@ from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.checkpoint import CheckpointConfig
 from runtime.data import DataConfig, check_split
+from runtime.evaluate import EvalConfig
+from runtime.metrics import MetricsConfig
 
 DEFAULT_PRESET = "debug"
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
@@ -108,6 +111,8 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def layout(self, world_size: int) -> Layout:
@@ -158,7 +163,8 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
 
 def _sections() -> dict[str, type]:
     return {"run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
-            "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "profile": ProfileConfig}
+            "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig,
+            "metrics": MetricsConfig, "profile": ProfileConfig}
 
 
 def _key_types(section: str, cls: type) -> dict[str, object]:

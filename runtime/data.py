@@ -31,6 +31,7 @@ from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
+_EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,9 +138,19 @@ def check_token_ids(config: DataConfig, vocab_size: int) -> None:
                          f"at token {found[0]:,} of {len(tokens):,}; wrong tokenizer or data.dtype?")
 
 
-def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int) -> np.ndarray:
+def split_tokens(tokens: np.ndarray | None, holdout: float, split: str) -> np.ndarray | None:
+    """The `split` ("train" or "eval") part of a token array: eval is the last `holdout` fraction, which
+    training then never sees; holdout 0 keeps everything for either split."""
+    if tokens is None or holdout == 0:
+        return tokens
+    boundary = len(tokens) - int(len(tokens) * holdout)
+    return tokens[:boundary] if split == "train" else tokens[boundary:]
+
+
+def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int,
+                  stream: int = _DATA_STREAM) -> np.ndarray:
     """Start offsets of the global batch's windows at `step`, int64 [batch_size]; pure."""
-    rng = np.random.default_rng([_DATA_STREAM, seed, step])
+    rng = np.random.default_rng([stream, seed, step])
     return rng.integers(0, num_tokens - seq_len, size=batch_size)  # window = seq_len + 1 tokens
 
 
@@ -147,15 +158,20 @@ class Loader:
     """This rank's micro-batches of each optimizer step; `state_dict()` is the next step to load."""
 
     def __init__(self, config: DataConfig, seed: int, *, dp_rank: int = 0, dp_degree: int = 1, cp_rank: int = 0,
-                 cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None):
-        """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise."""
+                 cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None, holdout: float = 0.0,
+                 split: Literal["train", "eval"] = "train"):
+        """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise.
+        `split`/`holdout`: see `split_tokens`; the eval split also draws its windows from its own stream."""
         check_split(config, dp_degree, cp_degree, grad_accum)
         assert 0 <= dp_rank < dp_degree and 0 <= cp_rank < cp_degree, (dp_rank, dp_degree, cp_rank, cp_degree)
         self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
         self.rows = config.batch_size // (grad_accum * dp_degree)  # B
         self.first_row = dp_rank * self.rows
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
-        self.tokens, source_vocab = open_tokens(config)
+        tokens, source_vocab = open_tokens(config)
+        self.tokens = split_tokens(tokens, holdout, split)
+        self.part = f"the {split} part ({1 - holdout if split == 'train' else holdout:.0%}) of " if holdout else ""
+        self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self.model_vocab = vocab_size
         self._check_sizes(source_vocab, vocab_size)
@@ -168,7 +184,7 @@ class Loader:
                              f"model.vocab_size={model_vocab}")
         if self.tokens is not None and len(self.tokens) < self.config.seq_len + 1:
             raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
-                             f"tokens but the {self.config.source} source has only {len(self.tokens)}")
+                             f"tokens but {self.part}the {self.config.source} source has only {len(self.tokens)}")
 
     def batch(self, step: int) -> list[MicroBatch]:
         """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""
@@ -184,10 +200,11 @@ class Loader:
     def _windows(self, step: int) -> torch.Tensor:
         rows, length = self._global_rows(), self.config.seq_len + 1
         if self.tokens is None:
-            windows = [np.random.default_rng([_DATA_STREAM, self.seed, step, r]).integers(0, self.vocab_size, length)
+            windows = [np.random.default_rng([self.stream, self.seed, step, r]).integers(0, self.vocab_size, length)
                        for r in rows]
         else:
-            starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len)
+            starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
+                                   self.stream)
             windows = [self.tokens[s:s + length] for s in starts[rows]]
         windows = np.stack(windows).astype(np.int64)
         if self.model_vocab and windows.max(initial=0) >= self.model_vocab:  # wrong dtype or tokenizer

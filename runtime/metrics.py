@@ -1,15 +1,18 @@
-"""Per-step metrics: `<run.dir>/metrics.jsonl` plus a readable line, both from rank 0 only.
+"""Per-step metrics (the `[metrics]` section): `<run.dir>/metrics.jsonl` plus a readable line, both
+from rank 0 only, and optionally TensorBoard event files under `<run.dir>/tb` with the same scalars.
 
 One JSON object per optimizer step, flushed line by line so a crash loses nothing already logged.
 Non-finite floats are written as null (JSON has no NaN). The logger does no communication: the loop
-passes values already reduced over ranks.
+passes values already reduced over ranks. `python launch/plot_metrics.py RUN_DIR ...` plots them.
 """
 
+import importlib.util
 import json
 import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +20,15 @@ import torch
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "MI300X": 1307e12,
                    "L40S": 362e12}
 FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "optimizer_time_s", "memory_gib")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    tensorboard: bool = False  # also write TensorBoard event files under run.dir/tb (needs the tensorboard extra)
+
+    def __post_init__(self):
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("metrics.tensorboard=true needs the tensorboard package (pip install -e '.[tensorboard]')")
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -64,7 +76,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, rank: int, total_steps: int, *, start_step: int = 0, device="cpu",
                  flops_per_token: float | None = None, peak_flops: float | None = None, world_size: int = 1,
-                 log_interval: int = 1):
+                 log_interval: int = 1, tensorboard: bool = False):
         """`start_step` > 0 (a resume) drops records of steps >= start_step left by the interrupted run.
 
         MFU is reported when both `flops_per_token` and `peak_flops` (per device) are given. The readable
@@ -73,11 +85,15 @@ class MetricsLogger:
         self.rank, self.total_steps, self.device = rank, total_steps, torch.device(device)
         self.log_interval = log_interval
         self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
-        self.path, self._file = os.path.join(run_dir, "metrics.jsonl"), None
+        self.path, self._file, self._tb = os.path.join(run_dir, "metrics.jsonl"), None, None
         if rank == 0:
             os.makedirs(run_dir, exist_ok=True)
             self._keep_steps_before(start_step)
             self._file = open(self.path, "a")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
+
+                self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
 
     def _keep_steps_before(self, start_step: int) -> None:
         """Drop records of steps >= start_step and a torn last line (a crash mid-write); atomic rewrite."""
@@ -114,6 +130,11 @@ class MetricsLogger:
                   for k, v in {**record, **extra}.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
         if step % self.log_interval == 0 or step == self.total_steps - 1:
             print(self.format(record), flush=True)
         return record
@@ -124,6 +145,7 @@ class MetricsLogger:
             return "nan" if record.get(key) is None else format(record[key], spec)
 
         parts = [f"step {record['step']}/{self.total_steps}", f"loss {num('loss', '.4f')}",
+                 *([f"eval {num('eval_loss', '.4f')}"] if "eval_loss" in record else []),
                  f"grad {num('grad_norm', '.3f')}", f"lr {num('lr', '.2e')}", f"{num('tokens_per_s', ',.0f')} tok/s",
                  f"step {num('step_time_s', '.3f')}s", f"optim {num('optimizer_time_s', '.3f')}s",
                  f"{'max alloc' if self.device.type == 'cuda' else 'rss'} {num('memory_gib', '.2f')} GiB"]
@@ -140,3 +162,6 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

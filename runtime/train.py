@@ -3,7 +3,7 @@
     build model (meta) -> parallelize -> materialize shards -> seeded init
     build optimizer (sharded Muon + AdamW) and schedule; resume from the newest checkpoint
     for each step: forward/backward over micro-batches -> clip over both meshes -> optimizer step
-                   -> expert-bias update -> metrics -> stop checks -> checkpoint
+                   -> expert-bias update -> held-out eval (when due) -> metrics -> stop checks -> checkpoint
 
 Loss convention (parallel/gradients.py): each rank's loss is the sum of its tokens' cross-entropy
 divided by the GLOBAL token count of the step, and FSDP reductions sum, so gradients, losses and
@@ -36,6 +36,7 @@ from runtime import checkpoint
 from runtime.config import JobConfig
 from runtime.data import Loader
 from runtime.errors import Preempted, RunError
+from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
 from runtime.profile import maybe_profile
@@ -66,20 +67,29 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
                        replica_split=o.replica_split, overlap=o.overlap, ranks_per_node=o.ranks_per_node)
 
 
-def build_loader(config: JobConfig, meshes: Meshes, layout: Layout) -> Loader:
-    """This rank's rows (dense data-parallel rank) and CP chunks of every global batch."""
-    return Loader(config.data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
+def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train") -> Loader:
+    """This rank's rows (dense data-parallel rank) and CP chunks of every global batch of `split`
+    ("train", or "eval": the held-out batches of runtime/evaluate.py)."""
+    data = config.data if split == "train" else config.eval.data(config.data)
+    holdout = config.eval.train_holdout() if split == "train" else (0.0 if config.eval.path else config.eval.holdout)
+    return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                   cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
-                  vocab_size=config.model.vocab_size)
+                  vocab_size=config.model.vocab_size, holdout=holdout, split=split)
+
+
+def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device, dtype) -> torch.Tensor:
+    """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py)."""
+    inputs_BS, labels_BS, positions_S = micro_batch
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
+    return loss_fn(logits_BSV, labels_BS.to(device), global_tokens)
 
 
 def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device, dtype) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss."""
     local_loss = torch.zeros((), device=device)
-    for inputs_BS, labels_BS, positions_S in micro_batches:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
-        loss = loss_fn(logits_BSV, labels_BS.to(device), global_tokens)
+    for micro_batch in micro_batches:
+        loss = micro_batch_loss(model, micro_batch, global_tokens, device, dtype)
         loss.backward()
         local_loss += loss.detach()
     return local_loss
@@ -215,13 +225,23 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
-                        world_size=layout.world_size, log_interval=config.training.log_interval)
+                        world_size=layout.world_size, log_interval=config.training.log_interval,
+                        tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps)
+    eval_loader = build_loader(config, meshes, layout, "eval") if config.eval.enabled() else None
+    dtype = DTYPES[config.training.dtype]
+
+    def eval_loss() -> float:
+        return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
+                        lambda micro, tokens: micro_batch_loss(model, micro, tokens, device, dtype))
+
     with maybe_profile(config.profile, config.run.dir, rank) as profiler, Preemption(device) as preemption:
         try:
             for step in range(start, config.training.steps):
                 stats = train_step(model, optimizer, scheduler, loader, config, device)
                 skipped = stats.pop("skipped")
+                if config.eval.due(step + 1, config.training.steps):
+                    stats["eval_loss"] = eval_loss()
                 if skipped:
                     log.info(f"step {step}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; skipped")
                 log.log(step, **stats)
