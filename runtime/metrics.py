@@ -119,6 +119,8 @@ class MetricsLogger:
         """Record optimizer step `step` (global `tokens` processed in `step_time_s`); returns the record."""
         if self._file is None:
             return None
+        if extra.get("skipped"):
+            print(f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; skipped", flush=True)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens_per_s": tokens / max(step_time_s, 1e-9),
                   "step_time_s": step_time_s, "optimizer_time_s": optimizer_time_s,

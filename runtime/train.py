@@ -209,6 +209,18 @@ def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsL
                     meta=run_meta(config))
 
 
+def checkpoint_or_stop(done: int, skipped: bool, preemption: Preemption, config: JobConfig, app_state: dict,
+                       log: MetricsLogger) -> None:
+    """After `done` steps: save when due (not right after a skipped step, which would rotate out a good
+    checkpoint during a divergence), after the last step, and on preemption, which then stops the run."""
+    preempted = preemption.requested()
+    if preempted or done == config.training.steps or (config.checkpoint.due(done) and not skipped):
+        save_checkpoint(done, config, app_state, log)
+    if preempted:
+        raise Preempted(f"preempted (SIGTERM) after step {done - 1}: checkpoint step_{done} saved; relaunch the "
+                        f"same command to continue")
+
+
 def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device) -> None:
     """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -239,19 +251,11 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
         try:
             for step in range(start, config.training.steps):
                 stats = train_step(model, optimizer, scheduler, loader, config, device)
-                skipped = stats.pop("skipped")
                 if config.eval.due(step + 1, config.training.steps):
                     stats["eval_loss"] = eval_loss()
-                if skipped:
-                    log.info(f"step {step}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; skipped")
                 log.log(step, **stats)
                 profiler.step()
-                divergence.record(step, finite=not skipped)
-                preempted, last = preemption.requested(), step + 1 == config.training.steps
-                if preempted or last or (config.checkpoint.due(step + 1) and not skipped):
-                    save_checkpoint(step + 1, config, app_state, log)
-                if preempted:
-                    raise Preempted(f"preempted (SIGTERM) after step {step}: checkpoint step_{step + 1} saved; "
-                                    f"relaunch the same command to continue")
+                divergence.record(step, finite=not stats["skipped"])
+                checkpoint_or_stop(step + 1, stats["skipped"], preemption, config, app_state, log)
         finally:
             log.close()
