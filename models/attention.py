@@ -25,13 +25,39 @@ class CausalAttention(nn.Module):
     increasing (Transformer.forward checks this), so the mask equals the plain lower-triangular
     one and the fused `is_causal` kernel is exact. Otherwise an explicit boolean [Sq, Skv] mask is
     built. Every query must see at least one key, or its row is undefined.
+
+    With `record_max_logits` set (QK-clip, optim/qk_clip.py), training-mode forwards also keep the
+    largest pre-softmax logit per head seen since the last reset in `max_logit_H` (fp32 [H]). Under
+    context parallelism this module is called with the gathered keys, so each rank records its own
+    queries against every key they see; the step's MAX over ranks is taken by the clip.
     """
 
+    def __init__(self):
+        super().__init__()
+        self.record_max_logits, self.max_logit_H = False, None
+
     def forward(self, q_BHSE, k_BHSE, v_BHSE, q_pos_S, kv_pos_S, scale: float):
+        if self.record_max_logits and self.training:
+            seen_H = max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale)
+            self.max_logit_H = seen_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, seen_H)
         if q_pos_S is kv_pos_S:
             return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True, scale=scale)
         mask_SS = kv_pos_S[None, :] <= q_pos_S[:, None]
         return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, attn_mask=mask_SS, scale=scale)
+
+
+@torch.no_grad()
+def max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale: float, block: int = 256) -> torch.Tensor:
+    """Largest causal logit scale * q.k per head, fp32 [H], by blocks of `block` queries: the
+    [B, H, block, Skv] scores of one block exist at a time, never the whole [S, S] (fused attention
+    kernels do not expose their logits). Costs one extra Q K^T in fp32, and no host synchronization."""
+    q_BHSE, kT_BHES = q_BHSE.float(), k_BHSE.float().transpose(-1, -2)
+    best_H = q_BHSE.new_full((q_BHSE.shape[1],), -torch.inf)
+    for start in range(0, q_BHSE.shape[2], block):
+        scores_BHQK = torch.matmul(q_BHSE[:, :, start:start + block], kT_BHES) * scale
+        mask_QK = kv_pos_S[None, :] <= q_pos_S[start:start + block, None]
+        best_H = torch.maximum(best_H, scores_BHQK.masked_fill(~mask_QK, -torch.inf).amax(dim=(0, 2, 3)))
+    return best_H
 
 
 class MLA(nn.Module):

@@ -35,6 +35,8 @@ class OptimConfig:
     replica_split: str = "auto"  # sharded Muon: split NS over HSDP replicas too ("on"/"off"; "auto" = the plan's cost model)
     overlap: bool = True  # sharded Muon: next bucket's all-to-all in flight during this bucket's NS
     ranks_per_node: int = 8  # sharded Muon: ranks per node, for the plan's intra/inter-node cost model
+    qk_clip_tau: float = 0.0  # QK-clip: rescale q/k of heads whose step max logit > tau (0 = off; Kimi K2: 100)
+    qk_clip_alpha: float = 0.5  # QK-clip: exponent of gamma on non-rotary queries (the key takes 1 - alpha)
 
     def __post_init__(self):
         choices = {"name": NAMES, "coefficients": tuple(COEFFICIENT_SETS), "lr_adjust": LR_ADJUST_MODES,
@@ -43,15 +45,21 @@ class OptimConfig:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")
         # `not (lo <= x)` instead of `x < lo` so that NaN is rejected too; isfinite because inf passes `0 <= x`
-        finite = {k: math.isfinite(getattr(self, k)) for k in ("lr", "weight_decay", "adam_eps", "bucket_mb")}
+        finite = {k: math.isfinite(getattr(self, k)) for k in ("lr", "weight_decay", "adam_eps", "bucket_mb",
+                                                               "qk_clip_tau")}
         checks = {"lr": finite["lr"] and 0 <= self.lr,
-                  "weight_decay": finite["weight_decay"] and 0 <= self.weight_decay, "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
+                  "weight_decay": finite["weight_decay"] and 0 <= self.weight_decay,
+                  "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
                   "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
                   "adam_eps": finite["adam_eps"] and self.adam_eps > 0,
-                  "bucket_mb": finite["bucket_mb"] and self.bucket_mb > 0, "ranks_per_node": self.ranks_per_node >= 1}
+                  "bucket_mb": finite["bucket_mb"] and self.bucket_mb > 0,
+                  "ranks_per_node": self.ranks_per_node >= 1,
+                  "qk_clip_tau": finite["qk_clip_tau"] and self.qk_clip_tau >= 0,
+                  "qk_clip_alpha": 0 <= self.qk_clip_alpha <= 1}
         ranges = {"lr": "finite and >= 0", "weight_decay": "finite and >= 0", "momentum": "in [0, 1)",
                   "ns_steps": ">= 1", "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)",
-                  "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0", "ranks_per_node": ">= 1"}
+                  "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0", "ranks_per_node": ">= 1",
+                  "qk_clip_tau": "finite and >= 0", "qk_clip_alpha": "in [0, 1]"}
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: must be {ranges[key]}")

@@ -2,7 +2,7 @@
 
     build model (meta) -> parallelize -> materialize shards -> seeded init
     build optimizer (sharded Muon + AdamW) and schedule; resume from the newest checkpoint
-    for each step: forward/backward over micro-batches -> clip over both meshes -> optimizer step
+    for each step: forward/backward over micro-batches -> clip over both meshes -> optimizer step -> QK-clip
                    -> expert-bias update -> held-out eval (when due) -> metrics -> stop checks -> checkpoint
 
 Loss convention (parallel/gradients.py): each rank's loss is the sum of its tokens' cross-entropy
@@ -27,6 +27,7 @@ from torch import nn
 
 from models import Transformer
 from models.splits import muon_splits
+from optim.qk_clip import enable_recording, qk_clip_, reset_recording
 from optim.sharded_muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import Layout
@@ -57,6 +58,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     model.init_weights(seed=config.training.seed)
     for router in model.routers():  # each forward's sequences are this share of the step's (cp == 1)
         router.aux_loss_weight = 1.0 / (layout.dp * config.training.grad_accum)
+    if config.optim.qk_clip_tau > 0:
+        enable_recording(model)  # attention keeps each head's max logit for QK-clip
     return model
 
 
@@ -121,10 +124,15 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
     skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item()))
+    qk = {}
     if skipped:
         reset_expert_counts(model)  # the step's routing statistics are discarded with its gradients
+        reset_recording(model)
     else:
         optimizer.step()
+        if config.optim.qk_clip_tau > 0:
+            max_logit, clipped = qk_clip_(model, config.optim.qk_clip_tau, config.optim.qk_clip_alpha)
+            qk = {"max_logit": max_logit, "clipped_heads": clipped}
         update_expert_bias(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -132,7 +140,7 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
         torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
     end = time.perf_counter()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": global_tokens,
-            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped}
+            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped, **qk}
 
 
 def run_meta(config: JobConfig) -> dict:
