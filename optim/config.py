@@ -63,6 +63,9 @@ class OptimConfig:
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: must be {ranges[key]}")
+        if self.qk_clip_tau == 0 and self.qk_clip_alpha != 0.5:
+            raise ValueError(f"optim.qk_clip_alpha={self.qk_clip_alpha} has no effect: QK-clip is off "
+                             f"(optim.qk_clip_tau=0); set optim.qk_clip_tau > 0 (Kimi K2: 100)")
 
     def ns_torch_dtype(self) -> torch.dtype:
         """The torch dtype Newton-Schulz runs in."""
