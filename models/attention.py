@@ -6,7 +6,7 @@ submodule; context parallelism replaces it (e.g. with ring attention over the cp
 touching the projections.
 
 Shape letters: B batch, S sequence, D model dim, H query heads, G kv heads (GQA), E head width
-(qk or v, as named), R rotary width, C compressed (latent) width.
+(qk or v, as named), R rotary width, C compressed (latent) width, T keys (S, or cached + S when decoding).
 """
 
 import torch
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.kv_cache import LayerCache
 from models.layers import RMSNorm, apply_rope, rope_cos_sin
 from models.splits import WHOLE, MatrixSplit, per_head_cols, per_head_rows
 
@@ -88,7 +89,8 @@ class MLA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         self.sdpa = CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended."""
         B, S, _ = x_BSD.shape
         cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope_dim, self.rope_theta)
         q_BSHE = self._queries(x_BSD).view(B, S, self.n_heads, self.nope + self.rope_dim)
@@ -97,13 +99,17 @@ class MLA(nn.Module):
 
         c_kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos_SR, sin_SR)
-        kv_BSHE = self.wkv_b(self.kv_norm(c_kv_BSC)).view(B, S, self.n_heads, self.nope + self.v_dim)
-        k_nope_BSHE, v_BSHE = kv_BSHE.split([self.nope, self.v_dim], dim=-1)
-        k_BSHE = torch.cat([k_nope_BSHE, k_rope_BS1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        kv_pos_S = positions_S
+        if cache is not None:  # K = every cached token plus these (T = all of them)
+            c_kv_BSC, k_rope_BS1R, kv_pos_S = cache.extend(c_kv_BSC, k_rope_BS1R, positions_S=positions_S)
+        T = c_kv_BSC.shape[1]
+        kv_BTHE = self.wkv_b(self.kv_norm(c_kv_BSC)).view(B, T, self.n_heads, self.nope + self.v_dim)
+        k_nope_BTHE, v_BTHE = kv_BTHE.split([self.nope, self.v_dim], dim=-1)
+        k_BTHE = torch.cat([k_nope_BTHE, k_rope_BS1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
 
         out_BHSE = self.sdpa(
-            q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHE.transpose(1, 2),
-            positions_S, positions_S, self.scale,
+            q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
+            positions_S, kv_pos_S, self.scale,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
 
@@ -137,19 +143,23 @@ class GQA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.sdpa = CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended."""
         B, S, _ = x_BSD.shape
         cos_SR, sin_SR = rope_cos_sin(positions_S, self.head_dim, self.rope_theta)
         q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)
-        k_BSGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
-        v_BSGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        k_BTGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
+        v_BTGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        kv_pos_S = positions_S
+        if cache is not None:  # T = every cached token plus these
+            k_BTGE, v_BTGE, kv_pos_S = cache.extend(k_BTGE, v_BTGE, positions_S=positions_S)
         # kv head g serves query heads [g * H/G, (g+1) * H/G)
         group = self.n_heads // self.n_kv_heads
-        k_BSHE = k_BSGE.repeat_interleave(group, dim=2)
-        v_BSHE = v_BSGE.repeat_interleave(group, dim=2)
+        k_BTHE = k_BTGE.repeat_interleave(group, dim=2)
+        v_BTHE = v_BTGE.repeat_interleave(group, dim=2)
         out_BHSE = self.sdpa(
-            q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHE.transpose(1, 2),
-            positions_S, positions_S, self.scale,
+            q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
+            positions_S, kv_pos_S, self.scale,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 

@@ -19,6 +19,7 @@ from models import seeded_init
 from models.attention import build_attention
 from models.config import ModelConfig
 from models.experts import GroupedExperts
+from models.kv_cache import KVCache
 from models.layers import FeedForward, RMSNorm
 from models.moe import MoE, Router
 
@@ -33,8 +34,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = MoE(c) if c.is_moe_layer(layer_id) else FeedForward(c.dim, c.inter_dim)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), positions_S)
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None) -> torch.Tensor:
+        attention_in_BSD = self.attention_norm(x_BSD)
+        if cache is None:
+            x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S)
+        else:
+            x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, cache=cache)
         return x_BSD + self.feed_forward(self.ffn_norm(x_BSD))
 
 
@@ -47,12 +52,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV.
 
         positions_S: global RoPE positions of the S tokens (default arange(S)); context parallelism
         passes the global positions of its local chunks. They must be strictly increasing: the
         attention uses that to pick the fused causal kernel (checked here, one host sync).
+        cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
         """
         S = tokens_BS.shape[1]
         if positions_S is None:
@@ -60,8 +67,8 @@ class Transformer(nn.Module):
         else:
             _check_positions(positions_S, S)
         h_BSD = self.tok_embeddings(tokens_BS)
-        for layer in self.layers:
-            h_BSD = layer(h_BSD, positions_S)
+        for i, layer in enumerate(self.layers):
+            h_BSD = layer(h_BSD, positions_S) if cache is None else layer(h_BSD, positions_S, cache=cache.layers[i])
         return self.output(self.norm(h_BSD))
 
     @torch.no_grad()
