@@ -25,6 +25,7 @@ turn preceded by a reminder line always calls an available tool (so a hint-condi
 better than the student).
 """
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -142,6 +143,7 @@ def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int =
     newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
     distinct and independent of the batching. On a sharded model every rank must pass the same
     episodes: the number of generate calls (each collective) depends on them."""
+    sampling = dataclasses.replace(sampling, stop_tokens=(ord("\n"),))  # one line per assistant turn
     logprobs: list[dict[int, list[float]]] = [{} for _ in episodes]
     for round_ in range(MAX_ASSISTANT_TURNS):
         active = [i for i, e in enumerate(episodes) if not e.done]
