@@ -9,8 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch.pretrain import main
-from multirank import run_ranks
+from entry_point import run_ok
 from runtime.data import DataConfig, Loader, split_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,14 +21,8 @@ ARGS = ["--training.steps=2", "--training.warmup_steps=1", "--data.seq_len=32", 
 HEADLINE = ["--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=8", "--parallel.edp_shard=1"]
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 def run(run_dir, world_size, *extra):
-    codes = run_ranks(_main, world_size, ARGS + [f"--run.dir={run_dir}", *extra], as_torchrun=True, timeout=300)
-    assert codes == [0] * world_size
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return run_ok(run_dir, world_size, ARGS + list(extra))
 
 
 def test_eval_loss_is_the_same_on_1_and_8_ranks_and_deterministic(tmp_path):

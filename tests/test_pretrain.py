@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from launch.pretrain import main
-from multirank import run_ranks
+from entry_point import run_ok, run_pretrain
 from runtime.checkpoint import MARKER
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,15 +22,8 @@ BASE = ["--training.steps=4", "--training.warmup_steps=1", "--data.seq_len=32", 
 HEADLINE = ["--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=8", "--parallel.edp_shard=1"]
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 def _run(run_dir, world_size, *extra):
-    codes = run_ranks(_main, world_size, BASE + [f"--run.dir={run_dir}", *extra], as_torchrun=True, timeout=300)
-    assert codes == [0] * world_size
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return run_ok(run_dir, world_size, BASE + list(extra))
 
 
 def test_headline_layout_matches_single_process_losses(tmp_path):
@@ -85,7 +78,7 @@ def test_checkpoint_saved_on_8_ranks_resumes_on_4_with_another_layout(tmp_path):
 def test_config_errors_exit_on_every_rank_with_rank0s_line(tmp_path, capfd, argv, key):
     np.full(4096, 300, dtype=np.uint16).tofile(tmp_path / "ids.bin")  # token ids beyond the debug vocab (256)
     argv = [a.format(tmp=tmp_path) for a in argv]
-    codes = run_ranks(_main, 2, argv + [f"--run.dir={tmp_path}"], as_torchrun=True, timeout=60)
+    codes, _ = run_pretrain(tmp_path, 2, argv, timeout=60)
     assert codes == [2, 2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
     assert len(lines) == 1 and key in lines[0], lines  # rank 0's alone: under torchrun it is always there

@@ -2,16 +2,14 @@
 clip's exact effect on each head's logits (MLA with and without q_lora, GQA with shared key heads), and
 1 process against the 8-rank headline layout (CP=2 x EP=8) through the real entry point."""
 
-import json
 import os
 
 import pytest
 import torch
 
-from launch.pretrain import main
+from entry_point import run_ok
 from models import Transformer, preset
 from models.attention import CausalAttention, max_logits
-from multirank import run_ranks
 from optim.qk_clip import enable_recording, gqa_row_scales, qk_clip_, step_max_logits
 
 
@@ -131,14 +129,8 @@ FOLDED_HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel
                "--parallel.edp_shard=2"]
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 def _run(run_dir, world_size, *extra):
-    codes = run_ranks(_main, world_size, ARGS + [f"--run.dir={run_dir}", *extra], as_torchrun=True, timeout=300)
-    assert codes == [0] * world_size
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return run_ok(run_dir, world_size, ARGS + list(extra))
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
