@@ -24,6 +24,8 @@ HEADLINE = ["--parallel.dp_replicate=1", "--parallel.dp_shard=4", "--parallel.cp
 # 4 experts / ep=2 = 2 local experts < edp_shard=4: experts sharded on a matrix dim (Shard(1)).
 MATRIX_DIM = ["--parallel.dp_replicate=1", "--parallel.dp_shard=8", "--parallel.cp=1",
               "--parallel.ep=2", "--parallel.edp_replicate=1", "--parallel.edp_shard=4"]
+HSDP = ["--parallel.dp_replicate=2", "--parallel.dp_shard=4", "--parallel.cp=1",
+        "--parallel.ep=2", "--parallel.edp_replicate=2", "--parallel.edp_shard=2"]
 ONE = ["--parallel.dp_replicate=1", "--parallel.dp_shard=1", "--parallel.cp=1",
        "--parallel.ep=1", "--parallel.edp_replicate=1", "--parallel.edp_shard=1"]
 # Losses: the same fp32 step in a different reduction order (tests/test_parallel_parity.py measures
@@ -60,7 +62,8 @@ def hf_dirs(tmp_path_factory):
 
 
 def test_every_layout_loads_the_single_process_weights_and_step(hf_dirs, tmp_path):
-    cases = {"headline_cp2_ep8": (hf_dirs["e8"], HEADLINE), "experts_on_matrix_dim": (hf_dirs["e4"], MATRIX_DIM)}
+    cases = {"headline_cp2_ep8": (hf_dirs["e8"], HEADLINE), "experts_on_matrix_dim": (hf_dirs["e4"], MATRIX_DIM),
+             "hsdp_ehsdp_ep2": (hf_dirs["e8"], HSDP)}
     eight = run_ranks(_first_step, 8, cases, str(tmp_path / "run8"), timeout=300)
     one = run_ranks(_first_step, 1, {k: (p, ONE) for k, (p, _) in cases.items()}, str(tmp_path / "run1"))[0]
     for name, (path, _) in cases.items():
@@ -133,3 +136,39 @@ def test_bad_init_from_exits_2_before_anything(hf_dirs, tmp_path):
     assert main(ARGS + [f"--model.init_from={bad}", f"--run.dir={run_dir}"]) == 2
     assert main(ARGS + [f"--model.init_from={hf_dirs['e8']}", "--model.moe_inter_dim=24", f"--run.dir={run_dir}"]) == 2
     assert not run_dir.exists()
+
+
+def test_export_from_dcp_loads_into_transformers(hf_dirs, tmp_path):
+    """Train one step on 2 ranks from a Hugging Face directory, export the DCP checkpoint, and check:
+    the export holds exactly the checkpoint's weights, and transformers computes our logits from it."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import DeepseekV3ForCausalLM
+
+    from launch.export_hf import PREFIX, export
+    from launch.pretrain import main
+    from runtime.pretrained import read_model_config
+    from test_hf import REL_TOL, _rel_err, _tokens
+
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "export")
+    argv = ARGS + [f"--model.init_from={hf_dirs['e8']}", f"--run.dir={run_dir}", "--training.steps=1",
+                   "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2", "--parallel.edp_shard=1"]
+    assert run_ranks(lambda r, w: main(argv), 2, as_torchrun=True) == [0, 0]
+    step = export(run_dir, out, dtype="float32", shard_bytes=40_000)
+    trained = T.Transformer(read_model_config(run_dir))
+    state = {PREFIX + k: v for k, v in trained.state_dict().items()}
+    dcp.load(state, checkpoint_id=step, no_dist=True)
+    trained.load_state_dict({k[len(PREFIX):]: v for k, v in state.items()})
+    exported = load_pretrained(out)
+    for (name, a), (_, b) in zip(trained.state_dict().items(), exported.state_dict().items()):
+        assert name.endswith("tokens_per_expert") or torch.equal(a, b), name
+    assert not torch.equal(trained.output.weight, load_pretrained(hf_dirs["e8"]).output.weight)  # it trained
+    hf = DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert _rel_err(exported.eval()(_tokens()), hf(input_ids=_tokens()).logits) < REL_TOL
+
+
+def test_export_bad_step_exits_2(tmp_path, capsys):
+    from launch.export_hf import main
+
+    assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--step", "3"]) == 2
+    assert "model_config.json" in capsys.readouterr().err
