@@ -13,6 +13,7 @@ one line.
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
@@ -48,7 +49,9 @@ def dcp_fetch(path: str):
     def fetch(name: str) -> torch.Tensor:
         meta = metadata[PREFIX + name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({PREFIX + name: tensor}, checkpoint_id=path, no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({PREFIX + name: tensor}, checkpoint_id=path, no_dist=True)
         return tensor
 
     return fetch

@@ -121,8 +121,8 @@ class ModelConfig:
         _require(self, "rope_factor", self.rope_factor >= 1, ">= 1 (1 = plain RoPE)")
         if self.rope_factor != 1:
             _require(self, "rope_original_seq_len", self.rope_original_seq_len >= 1, ">= 1 with YaRN")
-            _require(self, "rope_beta_fast", self.rope_beta_fast > self.rope_beta_slow > 0,
-                     f"> rope_beta_slow={self.rope_beta_slow} > 0 with YaRN")
+            for name in ("rope_beta_fast", "rope_beta_slow"):  # Kimi K2 sets both to 1
+                _require(self, name, getattr(self, name) > 0, "> 0 with YaRN")
 
     def _check_mla(self):
         _require(self, "q_lora_rank", self.q_lora_rank >= 0, ">= 0 (0 = no query low-rank)")

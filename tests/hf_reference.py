@@ -12,7 +12,11 @@ CASES = {
     "q_lora": {},
     "no_q_lora": dict(q_lora_rank=None),
     "groups": dict(n_group=4, topk_group=2, num_experts_per_tok=3),
-    "kimi_k2_style": dict(n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=2.827, rms_norm_eps=1e-5),
+    # Kimi K2's rope_scaling (beta_fast = beta_slow = 1, factor 32, mscale = mscale_all_dim = 1), shorter original context
+    "kimi_k2_style": dict(n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=2.827, rms_norm_eps=1e-5,
+                          rope_theta=50000.0, rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                                                            "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                            "original_max_position_embeddings": 64}),
     "yarn": dict(max_position_embeddings=512, rope_theta=50000.0,
                  rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}),
