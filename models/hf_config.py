@@ -33,14 +33,15 @@ _REQUIRED = {
     "topk_method": "noaux_tc", "moe_layer_freq": 1, "attention_dropout": 0.0, "ep_size": 1,
     "pretraining_tp": 1,
 }
+# Fields read by dedicated code below (attention/rope/MTP/quantization), not by the tables above.
+_READ_ELSEWHERE = {"q_lora_rank", "first_k_dense_replace", "num_key_value_heads", "rope_theta", "rope_scaling",
+                   "rope_parameters", "rope_interleave", "num_nextn_predict_layers", "num_mtp_layers",
+                   "quantization_config"}
 # Fields that do not change what the weights compute (training-loss settings are the runtime's to choose).
-_IGNORED = {
-    "architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "aux_loss_alpha", "seq_aux",
-    "router_aux_loss_coef", "head_dim", "qk_head_dim", "num_key_value_heads", "first_k_dense_replace",
-    "q_lora_rank", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave", "num_nextn_predict_layers",
-    "num_mtp_layers", "quantization_config", "_name_or_path", "name_or_path", "tokenizer_class",
-}
+_IGNORED = {"architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
+            "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "aux_loss_alpha", "seq_aux",
+            "router_aux_loss_coef", "head_dim", "qk_head_dim", "_name_or_path", "name_or_path", "tokenizer_class"}
+_OPTIONAL = {"initializer_range"}  # the others have no default we could assume (transformers defaults n_group to 8)
 _YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "mscale", "mscale_all_dim", "rope_theta", "truncate"}
 
@@ -94,8 +95,7 @@ def _check_architecture(raw: dict, where: str):
     if ARCHITECTURE not in archs and raw.get("model_type") not in MODEL_TYPES:
         raise ValueError(f"{where}: architectures={archs} model_type={raw.get('model_type')!r}: "
                          f"expected {ARCHITECTURE} (model_type one of {MODEL_TYPES})")
-    missing = sorted(k for k in _MAPPED if k not in raw and k not in ("norm_topk_prob", "n_group", "topk_group",
-                                                                      "initializer_range", "n_shared_experts"))
+    missing = sorted(k for k in _MAPPED if k not in raw and k not in _OPTIONAL)
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}")
 
@@ -105,7 +105,7 @@ def _check_fields(raw: dict, where: str):
         if key in _REQUIRED and value != _REQUIRED[key]:
             raise ValueError(f"{where}: {key}={value!r} is not supported (the model implements {key}="
                              f"{_REQUIRED[key]!r})")
-        if key not in _MAPPED and key not in _REQUIRED and key not in _IGNORED:
+        if key not in _MAPPED and key not in _REQUIRED and key not in _READ_ELSEWHERE and key not in _IGNORED:
             raise ValueError(f"{where}: field {key}={value!r} is not supported by the model")
     heads = raw.get("num_key_value_heads")
     if heads is not None and heads != raw.get("num_attention_heads"):
