@@ -2,8 +2,8 @@
 
     python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4]
 
-Reads `<run-dir>/model_config.json` (written by every run) and the DCP checkpoint `checkpoints/step_N`
-(default: the newest complete one), and writes config.json, model-0000i-of-0000n.safetensors shards and
+Reads the DCP checkpoint `checkpoints/step_N` (default: the newest complete one) and the model config
+its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safetensors shards and
 model.safetensors.index.json with one key per expert, as the published checkpoints have them. One
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
 rank's shards), so memory stays bounded by the largest tensor. A bad argument exits with status 2 and
@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from runtime import checkpoint  # noqa: E402
-from runtime.pretrained import read_model_config  # noqa: E402
+from runtime.errors import RunError  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 PREFIX = "train.model."  # where runtime/train.py's app_state puts the model in the DCP checkpoint
@@ -40,6 +41,17 @@ def checkpoint_path(run_dir: str, step: int | None) -> str:
         steps = [checkpoint.checkpoint_step(p) for p in checkpoint.complete_checkpoints(directory)]
         raise ValueError(f"--step {step}: no complete checkpoint {path} (complete steps: {steps})")
     return path
+
+
+def checkpoint_model_config(path: str) -> ModelConfig:
+    """The ModelConfig recorded in the checkpoint's marker (runtime/train.py `run_meta`)."""
+    saved = checkpoint.read_meta(path).get("model")
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: the {checkpoint.MARKER} marker records no model config")
+    try:
+        return ModelConfig(**saved)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the recorded model config does not build: {e}") from None
 
 
 def dcp_fetch(path: str):
@@ -60,8 +72,8 @@ def dcp_fetch(path: str):
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
            shard_bytes: int = SHARD_BYTES) -> str:
     """Write the Hugging Face directory `out`; returns the checkpoint it came from."""
-    config = read_model_config(run_dir)
     path = checkpoint_path(run_dir, step)
+    config = checkpoint_model_config(path)
     write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True, shard_bytes=shard_bytes)
     return path
 
@@ -76,7 +88,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         path = export(args.run_dir, args.out, args.step, args.dtype, int(args.shard_gb * 2**30))
-    except ValueError as e:
+    except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker
         print(f"export error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} to {args.out}")

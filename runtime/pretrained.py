@@ -1,4 +1,4 @@
-"""Start a run from a Hugging Face checkpoint (`--model.init_from=DIR`), and record the model shape for export.
+"""Start a run from a Hugging Face checkpoint (`--model.init_from=DIR`).
 
 `check_init_from` runs on every rank before any process group exists (headers only), so a bad
 directory fails in one line with nothing written. `init_from_pretrained` then fills each rank's
@@ -6,17 +6,9 @@ shards with only that rank's bytes (models/hf.py), without communication. A run 
 already holds a checkpoint resumes from it instead, and says so once.
 """
 
-import dataclasses
-import json
-import os
-
-from models.config import ModelConfig
 from models.hf import check_checkpoint, load_state
 from models.hf_config import read_hf_config
 from runtime import checkpoint
-
-MODEL_CONFIG = "model_config.json"  # <run.dir>/model_config.json: the ModelConfig, for launch/export_hf.py
-
 
 def resuming(run_dir: str) -> bool:
     return checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(run_dir)) is not None
@@ -50,19 +42,3 @@ def init_from_pretrained(config, model, rank: int) -> bool:
             print(note, flush=True)
         print(f"initialized from {path}: rank 0 read {bytes_read:,} bytes of tensors", flush=True)
     return True
-
-
-def write_model_config(run_dir: str, model_config: ModelConfig, rank: int) -> None:
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, MODEL_CONFIG), "w") as f:
-            json.dump(dataclasses.asdict(model_config), f, indent=2)
-
-
-def read_model_config(run_dir: str) -> ModelConfig:
-    path = os.path.join(run_dir, MODEL_CONFIG)
-    try:
-        with open(path) as f:
-            return ModelConfig(**json.load(f))
-    except OSError as e:
-        raise ValueError(f"--run-dir: cannot read {path}: {e.strerror}") from None

@@ -40,7 +40,7 @@ from runtime.errors import Preempted, RunError
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
-from runtime.pretrained import init_from_pretrained, write_model_config
+from runtime.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 
@@ -235,7 +235,6 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
-    write_model_config(config.run.dir, config.model, rank)  # for launch/export_hf.py
     model = build_model(config, meshes, layout, device)
     optimizer = build_optimizer(model, config)
     if rank == 0:

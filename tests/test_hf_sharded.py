@@ -113,7 +113,6 @@ def test_resuming_run_dir_ignores_init_from(hf_dirs, tmp_path, capsys):
     argv2 = [a if not a.startswith("--training.steps") else "--training.steps=2" for a in argv]
     capture = run_ranks(_capture_main, 1, argv2, as_torchrun=True)[0]
     assert capture[0] == 0 and "model.init_from=" in capture[1] and "is ignored" in capture[1]
-    assert os.path.isfile(os.path.join(run_dir, "model_config.json"))
 
 
 def _capture_main(rank, world_size, argv):
@@ -144,9 +143,8 @@ def test_export_from_dcp_loads_into_transformers(hf_dirs, tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import DeepseekV3ForCausalLM
 
-    from launch.export_hf import PREFIX, export
+    from launch.export_hf import PREFIX, checkpoint_model_config, export
     from launch.pretrain import main
-    from runtime.pretrained import read_model_config
     from test_hf import REL_TOL, _rel_err, _tokens
 
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "export")
@@ -154,7 +152,7 @@ def test_export_from_dcp_loads_into_transformers(hf_dirs, tmp_path):
                    "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2", "--parallel.edp_shard=1"]
     assert run_ranks(lambda r, w: main(argv), 2, as_torchrun=True) == [0, 0]
     step = export(run_dir, out, dtype="float32", shard_bytes=40_000)
-    trained = T.Transformer(read_model_config(run_dir))
+    trained = T.Transformer(checkpoint_model_config(step))
     state = {PREFIX + k: v for k, v in trained.state_dict().items()}
     dcp.load(state, checkpoint_id=step, no_dist=True)
     trained.load_state_dict({k[len(PREFIX):]: v for k, v in state.items()})
@@ -171,4 +169,4 @@ def test_export_bad_step_exits_2(tmp_path, capsys):
     from launch.export_hf import main
 
     assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--step", "3"]) == 2
-    assert "model_config.json" in capsys.readouterr().err
+    assert "--step 3: no complete checkpoint" in capsys.readouterr().err
