@@ -10,6 +10,7 @@ from models.hf import check_checkpoint, load_state
 from models.hf_config import read_hf_config
 from runtime import checkpoint
 
+
 def resuming(run_dir: str) -> bool:
     return checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(run_dir)) is not None
 
