@@ -1,7 +1,6 @@
 """`--model.init_from` on real gloo ranks: every layout loads the same weights as one process, takes the
 same first step, and each rank reads only about its share of the checkpoint's bytes."""
 
-
 import pytest
 import torch
 
