@@ -135,6 +135,7 @@ def test_bad_init_from_exits_2_before_anything(hf_dirs, tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # reading the checkpoint in one process
 def test_export_from_dcp_loads_into_transformers(hf_dirs, tmp_path):
     """Train one step on 2 ranks from a Hugging Face directory, export the DCP checkpoint, and check:
     the export holds exactly the checkpoint's weights, and transformers computes our logits from it."""
