@@ -18,7 +18,8 @@ from launch import tokenize_text  # noqa: E402
 from launch.pretrain import main  # noqa: E402
 from models.hf import load_pretrained  # noqa: E402
 from multirank import run_ranks  # noqa: E402
-from runtime.data import DataConfig, Loader  # noqa: E402
+from runtime.config import load_config  # noqa: E402
+from runtime.data import Loader  # noqa: E402
 
 WORDS = "the cat sat on a mat while dogs ran past quiet green hills under bright morning light".split()
 
@@ -54,8 +55,9 @@ def test_tokenized_text_trains_from_a_hugging_face_checkpoint(tmp_path):
     assert run_ranks(lambda r, w: main(argv), 1, as_torchrun=True) == [0]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         losses = [json.loads(line)["loss"] for line in f]
-    inputs_BS, labels_BS, positions_S = Loader(DataConfig(source="bin", path=out, seq_len=32, batch_size=4),
-                                               seed=0).batch(0)[0]
+    config = load_config(argv)  # the run's own first batch: the same data config, seed and held-out split
+    inputs_BS, labels_BS, positions_S = Loader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
+                                               holdout=config.eval.train_holdout()).batch(0)[0]
     with torch.no_grad():
         logits = load_pretrained(hf_dir)(inputs_BS, positions_S)
     reference = float(F.cross_entropy(logits.flatten(0, 1), labels_BS.flatten()))
