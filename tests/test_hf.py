@@ -238,3 +238,46 @@ def test_save_pretrained_loads_back_into_transformers(checkpoints, tmp_path, cas
     reloaded = load_pretrained(path)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+# ---- published configs ---------------------------------------------------------------------------
+
+_DEEPSEEK_V3 = {  # the fields of deepseek-ai/DeepSeek-V3's config.json (auto_map left out)
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+_KIMI_K2 = dict(_DEEPSEEK_V3, model_type="kimi_k2", first_k_dense_replace=1, max_position_embeddings=131072,
+                n_group=1, topk_group=1, n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64,
+                num_nextn_predict_layers=0, routed_scaling_factor=2.827, rope_theta=50000.0, vocab_size=163840,
+                rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 4096, "type": "yarn"})
+
+
+@pytest.mark.parametrize("raw, preset_name", [(_DEEPSEEK_V3, "deepseek_v3_671b"), (_KIMI_K2, "kimi_k2_1t")])
+def test_published_configs_map_to_the_presets_shapes(raw, preset_name):
+    """Every shape field equals the hand-written preset; only what the presets leave out differs."""
+    from models import preset
+    from models.hf_config import checkpoint_format, model_config
+
+    config, fmt = model_config(raw, "config.json"), checkpoint_format(raw, "config.json")
+    leave_out = {"n_expert_groups", "n_limited_groups", "rope_factor", "rope_original_seq_len", "rope_beta_fast",
+                 "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "max_seq_len", "init_std", "aux_loss_alpha",
+                 "latent_norm_eps"}
+    ours, theirs = dataclasses.asdict(config), dataclasses.asdict(preset(preset_name))
+    assert {k: v for k, v in ours.items() if k not in leave_out} == {k: v for k, v in theirs.items() if k not in leave_out}
+    assert fmt.fp8_block == (128, 128) and fmt.rope_interleave
+    assert (config.n_expert_groups, config.n_limited_groups) == (raw["n_group"], raw["topk_group"])
+    assert config.rope_factor == raw["rope_scaling"]["factor"] and config.max_seq_len == raw["max_position_embeddings"]
