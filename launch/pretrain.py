@@ -21,6 +21,7 @@ from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
 from runtime.data import Loader, check_token_ids  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
+from runtime.pretrained import check_init_from  # noqa: E402
 from runtime.run_lock import run_lock  # noqa: E402
 from runtime.train import train  # noqa: E402
 
@@ -34,6 +35,7 @@ def check_environment(config) -> None:
     Loader(config.data, config.training.seed, grad_accum=config.training.grad_accum,
            vocab_size=config.model.vocab_size)
     check_token_ids(config.data, config.model.vocab_size)
+    check_init_from(config)  # model.init_from: files, keys, shapes (headers only)
 
 
 def rendezvous_store(rank: int, world_size: int) -> dist.Store:

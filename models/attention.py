@@ -74,17 +74,17 @@ class MLA(nn.Module):
         super().__init__()
         self.n_heads, self.kv_lora_rank = c.n_heads, c.kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.rope_theta = c.rope_theta
-        self.scale = c.qk_head_dim**-0.5
+        self.rope = c.rope()
+        self.scale = c.qk_head_dim**-0.5 * self.rope.softmax_scale_factor()
         q_out = c.n_heads * c.qk_head_dim
         if c.q_lora_rank == 0:
             self.wq = nn.Linear(c.dim, q_out, bias=False)
         else:
             self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+            self.q_norm = RMSNorm(c.q_lora_rank, c.mla_latent_norm_eps)
             self.wq_b = nn.Linear(c.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, c.mla_latent_norm_eps)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         self.sdpa = CausalAttention()
@@ -92,7 +92,7 @@ class MLA(nn.Module):
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended."""
         B, S, _ = x_BSD.shape
-        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope_dim, self.rope_theta)
+        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope)
         q_BSHE = self._queries(x_BSD).view(B, S, self.n_heads, self.nope + self.rope_dim)
         q_nope_BSHE, q_rope_BSHR = q_BSHE.split([self.nope, self.rope_dim], dim=-1)
         q_BSHE = torch.cat([q_nope_BSHE, apply_rope(q_rope_BSHR, cos_SR, sin_SR)], dim=-1)
@@ -135,8 +135,8 @@ class GQA(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.rope_theta = c.rope_theta
-        self.scale = c.head_dim**-0.5
+        self.rope = c.rope()
+        self.scale = c.head_dim**-0.5 * self.rope.softmax_scale_factor()
         self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
         self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
@@ -146,7 +146,7 @@ class GQA(nn.Module):
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended."""
         B, S, _ = x_BSD.shape
-        cos_SR, sin_SR = rope_cos_sin(positions_S, self.head_dim, self.rope_theta)
+        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope)
         q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)
         k_BTGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
         v_BTGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)

@@ -10,6 +10,8 @@ methods/properties; the config is never mutated.
 import dataclasses
 from dataclasses import dataclass
 
+from models.rope import Rope
+
 ATTN_KINDS = ("mla", "gqa")
 SCORE_FUNCS = ("sigmoid", "softmax")
 
@@ -39,11 +41,21 @@ class ModelConfig:
     n_activated_experts: int  # top-k
     score_func: str = "sigmoid"
     route_scale: float = 1.0
+    norm_topk_prob: bool = True  # sigmoid router: divide the top-k weights by their sum (softmax weights are used as they are)
+    n_expert_groups: int = 1  # group-limited routing: experts form this many equal groups (DeepSeek-V3 n_group)
+    n_limited_groups: int = 1  # top-k experts come from the best n_limited_groups groups (topk_group; group score: sum of its top-2 biased scores)
     aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 eq. 17-20); 0 = off
     bias_update_speed: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3 sec. 2.1.2)
     rope_theta: float = 10000.0
+    rope_factor: float = 1.0  # YaRN context-extension factor (models/rope.py); 1 = plain RoPE
+    rope_original_seq_len: int = 4096  # YaRN: context length the model was pretrained at
+    rope_beta_fast: float = 32.0  # YaRN: dims rotating more than this over the original context keep their frequency
+    rope_beta_slow: float = 1.0  # YaRN: dims rotating less than this are fully interpolated
+    rope_mscale: float = 0.0  # YaRN attention-scale correction numerator (0 = unset)
+    rope_mscale_all_dim: float = 0.0  # YaRN attention-scale correction of the softmax scale (0 = unset)
     max_seq_len: int = 4096
     norm_eps: float = 1e-6
+    latent_norm_eps: float = 0.0  # mla: epsilon of the q/kv latent RMSNorms (0 = norm_eps; DeepSeek-V3 checkpoints use 1e-6)
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -77,6 +89,16 @@ class ModelConfig:
         """Per-head width that RoPE rotates."""
         return self.qk_rope_head_dim if self.attn == "mla" else self.head_dim
 
+    def rope(self) -> Rope:
+        """The rotary tables' parameters (plain RoPE when rope_factor == 1, else YaRN)."""
+        return Rope(dim=self.rope_dim, theta=self.rope_theta, factor=self.rope_factor,
+                    original_seq_len=self.rope_original_seq_len, beta_fast=self.rope_beta_fast,
+                    beta_slow=self.rope_beta_slow, mscale=self.rope_mscale, mscale_all_dim=self.rope_mscale_all_dim)
+
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        return self.latent_norm_eps or self.norm_eps
+
     # ---- validation -----------------------------------------------------------------------
 
     def _check_common(self):
@@ -94,8 +116,13 @@ class ModelConfig:
             _require(self, "inter_dim", self.inter_dim >= 1, ">= 1 (there are dense layers)")
         for name in ("rope_theta", "norm_eps", "init_std", "route_scale"):
             _require(self, name, getattr(self, name) > 0, "> 0")
-        for name in ("aux_loss_alpha", "bias_update_speed"):
+        for name in ("aux_loss_alpha", "bias_update_speed", "latent_norm_eps", "rope_mscale", "rope_mscale_all_dim"):
             _require(self, name, getattr(self, name) >= 0, ">= 0")
+        _require(self, "rope_factor", self.rope_factor >= 1, ">= 1 (1 = plain RoPE)")
+        if self.rope_factor != 1:
+            _require(self, "rope_original_seq_len", self.rope_original_seq_len >= 1, ">= 1 with YaRN")
+            for name in ("rope_beta_fast", "rope_beta_slow"):  # Kimi K2 sets both to 1
+                _require(self, name, getattr(self, name) > 0, "> 0 with YaRN")
 
     def _check_mla(self):
         _require(self, "q_lora_rank", self.q_lora_rank >= 0, ">= 0 (0 = no query low-rank)")
@@ -135,6 +162,20 @@ class ModelConfig:
             1 <= self.n_activated_experts <= self.n_routed_experts,
             f"in [1, n_routed_experts={self.n_routed_experts}]",
         )
+        self._check_groups()
+
+    def _check_groups(self):
+        groups, limited = self.n_expert_groups, self.n_limited_groups
+        _require(self, "n_expert_groups", groups >= 1 and self.n_routed_experts % groups == 0,
+                 f">= 1 and divide n_routed_experts={self.n_routed_experts}")
+        _require(self, "n_limited_groups", 1 <= limited <= groups, f"in [1, n_expert_groups={groups}]")
+        per_group = self.n_routed_experts // groups
+        if groups > 1:
+            _require(self, "n_expert_groups", per_group >= 2,
+                     f"at most n_routed_experts/2={self.n_routed_experts // 2} (a group scores its top-2 experts)")
+        _require(self, "n_limited_groups", limited * per_group >= self.n_activated_experts,
+                 f"large enough that n_limited_groups * {per_group} experts per group >= "
+                 f"n_activated_experts={self.n_activated_experts}")
 
 
 def _require(config: ModelConfig, name: str, ok: bool, expected: str):
@@ -146,7 +187,9 @@ def _check_types(config: ModelConfig):
     """int fields take int (not bool), float fields take int or float, str fields take str."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.type in ("int", int):
+        if field.type in ("bool", bool):
+            ok = isinstance(value, bool)
+        elif field.type in ("int", int):
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif field.type in ("float", float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)

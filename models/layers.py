@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.rope import Rope
 from models.splits import WHOLE, MatrixSplit
 
 
@@ -25,17 +26,18 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_cos_sin(positions_S: torch.Tensor, rope_dim: int, theta: float):
-    """cos/sin tables [S, R] for the given (global) token positions, in fp32.
+def rope_cos_sin(positions_S: torch.Tensor, rope: Rope):
+    """cos/sin tables [S, R] for the given (global) token positions, in fp32 ("rotate half" layout:
+    both halves of R hold the same R/2 angles), times YaRN's cos/sin factor (models/rope.py).
 
     Computed from the positions each call instead of a cached buffer: there is no buffer to
     re-create after building on the meta device, and context parallelism can pass any positions.
     """
-    exponents_R2 = torch.arange(0, rope_dim, 2, device=positions_S.device, dtype=torch.float32)
-    inv_freq_R2 = 1.0 / (theta ** (exponents_R2 / rope_dim))
+    inv_freq_R2 = rope.inv_freq(positions_S.device)
     angles_SR2 = positions_S.to(torch.float32)[:, None] * inv_freq_R2[None, :]
     angles_SR = torch.cat([angles_SR2, angles_SR2], dim=-1)
-    return angles_SR.cos(), angles_SR.sin()
+    factor = rope.cos_sin_factor()
+    return angles_SR.cos() * factor, angles_SR.sin() * factor
 
 
 def apply_rope(x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:

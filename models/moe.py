@@ -21,8 +21,11 @@ from models.splits import WHOLE, MatrixSplit
 class Router(nn.Module):
     """Token-choice top-k router.
 
-    scores = sigmoid|softmax(gate x) in fp32; experts = top-k of (scores + expert_bias); weights =
-    the un-biased scores of those experts, normalized over the top-k for sigmoid, times route_scale.
+    scores = sigmoid|softmax(gate x) in fp32; experts = top-k of (scores + expert_bias), restricted to
+    the best n_limited_groups of n_expert_groups equal expert groups when n_expert_groups > 1 (a
+    group's score is the sum of its two largest biased scores; DeepSeek-V3 sec. 2.1.2 node-limited
+    routing); weights = the un-biased scores of those experts, normalized over the top-k for sigmoid
+    when norm_topk_prob, times route_scale.
     Buffers: expert_bias [E] fp32 (moved by `update_expert_bias`, never by gradients) and
     tokens_per_expert [E] fp32 (top-k counts accumulated by every training-mode forward; eval-mode
     forwards leave it alone; recomputation under activation checkpointing counts a micro-batch
@@ -32,7 +35,8 @@ class Router(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = c.n_routed_experts, c.n_activated_experts
-        self.score_func, self.route_scale = c.score_func, c.route_scale
+        self.score_func, self.route_scale, self.norm_topk_prob = c.score_func, c.route_scale, c.norm_topk_prob
+        self.n_groups, self.n_limited_groups = c.n_expert_groups, c.n_limited_groups
         self.aux_loss_alpha, self.bias_update_speed = c.aux_loss_alpha, c.bias_update_speed
         self.gate = nn.Linear(c.dim, c.n_routed_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
@@ -46,9 +50,9 @@ class Router(nn.Module):
         """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
         B, S, D = x_BSD.shape
         scores_TE = self._scores(self._logits_fp32(x_BSD.reshape(B * S, D)))
-        experts_TK = torch.topk(scores_TE + self.expert_bias, self.top_k, dim=-1).indices
+        experts_TK = torch.topk(self._limit_groups(scores_TE + self.expert_bias), self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(-1, experts_TK)
-        if self.score_func == "sigmoid":
+        if self.score_func == "sigmoid" and self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
         weights_TK = weights_TK * self.route_scale
         if self.training:
@@ -66,6 +70,17 @@ class Router(nn.Module):
         """Gate logits in fp32 even under autocast: routing decisions are sensitive to rounding."""
         with torch.autocast(x_TD.device.type, enabled=False):
             return F.linear(x_TD.float(), self.gate.weight.float())
+
+    def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """-inf outside each token's best n_limited_groups expert groups (G groups of X experts)."""
+        if self.n_groups == self.n_limited_groups:
+            return choice_TE
+        T, E = choice_TE.shape
+        choice_TGX = choice_TE.view(T, self.n_groups, E // self.n_groups)
+        group_scores_TG = choice_TGX.topk(2, dim=-1).values.sum(-1)
+        groups_TL = group_scores_TG.topk(self.n_limited_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, groups_TL, True)
+        return choice_TGX.masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
 
     def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         if self.score_func == "sigmoid":

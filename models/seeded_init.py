@@ -12,15 +12,14 @@ import hashlib
 
 import torch
 from torch.distributed.tensor import DTensor
-# Private: the local shape and global offset of a DTensor shard (what DCP uses). Checked on torch 2.13.0.
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from parallel.boxes import dtensor_box
 
 
 def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset) of this rank's part of `t` (the whole tensor if not a DTensor)."""
-    if isinstance(t, DTensor):
-        return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(t.shape), (0,) * t.dim()
+    box = dtensor_box(t)
+    return tuple(stop - start for start, stop in box), tuple(start for start, _ in box)
 
 
 def _seed(seed: int, name: str, index: int) -> int:

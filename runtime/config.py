@@ -30,6 +30,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from models import PRESETS, ModelConfig, preset
+from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.checkpoint import CheckpointConfig
@@ -105,6 +106,7 @@ INFER_ALL = ParallelConfig(dp_replicate=-1, dp_shard=-1, cp=-1, ep=-1, edp_repli
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model_preset: str = DEFAULT_PRESET  # [model] preset
+    model_init_from: str = ""  # [model] init_from: a Hugging Face DeepSeek-V3 directory (shape and weights)
     model: ModelConfig = field(default_factory=lambda: preset(DEFAULT_PRESET))  # the preset + [model] overrides
     parallel: ParallelConfig = INFER_ALL
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -170,7 +172,7 @@ def _sections() -> dict[str, type]:
 def _key_types(section: str, cls: type) -> dict[str, object]:
     types = typing.get_type_hints(cls)
     keys = {f.name: types[f.name] for f in dataclasses.fields(cls)}
-    return {"preset": str, **keys} if section == "model" else keys
+    return {"preset": str, "init_from": str, **keys} if section == "model" else keys
 
 
 def _type_name(tp) -> str:
@@ -279,12 +281,24 @@ def _build(values: dict[str, dict]) -> JobConfig:
     defaults, built = JobConfig(), {}
     overrides = dict(values.pop("model"))
     name = overrides.pop("preset", defaults.model_preset)
+    init_from = overrides.pop("init_from", "")
     if name not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)})")
     for section, section_values in values.items():
         built[section] = _construct(section, lambda: dataclasses.replace(getattr(defaults, section), **section_values))
-    built["model"] = _construct("model", lambda: preset(name, **overrides))
-    return JobConfig(model_preset=name, **built)
+    built["model"] = _construct("model", lambda: _model_config(name, init_from, overrides))
+    return JobConfig(model_preset=name, model_init_from=init_from, **built)
+
+
+def _model_config(name: str, init_from: str, overrides: dict) -> ModelConfig:
+    """The preset with overrides, or, with init_from, the checkpoint's config.json with overrides."""
+    if not init_from:
+        return preset(name, **overrides)
+    try:
+        base, _ = read_hf_config(init_from)
+    except ValueError as e:
+        raise ValueError(f"model.init_from: {e}") from None
+    return dataclasses.replace(base, **overrides)
 
 
 def _construct(section: str, make):
@@ -368,6 +382,8 @@ def help_text() -> str:
         if section == "model":
             rows.insert(0, ("preset", defaults.model_preset, "named model shape; the keys below override "
                             "its fields (defaults shown: the debug preset)"))
+            rows.insert(1, ("init_from", "", "a Hugging Face DeepSeek-V3 / Kimi K2 directory: its config.json "
+                            "replaces the preset, its weights the init (ignored when run.dir has checkpoints)"))
         for name, default, meaning in rows:
             meaning = meaning or _FALLBACK_HELP.get(f"{section}.{name}", "")
             out.append(f"  --{section}.{name}={_format(default)}".ljust(44) + f"  {meaning}")

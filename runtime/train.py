@@ -40,6 +40,7 @@ from runtime.errors import Preempted, RunError
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
+from runtime.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 
@@ -55,7 +56,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
         model = Transformer(config.model)
     parallelize(model, meshes, layout)
     model.to_empty(device=device)
-    model.init_weights(seed=config.training.seed)
+    if not init_from_pretrained(config, model, dist.get_rank() if dist.is_initialized() else 0):
+        model.init_weights(seed=config.training.seed)
     for router in model.routers():  # each forward's sequences are this share of the step's (cp == 1)
         router.aux_loss_weight = 1.0 / (layout.dp * config.training.grad_accum)
     if config.optim.qk_clip_tau > 0:

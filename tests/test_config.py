@@ -131,8 +131,9 @@ def test_large_configs_load_and_fit_their_world_size(name, world_sizes):
 def test_help_lists_every_key_with_its_default_and_a_meaning():
     text, defaults = help_text(), JobConfig()
     lines = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^  --(\S+?)=(\S*)\s+(.*)$", text, re.M)}
-    sections = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(JobConfig) if f.name != "model_preset"}
-    expected = {"model.preset": "debug"}
+    sections = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(JobConfig)
+                if f.name not in ("model_preset", "model_init_from")}
+    expected = {"model.preset": "debug", "model.init_from": ""}
     for section, obj in sections.items():
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)

@@ -1,0 +1,99 @@
+"""Export a training checkpoint as a Hugging Face DeepSeek-V3 directory.
+
+    python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4]
+
+Reads the DCP checkpoint `checkpoints/step_N` (default: the newest complete one) and the model config
+its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safetensors shards and
+model.safetensors.index.json with one key per expert, as the published checkpoints have them. One
+process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
+rank's shards), so memory stays bounded by the largest tensor. A bad argument exits with status 2 and
+one line.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from models.config import ModelConfig  # noqa: E402
+from models.hf import SHARD_BYTES, write_hf  # noqa: E402
+from runtime import checkpoint  # noqa: E402
+from runtime.errors import RunError  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+PREFIX = "train.model."  # where runtime/train.py's app_state puts the model in the DCP checkpoint
+
+
+def checkpoint_path(run_dir: str, step: int | None) -> str:
+    directory = checkpoint.checkpoint_dir(run_dir)
+    if step is None:
+        path = checkpoint.latest_checkpoint(directory)
+        if path is None:
+            raise ValueError(f"--run-dir: no complete checkpoint under {directory}")
+        return path
+    path = os.path.join(directory, f"step_{step}")
+    if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+        steps = [checkpoint.checkpoint_step(p) for p in checkpoint.complete_checkpoints(directory)]
+        raise ValueError(f"--step {step}: no complete checkpoint {path} (complete steps: {steps})")
+    return path
+
+
+def checkpoint_model_config(path: str) -> ModelConfig:
+    """The ModelConfig recorded in the checkpoint's marker (runtime/train.py `run_meta`)."""
+    saved = checkpoint.read_meta(path).get("model")
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: the {checkpoint.MARKER} marker records no model config")
+    try:
+        return ModelConfig(**saved)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the recorded model config does not build: {e}") from None
+
+
+def dcp_fetch(path: str):
+    """fetch(our_name) -> the full fp32 tensor from the DCP checkpoint at `path` (one tensor per call)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+    def fetch(name: str) -> torch.Tensor:
+        meta = metadata[PREFIX + name]
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({PREFIX + name: tensor}, checkpoint_id=path, no_dist=True)
+        return tensor
+
+    return fetch
+
+
+def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
+           shard_bytes: int = SHARD_BYTES) -> str:
+    """Write the Hugging Face directory `out`; returns the checkpoint it came from."""
+    path = checkpoint_path(run_dir, step)
+    config = checkpoint_model_config(path)
+    write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True, shard_bytes=shard_bytes)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True, help="the training run directory (run.dir)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weight dtype in the export")
+    parser.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30, help="largest shard file, GiB")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.run_dir, args.out, args.step, args.dtype, int(args.shard_gb * 2**30))
+    except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker
+        print(f"export error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,171 @@
+"""Hugging Face DeepSeek-V3-architecture checkpoints (DeepSeek-V3, Kimi K2, Moonlight): load and save.
+
+    load_pretrained(path) -> Transformer          one process, CPU, fp32, eval mode
+    save_pretrained(model, path)                  a directory `transformers` loads (DeepseekV3ForCausalLM)
+    check_checkpoint(path, config) -> notes       headers only: every problem as one ValueError line
+    load_state(model, path) -> bytes read         fill any (sharded) model in place, shard by shard
+
+Sharded loading: after `parallelize` + `to_empty`, every parameter is a DTensor and each rank holds one
+box of it (parallel/boxes.py). `load_state` reads exactly that box from the safetensors files through
+lazy slices: for stacked experts only the experts of the box, and of each only the rows/columns of
+the box; for FP8 weights the enclosing whole blocks and their scales. No rank ever holds a full
+tensor it does not own, and there is no communication at all: every rank reads its own bytes.
+Key names and the rotary row order: models/hf_keys.py. config.json: models/hf_config.py.
+"""
+
+import json
+import os
+import re
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from models.config import ModelConfig
+from models.hf_config import CheckpointFormat, hf_config_dict, read_hf_config
+from models.hf_files import CheckpointFiles, TensorRecord, write_shards
+from models.hf_keys import NOT_LOADED, Source, checkpoint_rows, hf_sources, our_rows
+from models.model import Transformer
+from parallel.boxes import dtensor_box
+
+SHARD_BYTES = 4 * 2**30  # exported shard size: a few GB, like the published checkpoints
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_pretrained(path: str) -> Transformer:
+    """The checkpoint at `path` as our model, on the CPU in fp32, in eval mode."""
+    config, fmt = read_hf_config(path)
+    check_checkpoint(path, config, fmt)
+    model = Transformer(config)
+    load_state(model, path, fmt)
+    return model.eval()
+
+
+def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> list[str]:
+    """Check files, keys, shapes and dtypes against `config` from the headers alone (no tensor bytes).
+
+    Raises ValueError (one line) on a missing shard file, missing or unexpected keys, a shape that
+    does not match the config (both shapes named) or an FP8 weight without its scales. Returns notes
+    for the user (skipped multi-token-prediction layers)."""
+    files = CheckpointFiles.scan(path)
+    expected = expected_shapes(config, fmt.rope_interleave)
+    present = set(files.entries)
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    mtp = {k for k in present if _LAYER.match(k) and int(_LAYER.match(k).group(1)) >= config.n_layers}
+    scales = {k + "_scale_inv" for k in expected if files.dtype_code(k) == "F8_E4M3"}
+    unexpected = sorted(present - set(expected) - mtp - scales - {k for k in present if k.endswith(_IGNORED_SUFFIXES)})
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+    for key, shape in expected.items():
+        _check_tensor(files, key, shape, fmt)
+    notes = []
+    if mtp:
+        notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {config.n_layers})")
+    return notes
+
+
+def _check_tensor(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):
+    if files.shape(key) != shape:
+        raise ValueError(f"{files.directory}: {key} has shape {list(files.shape(key))}, the config implies {list(shape)}")
+    code = files.dtype_code(key)
+    if code == "F8_E4M3":
+        if fmt.fp8_block is None or len(shape) != 2:
+            raise ValueError(f"{files.directory}: {key} is float8_e4m3fn but config.json has no fp8 quantization_config")
+        scale_shape = tuple(-(-s // b) for s, b in zip(shape, fmt.fp8_block))
+        scale_key = key + "_scale_inv"
+        if scale_key not in files.entries or files.shape(scale_key) != scale_shape:
+            got = list(files.shape(scale_key)) if scale_key in files.entries else "missing"
+            raise ValueError(f"{files.directory}: {scale_key} is {got}, expected shape {list(scale_shape)} "
+                             f"(blocks of {list(fmt.fp8_block)})")
+    elif code not in ("F32", "BF16", "F16"):
+        raise ValueError(f"{files.directory}: {key} has dtype {code}, expected F32, BF16, F16 or F8_E4M3")
+
+
+def expected_shapes(config: ModelConfig, rope_interleave: bool = True) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> shape for `config` (from a model on the meta device: no storage)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    out = {}
+    for name, source in hf_sources(model, rope_interleave).items():
+        shape = tuple(tensors[name].shape)
+        for key in source.keys(shape[0]):
+            out[key] = shape[1:] if source.stacked else shape
+    return out
+
+
+@torch.no_grad()
+def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = None) -> int:
+    """Fill every parameter and buffer of `model` (plain or DTensor shards) from the checkpoint at `path`.
+
+    Each rank reads only its own boxes; no collectives. Call `check_checkpoint` first (on every rank,
+    before any collective) for one-line errors. Returns the tensor bytes this rank requested."""
+    fmt = fmt or read_hf_config(path)[1]
+    files = CheckpointFiles.scan(path)
+    sources = hf_sources(model, fmt.rope_interleave)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if name.rsplit(".", 1)[-1] in NOT_LOADED:
+            local.zero_()
+            continue
+        box = dtensor_box(tensor)
+        local.copy_(read_source(files, sources[name], box, fmt.fp8_block).view(local.shape))
+    return files.bytes_read
+
+
+def read_source(files: CheckpointFiles, source: Source, box, fp8_block) -> torch.Tensor:
+    """Our tensor's `box` in fp32, assembled from the checkpoint (experts stacked, rotary rows permuted)."""
+    if source.stacked:
+        (e0, e1), rest = box[0], box[1:]
+        parts = [files.read_box(source.key.format(e=e), rest, fp8_block) for e in range(e0, e1)]
+        return torch.stack(parts) if parts else torch.zeros([0] + [b - a for a, b in rest])
+    if source.rope_rows is None or box[0][1] <= box[0][0]:
+        return files.read_box(source.key, box, fp8_block)
+    rows = checkpoint_rows(source.rope_rows, torch.arange(*box[0]))
+    lo, hi = int(rows.min()), int(rows.max()) + 1  # within the box's heads: at most one rotary block more
+    return files.read_box(source.key, ((lo, hi), *box[1:]), fp8_block)[rows - lo]
+
+
+def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch.float32,
+                    rope_interleave: bool = True, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write `model` (one process, plain tensors) as a Hugging Face directory `transformers` loads."""
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    write_hf(model.config, lambda name: state[name].detach(), path, dtype=dtype,
+             rope_interleave=rope_interleave, shard_bytes=shard_bytes)
+
+
+def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_interleave: bool,
+             shard_bytes: int) -> None:
+    """config.json + safetensors shards from `fetch(our_name) -> full tensor`, called once per tensor
+    and dropped after its experts/rows are written: memory is bounded by the largest tensor."""
+    with torch.device("meta"):
+        meta = Transformer(config)
+    shapes = {n: tuple(t.shape) for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}
+    records = []
+    for name, source in hf_sources(meta, rope_interleave).items():
+        records += _records(name, source, shapes[name], fetch, dtype)
+    write_shards(records, path, shard_bytes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(config, rope_interleave), f, indent=2)
+
+
+def _records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecord]:
+    """One record per checkpoint key of our tensor `name`; the records are written in order, so the
+    tensor is fetched at its first record and released at its last."""
+    out_dtype = torch.float32 if name.endswith("expert_bias") else dtype  # the router bias stays fp32
+    loaded = {}
+
+    def part(index: int | None, last: bool) -> torch.Tensor:
+        if "t" not in loaded:
+            t = fetch(name).to(out_dtype)
+            loaded["t"] = t[our_rows(source.rope_rows, t.shape[0])] if source.rope_rows else t
+        t = loaded.pop("t") if last else loaded["t"]
+        return t if index is None else t[index]
+
+    if not source.stacked:
+        return [TensorRecord(source.key, shape, out_dtype, lambda: part(None, True))]
+    n = shape[0]
+    return [TensorRecord(source.key.format(e=e), shape[1:], out_dtype, lambda e=e: part(e, e == n - 1))
+            for e in range(n)]

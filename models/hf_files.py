@@ -1,0 +1,160 @@
+"""Safetensors files of a Hugging Face directory: the index, header-only checks, box reads, streaming writes.
+
+Reading: `CheckpointFiles` parses the JSON headers only (no tensor bytes) to check keys, shapes and
+dtypes; `read_box` reads one box of one tensor through safetensors' lazy `get_slice`, so a rank
+touches only the bytes of the rows (and, per row, the columns) it asks for. FP8 block-quantized
+weights (float8_e4m3fn with a float32 `<key>_scale_inv` per block of `weight_block_size`) are read
+over the enclosing whole blocks and dequantized as weight * scale_inv per block, in fp32.
+
+Writing: `write_shards` streams (key, shape, dtype, fetch) records into `model-0000i-of-0000n.safetensors`
+files of at most `shard_bytes` each plus `model.safetensors.index.json`, one tensor in memory at a time
+(safetensors' header lists every tensor first, so shapes and dtypes are planned before any bytes).
+"""
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass
+class CheckpointFiles:
+    """key -> (file, dtype code, shape) for every tensor of the directory, from the headers alone."""
+
+    directory: str
+    entries: dict[str, tuple[str, str, tuple[int, ...]]]
+    bytes_read: int = 0  # tensor bytes requested through read_box (a per-rank counter)
+    _open: dict = field(default_factory=dict)
+
+    @classmethod
+    def scan(cls, directory: str) -> "CheckpointFiles":
+        """ValueError (one line) for a missing directory, index, or shard file, or an unreadable header."""
+        if not os.path.isdir(directory):
+            raise ValueError(f"{directory}: no such directory")
+        files = _shard_files(directory)
+        entries = {}
+        for name in sorted(set(files.values())):
+            for key, (code, shape) in _header(os.path.join(directory, name)).items():
+                entries[key] = (name, code, shape)
+        for key, name in files.items():
+            if key is not None and entries.get(key, (name,))[0] != name:
+                raise ValueError(f"{directory}/{INDEX}: {key!r} listed in {name} but not found there")
+        return cls(directory, entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][2]
+
+    def dtype_code(self, key: str) -> str:
+        return self.entries[key][1]
+
+    def _slice(self, key: str):
+        name = self.entries[key][0]
+        if name not in self._open:
+            self._open[name] = safe_open(os.path.join(self.directory, name), framework="pt")
+        return self._open[name].get_slice(key)
+
+    def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The box of `key` as stored (its own dtype)."""
+        out = self._slice(key)[tuple(slice(a, b) for a, b in box)]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def read_box(self, key: str, box: tuple[tuple[int, int], ...], fp8_block) -> torch.Tensor:
+        """The box of `key` in fp32; FP8 weights dequantized with their per-block scales."""
+        if any(b <= a for a, b in box):
+            return torch.zeros([b - a for a, b in box])
+        if self.dtype_code(key) != "F8_E4M3":
+            return self.read(key, box).float()
+        (r0, r1), (c0, c1) = box
+        (br, bc), (rows, cols) = fp8_block, self.shape(key)
+        outer = ((r0 // br * br, min(-(-r1 // br) * br, rows)), (c0 // bc * bc, min(-(-c1 // bc) * bc, cols)))
+        weight = self.read(key, outer).float()
+        scale = self.read(key + "_scale_inv", ((r0 // br, -(-r1 // br)), (c0 // bc, -(-c1 // bc))))
+        scale = scale.float().repeat_interleave(br, 0)[: weight.shape[0]].repeat_interleave(bc, 1)[:, : weight.shape[1]]
+        return (weight * scale)[r0 - outer[0][0]: r1 - outer[0][0], c0 - outer[1][0]: c1 - outer[1][0]]
+
+
+def _shard_files(directory: str) -> dict:
+    """{key: file} from the index, or {None: "model.safetensors"} for a single-file checkpoint."""
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        for name in sorted(set(weight_map.values())):
+            if not os.path.exists(os.path.join(directory, name)):
+                count = sum(v == name for v in weight_map.values())
+                raise ValueError(f"{directory}: shard file {name} (listed in {INDEX} for {count} tensors) is missing")
+        return weight_map
+    if os.path.exists(os.path.join(directory, SINGLE)):
+        return {None: SINGLE}
+    raise ValueError(f"{directory}: neither {INDEX} nor {SINGLE} found")
+
+
+def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return {key: (meta["dtype"], tuple(meta["shape"])) for key, meta in header.items()}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fetch: object  # () -> tensor of `shape` and `dtype`, called once when its bytes are written
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def write_shards(records: list[TensorRecord], out_dir: str, shard_bytes: int) -> None:
+    """Stream the records into safetensors shards of at most shard_bytes (a larger tensor gets its own)."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards, size = [[]], 0
+    for record in records:
+        if shards[-1] and size + record.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(record)
+        size += record.nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(shard, os.path.join(out_dir, name))
+        weight_map.update({r.key: name for r in shard})
+        total += sum(r.nbytes for r in shard)
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _write_file(records: list[TensorRecord], path: str) -> None:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for r in records:
+        header[r.key] = {"dtype": CODES[r.dtype], "shape": list(r.shape), "data_offsets": [offset, offset + r.nbytes]}
+        offset += r.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for r in records:
+            tensor = r.fetch()
+            assert tuple(tensor.shape) == r.shape and tensor.dtype == r.dtype, (r.key, tensor.shape, tensor.dtype)
+            f.write(tensor.contiguous().view(torch.uint8).numpy().data)  # no copy

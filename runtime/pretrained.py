@@ -1,0 +1,45 @@
+"""Start a run from a Hugging Face checkpoint (`--model.init_from=DIR`).
+
+`check_init_from` runs on every rank before any process group exists (headers only), so a bad
+directory fails in one line with nothing written. `init_from_pretrained` then fills each rank's
+shards with only that rank's bytes (models/hf.py), without communication. A run directory that
+already holds a checkpoint resumes from it instead, and says so once.
+"""
+
+from models.hf import check_checkpoint, load_state
+from models.hf_config import read_hf_config
+from runtime import checkpoint
+
+
+def resuming(run_dir: str) -> bool:
+    return checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(run_dir)) is not None
+
+
+def check_init_from(config) -> None:
+    """ValueError (one line, starting with model.init_from) if the directory does not fit config.model."""
+    path = config.model_init_from
+    if not path or resuming(config.run.dir):
+        return
+    try:
+        check_checkpoint(path, config.model, read_hf_config(path)[1])
+    except ValueError as e:
+        raise ValueError(f"model.init_from: {e}") from None
+
+
+def init_from_pretrained(config, model, rank: int) -> bool:
+    """Load model.init_from into the (sharded, materialized) model; False when there is nothing to load."""
+    path = config.model_init_from
+    if not path:
+        return False
+    if resuming(config.run.dir):
+        if rank == 0:
+            print(f"{config.run.dir} has checkpoints: resuming from them, model.init_from={path} is ignored", flush=True)
+        return False
+    _, fmt = read_hf_config(path)
+    notes = check_checkpoint(path, config.model, fmt)
+    bytes_read = load_state(model, path, fmt)
+    if rank == 0:
+        for note in notes:
+            print(note, flush=True)
+        print(f"initialized from {path}: rank 0 read {bytes_read:,} bytes of tensors", flush=True)
+    return True
