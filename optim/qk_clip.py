@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from optim.sharded_boxes import local_box
+from parallel.boxes import dtensor_box
 
 
 def clip_factors(max_logit_H: torch.Tensor, tau: float) -> torch.Tensor:
@@ -49,12 +49,9 @@ def gqa_row_scales(gamma_H, alpha: float, n_kv_heads: int, head_dim: int) -> tup
 @torch.no_grad()
 def scale_rows_(param: torch.Tensor, scale_R: torch.Tensor) -> None:
     """param[r, :] *= scale_R[r] on the rows this rank holds (a DTensor's local shard, or a plain tensor)."""
-    if isinstance(param, DTensor):
-        box = local_box(param.shape, param.device_mesh.shape, param.placements, param.device_mesh.get_coordinate())
-        (start, stop), local = box[0], param.to_local()
-        local.mul_(scale_R[start:stop].to(local)[:, None])
-    else:
-        param.mul_(scale_R.to(param)[:, None])
+    (start, stop) = dtensor_box(param)[0]
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.mul_(scale_R[start:stop].to(local)[:, None])
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
