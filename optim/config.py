@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES
+from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES, NS_METHODS
 
 NAMES = ("muon", "adamw")
 REPLICA_SPLIT = ("auto", "on", "off")
@@ -28,6 +28,7 @@ class OptimConfig:
     coefficients: str = "jordan"  # "jordan" or "polar_express"
     lr_adjust: str = "rms"  # "rms": 0.2*sqrt(max(r,c)) per block; "spectral": sqrt(max(1,r/c)); "none"
     ns_dtype: str = "float32"  # dtype of Newton-Schulz: "float32" or "bfloat16" (weights, momentum stay fp32)
+    ns_method: str = "standard"  # "standard" NS, or "gram" (iterate on X X^T; blocks of aspect ratio > 2, standard elsewhere)
     adam_beta1: float = 0.9  # AdamW beta1 (the AdamW parameters under muon, all under adamw)
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
@@ -40,7 +41,8 @@ class OptimConfig:
 
     def __post_init__(self):
         choices = {"name": NAMES, "coefficients": tuple(COEFFICIENT_SETS), "lr_adjust": LR_ADJUST_MODES,
-                   "ns_dtype": tuple(NS_DTYPES), "replica_split": REPLICA_SPLIT}
+                   "ns_dtype": tuple(NS_DTYPES), "ns_method": NS_METHODS,
+                   "replica_split": REPLICA_SPLIT}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")

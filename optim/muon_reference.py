@@ -36,10 +36,10 @@ def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float, nest
 
 
 def orthogonalize_stack(
-    blocks_NRC: torch.Tensor, *, steps: int, coefficients: str, ns_dtype: torch.dtype
+    blocks_NRC: torch.Tensor, *, steps: int, coefficients: str, ns_dtype: torch.dtype, method: str = "standard"
 ) -> torch.Tensor:
     """One batched Newton-Schulz over same-shape blocks, run in `ns_dtype`, returned in the input dtype."""
-    out_NRC = orthogonalize(blocks_NRC.to(ns_dtype), steps=steps, coefficients=coefficients)
+    out_NRC = orthogonalize(blocks_NRC.to(ns_dtype), steps=steps, coefficients=coefficients, method=method)
     return out_NRC.to(blocks_NRC.dtype)
 
 
@@ -52,13 +52,14 @@ def group_by_shape(blocks: list[torch.Tensor]) -> dict[tuple, list[int]]:
 
 
 def orthogonalize_blocks(
-    blocks: list[torch.Tensor], *, steps: int, coefficients: str, ns_dtype: torch.dtype
+    blocks: list[torch.Tensor], *, steps: int, coefficients: str, ns_dtype: torch.dtype, method: str = "standard"
 ) -> list[torch.Tensor]:
     """Orthogonalize each [n_i, r_i, c_i] of `blocks` with one `orthogonalize_stack` per shape group."""
     out: list[torch.Tensor | None] = [None] * len(blocks)
     for idx in group_by_shape(blocks).values():
         stack_NRC = torch.cat([blocks[i] for i in idx])
-        done_NRC = orthogonalize_stack(stack_NRC, steps=steps, coefficients=coefficients, ns_dtype=ns_dtype)
+        done_NRC = orthogonalize_stack(stack_NRC, steps=steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                                       method=method)
         for i, piece in zip(idx, done_NRC.split([blocks[i].shape[0] for i in idx])):
             out[i] = piece
     return out
@@ -101,7 +102,8 @@ def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
     muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
                       weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                       ns_steps=config.ns_steps, coefficients=config.coefficients,
-                      lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
+                      lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype,
+                      ns_method=config.ns_method)
     adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
                        weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
                        eps=config.adam_eps)
@@ -160,7 +162,8 @@ class ReferenceMuon(torch.optim.Optimizer):
             u = momentum_update(self.state[p]["momentum_buffer"], p.grad, group["momentum"], group["nesterov"])
             blocks.append(self.splits[p].to_blocks(u))
         ortho = orthogonalize_blocks(blocks, steps=group["ns_steps"], coefficients=group["coefficients"],
-                                     ns_dtype=NS_DTYPES[group["ns_dtype"]])  # phase 2
+                                     ns_dtype=NS_DTYPES[group["ns_dtype"]],
+                                     method=group.get("ns_method", "standard"))  # phase 2
         for p, o_NRC in zip(params, ortho):  # phase 3
             split = self.splits[p]
             scale = lr_scale(*split.block_shape(p.shape), group["lr_adjust"])

@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from models.splits import MatrixSplit
-from optim.newton_schulz import ns_flops
+from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan_owners import assign
 from optim.sharded_boxes import all_boxes, placement_kind
 from optim.sharded_plan_stats import PlanStats, describe, plan_stats
@@ -103,6 +103,7 @@ class PlanOptions:
     replica_split: str = "auto"  # "auto" | "on" | "off": split NS work across HSDP replicas
     ns_dtype: torch.dtype | None = None  # dtype communicated and orthogonalized; None = parameter's
     ns_steps: int = 5
+    ns_method: str = "standard"  # "standard" | "gram": what `orthogonalize` runs (FLOPs counted for it)
     ranks_per_node: int = 8  # for intra/inter-node traffic in the stats and the cost model
     flops_per_s: float = 400e12
     intra_node_bytes_per_s: float = 150e9
@@ -111,6 +112,8 @@ class PlanOptions:
     def __post_init__(self):
         if self.replica_split not in REPLICA_SPLIT:
             raise ValueError(f"replica_split={self.replica_split!r}: expected one of {REPLICA_SPLIT}")
+        if self.ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method={self.ns_method!r}: expected one of {NS_METHODS}")
         if self.bucket_mb <= 0 or self.ranks_per_node < 1:
             raise ValueError(f"bucket_mb={self.bucket_mb}, ranks_per_node={self.ranks_per_node}: must be positive")
 
@@ -246,9 +249,8 @@ def _layouts(specs, options):
         dtype = options.ns_dtype or spec.dtype
         sg = shape_groups.setdefault((min(r, c), max(r, c), dtype), len(shape_groups))
         nbytes = r * c * torch.empty((), dtype=dtype).element_size()
-        params.append(
-            ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), ns_flops(r, c, options.ns_steps), nbytes, sg)
-        )
+        flops = ns_flops(r, c, options.ns_steps, options.ns_method, dtype)
+        params.append(ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), flops, nbytes, sg))
     return params, list(shape_groups)
 
 

@@ -26,9 +26,10 @@ from optim.newton_schulz import orthogonalize
 
 
 class BucketPipeline:
-    def __init__(self, plan, buckets, groups, *, device, ns_dtype, steps, coefficients, events=None):
+    def __init__(self, plan, buckets, groups, *, device, ns_dtype, steps, coefficients, method="standard",
+                 events=None):
         self.plan, self.buckets, self.groups, self.device = plan, buckets, groups, device
-        self.ns_dtype, self.steps, self.coefficients = ns_dtype, steps, coefficients
+        self.ns_dtype, self.steps, self.coefficients, self.method = ns_dtype, steps, coefficients, method
         self.events = events  # list to append (event, bucket) to, or None
         self.flight = {}
 
@@ -104,7 +105,7 @@ class BucketPipeline:
         for ex, _, recv in flight.pop("fwd"):
             _unpack(recv, [views[i] for i in ex.recvs])
         self._log("ns_start", k)
-        flight["out"] = [orthogonalize(x, self.steps, self.coefficients) for x in blocks]
+        flight["out"] = [orthogonalize(x, self.steps, self.coefficients, method=self.method) for x in blocks]
         self._log("ns_end", k)
 
     def _return(self, k):

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -50,28 +51,30 @@ def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
 
 def naive_muon_step(p, grad, buf, kind, parts, config, lr):
     """Muon on one parameter, each block sliced by hand and orthogonalized alone. Returns (p, buf)."""
+    ortho = functools.partial(orthogonalize, method=config.ns_method)
     buf = config.momentum * buf + grad
     u = grad + config.momentum * buf if config.nesterov else buf
     update = torch.zeros_like(p)
     if kind == "rows":
         r = p.shape[0] // parts
         for i in range(parts):
-            update[i * r:(i + 1) * r, :] = orthogonalize(u[i * r:(i + 1) * r, :]) * lr_scale(r, p.shape[1], "rms")
+            update[i * r:(i + 1) * r, :] = ortho(u[i * r:(i + 1) * r, :]) * lr_scale(r, p.shape[1], "rms")
     elif kind == "cols":
         c = p.shape[1] // parts
         for i in range(parts):
-            update[:, i * c:(i + 1) * c] = orthogonalize(u[:, i * c:(i + 1) * c]) * lr_scale(p.shape[0], c, "rms")
+            update[:, i * c:(i + 1) * c] = ortho(u[:, i * c:(i + 1) * c]) * lr_scale(p.shape[0], c, "rms")
     elif kind == "experts":
         for e in range(p.shape[0]):
-            update[e] = orthogonalize(u[e]) * lr_scale(p.shape[1], p.shape[2], "rms")
+            update[e] = ortho(u[e]) * lr_scale(p.shape[1], p.shape[2], "rms")
     else:
-        update = orthogonalize(u) * lr_scale(p.shape[0], p.shape[1], "rms")
+        update = ortho(u) * lr_scale(p.shape[0], p.shape[1], "rms")
     return p * (1 - lr * config.weight_decay) - lr * update, buf
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_blocks_equal_naive_loop(nesterov):
-    config = OptimConfig(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+@pytest.mark.parametrize("nesterov,ns_method", [(True, "standard"), (False, "standard"), (True, "gram")])
+def test_muon_blocks_equal_naive_loop(nesterov, ns_method):
+    # with "gram", the gate [3, 16] takes the Gram path (aspect > 2), the [8, 16] blocks stay standard
+    config = OptimConfig(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_method=ns_method)
     model = make_toy()
     splits = muon_splits(model)
     opt = ReferenceMuon(model, splits, config)
@@ -199,7 +202,7 @@ def test_bad_splits_raise():
 
 
 @pytest.mark.parametrize("key, value", [
-    ("name", "sgd"), ("coefficients", "newton"), ("lr_adjust", "max"), ("ns_dtype", "float16"),
+    ("name", "sgd"), ("coefficients", "newton"), ("lr_adjust", "max"), ("ns_dtype", "float16"), ("ns_method", "svd"),
     ("lr", -1.0), ("lr", float("nan")), ("weight_decay", -0.1), ("momentum", 1.0), ("momentum", -0.1),
     ("ns_steps", 0), ("adam_beta1", 1.0), ("adam_beta2", -0.5), ("adam_eps", 0.0),
 ])

@@ -37,9 +37,10 @@ DENSE = {"wq": ((48, 16), per_head_rows(6)), "wo": ((16, 48), per_head_cols(6)),
          "embed": ((10, 16), None)}
 
 
-def expert_params(n_experts):
-    """w1 [E, 12, 16] and w2 [E, 16, 12]: one shape group with w2 transposed."""
-    return {"w1": ((n_experts, 12, 16), PER_EXPERT), "w2": ((n_experts, 16, 12), PER_EXPERT)}
+def expert_params(n_experts, block=(12, 16)):
+    """w1 [E, r, c] and w2 [E, c, r] (default 12 x 16): one shape group with w2 transposed."""
+    r, c = block
+    return {"w1": ((n_experts, r, c), PER_EXPERT), "w2": ((n_experts, c, r), PER_EXPERT)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +54,14 @@ class Case:
     overlap: bool = True
     ns_dtype: str = "float32"
     split: frozenset | None = None  # a mixed plan: exactly these params split across replicas
+    ns_method: str = "standard"
+    expert_block: tuple[int, int] = (12, 16)
 
     def config(self):
-        return dataclasses.replace(CONFIG, ns_dtype=self.ns_dtype)
+        return dataclasses.replace(CONFIG, ns_dtype=self.ns_dtype, ns_method=self.ns_method)
 
     def params(self):
-        return expert_params(self.n_experts) if self.n_experts else DENSE
+        return expert_params(self.n_experts, self.expert_block) if self.n_experts else DENSE
 
     def placements(self):
         if not self.n_experts:
@@ -85,6 +88,13 @@ CASES = [
     Case("expert 2 local experts < edp_shard=4: Shard(1)", (1, 4, 2), n_experts=4, expert_dim=1),
     Case("dense dp_replicate=2 x dp_shard=4, bf16 Newton-Schulz", (2, 4), ns_dtype="bfloat16"),
     Case("expert edp_shard=2 x ep=4, bf16 Newton-Schulz", (1, 2, 4), n_experts=6, ns_dtype="bfloat16"),
+    # Gram NS (the reference runs the same method): gate 3 x 16 and wkv heads 4 x 12 take the Gram
+    # path (aspect > 2), the others stay standard; 6 x 20 experts (aspect 3.3) are all Gram
+    Case("dense dp_replicate=2 x dp_shard=4, Gram NS, replica split", (2, 4), replica_split="on", ns_method="gram"),
+    Case("expert edp_shard=2 x ep=4, Gram NS", (1, 2, 4), n_experts=6, ns_method="gram", expert_block=(6, 20),
+         bucket_mb=0.001),
+    Case("expert edp_replicate=2 x edp_shard=2 x ep=2, Gram NS in bf16", (2, 2, 2), n_experts=6, ns_method="gram",
+         expert_block=(6, 20), ns_dtype="bfloat16"),
 ]
 
 
