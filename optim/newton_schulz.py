@@ -87,12 +87,14 @@ def orthogonalize(
         x_BSL = x_BSL.to(torch.promote_types(x.dtype, torch.float32))
     norm_B11 = torch.linalg.vector_norm(x_BSL, dim=(-2, -1), keepdim=True)
     X_BSL = x_BSL / (norm_B11 * COEFFICIENT_SETS[coefficients][1] + eps)
+    shape, dtype = x.shape, x.dtype
+    del x, x_BMN, x_BSL  # a caller that passed its last reference to x gets its memory back now
     if gram:
-        dtype = gram_dtype(x.dtype)
-        X_BSL = gram_iterations(X_BSL.to(dtype), schedule, gram_restarts(steps, dtype)).to(x.dtype)
+        work = gram_dtype(dtype)
+        X_BSL = gram_iterations(X_BSL.to(work), schedule, gram_restarts(steps, work)).to(dtype)
     else:
         X_BSL = standard_iterations(X_BSL, schedule)
-    return (X_BSL.mT if m > n else X_BSL).reshape(x.shape)
+    return (X_BSL.mT if m > n else X_BSL).reshape(shape)
 
 
 def gram_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -7,8 +7,9 @@ buffers per bucket, each a concatenation of pieces in a fixed order:
   stage     this rank's held pieces: the forward all-to-all's send segments (exchange by exchange,
             in `Exchange.sends` order), then the copies (held and owned here, `Bucket.copies`
             order). The return all-to-all brings the results back into the same layout ("back").
-  incoming  the owned pieces: each exchange's receive segment (`Exchange.recvs` order), then the
-            copies. The return all-to-all sends the results in the same layout ("ret").
+  incoming  the owned pieces received: each exchange's receive segment (`Exchange.recvs` order).
+            The return all-to-all sends the results in the same layout ("ret"); the copies go
+            straight between stage / back and the blocks.
   blocks    per batch, its wide blocks [n_w, s, l] then its tall blocks [n_t, l, s], each in the
             orientation the parameter stores it (so a piece is a few contiguous runs of a block).
 
@@ -49,11 +50,11 @@ class BucketIndex:
     g_blocks: int
     n_send: int  # stage[:n_send] is the forward send buffer (and back[:n_send] the return receive buffer)
     n_stage: int  # n_send + copies
-    n_recv: int  # incoming[:n_recv] is the forward receive buffer (and ret[:n_recv] the return send buffer)
-    n_incoming: int
+    n_recv: int  # incoming: the forward receive buffer (and ret: the return send buffer)
+    n_blocks: int  # elements of all blocks of the bucket
     pack: list[ParamMap] = field(default_factory=list)  # u -> stage, and back -> parameters
-    assemble: torch.Tensor | None = None  # block row -> incoming row (index_select)
-    ret_rows: torch.Tensor | None = None  # incoming row -> block row: ret = blocks[ret_rows]
+    recv_rows: torch.Tensor | None = None  # block row of each received row (forward) / returned row
+    copy_rows: torch.Tensor | None = None  # block row of each row of the copies (stage[n_send:], back[n_send:])
     batches: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (offset, n_wide, n_tall, s, l)
     gathers: list[GatherMap] = field(default_factory=list)
 
@@ -121,18 +122,16 @@ def _block_maps(ix, plan, bucket, incoming_order, device) -> None:
         starts, length = _local_runs((r, c), piece.block)
         runs.append((starts + base[piece.batch, piece.pos], length))
     sizes = [len(st) * ln for st, ln in runs]
-    ix.n_incoming = int(sum(sizes))
-    assert ix.n_incoming == offset, (ix.n_incoming, offset)  # every block element arrives exactly once
+    ix.n_blocks = int(sum(sizes))
+    assert ix.n_blocks == offset, (ix.n_blocks, offset)  # every block element arrives exactly once
     g = _gcd([v for st, ln in runs for v in (ln, *st.tolist())] + [offset]
              + [n * s * l for _, nw, nt, s, l in ix.batches for n in (nw, nt)])
     ix.g_blocks = g
     incoming_offsets = _offsets(sizes)
     dst = np.concatenate([_run_rows(st, ln, g) for st, ln in runs]) if runs else np.zeros(0, np.int64)
     assert np.array_equal(np.sort(dst), np.arange(offset // g)), "blocks not covered exactly once"
-    assemble = np.empty_like(dst)
-    assemble[dst] = np.arange(len(dst))
-    assert incoming_offsets[-1] == offset
-    ix.assemble, ix.ret_rows = _tensor(assemble, device), _tensor(dst, device)
+    assert incoming_offsets[-1] == offset and ix.n_recv % g == 0
+    ix.recv_rows, ix.copy_rows = _tensor(dst[: ix.n_recv // g], device), _tensor(dst[ix.n_recv // g :], device)
 
 
 def _local_runs(shape, slices) -> tuple[np.ndarray, int]:

@@ -7,9 +7,9 @@ Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, no
               once and issue ONE uneven all_to_all_single per group (async): pieces travel to their
               blocks' owners.
   compute(k)  wait for bucket k's all-to-alls, assemble every block of the bucket with ONE
-              index_select of the received pieces + own copies, then ONE batched `orthogonalize`
+              index_copy_ of the received pieces and one of its own copies, then ONE batched `orthogonalize`
               per shape group ([n, short, long]: tall blocks transposed into the batch).
-  return(k)   gather the results in the received layout (ONE index_select) and issue the reverse
+  return(k)   gather the results in the received layout (ONE index_select; own copies: one more) and issue the reverse
               all_to_all_single (async): result pieces travel back to holders.
   finish(k)   wait for the return, apply the results (per parameter: the caller's `apply` of its
               rows); for the parameters split across replicas, issue the all-gather over the
@@ -93,7 +93,7 @@ class BucketPipeline:
             if v is not None:
                 stage.view(-1, ix.g_stage).index_copy_(0, rows, v)
         stage = stage.to(self.ns_dtype)
-        incoming = torch.empty(ix.n_incoming, dtype=self.ns_dtype, device=self.device)
+        incoming = torch.empty(ix.n_recv, dtype=self.ns_dtype, device=self.device)
         flight["fwd"] = self._exchange(b.exchanges, stage, incoming, forward=True)
         flight["incoming"], flight["copies"] = incoming, stage[ix.n_send:]
         self._log("launch", k)
@@ -104,34 +104,36 @@ class BucketPipeline:
             work.wait()
         self._log("received", k)
         incoming, copies = flight.pop("incoming"), flight.pop("copies")
-        if copies.numel():
-            incoming[ix.n_recv:].copy_(copies)
-        blocks = incoming.view(-1, ix.g_blocks).index_select(0, ix.assemble).view(-1)
+        blocks = torch.empty(ix.n_blocks, dtype=self.ns_dtype, device=self.device)
+        for rows, source in ((ix.recv_rows, incoming), (ix.copy_rows, copies)):
+            if len(rows):
+                blocks.view(-1, ix.g_blocks).index_copy_(0, rows, source.view(-1, ix.g_blocks))
+        del incoming, copies  # dropped as soon as possible: the step's peak memory is a few buckets
+        inputs = [_batch(blocks, *batch) for batch in ix.batches]
+        del blocks
         self._log("ns_start", k)
-        flight["out"] = [orthogonalize(_batch(blocks, *batch), self.steps, self.coefficients, method=self.method)
-                         for batch in ix.batches]
+        flight["out"] = [orthogonalize(inputs.pop(0), self.steps, self.coefficients, method=self.method)
+                         for _ in ix.batches]
         self._log("ns_end", k)
 
     def _return(self, k):
         b, ix, flight = self.buckets[k], self.index[k], self.flight[k]
-        parts = []
-        for out, (_, n_wide, n_tall, _, _) in zip(flight.pop("out"), ix.batches):
-            parts += [out[:n_wide].reshape(-1)] + ([out[n_wide:].mT.reshape(-1)] if n_tall else [])
-        out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=self.ns_dtype,
-                                                                                          device=self.device)
-        ret = out.view(-1, ix.g_blocks).index_select(0, ix.ret_rows).view(-1)
+        out = _blocks_layout(flight.pop("out"), ix.batches, self.ns_dtype, self.device)
         back = torch.empty(ix.n_stage, dtype=self.ns_dtype, device=self.device)
+        out_rows = out.view(-1, ix.g_blocks)
+        if len(ix.copy_rows):  # own copies: straight into the back buffer
+            torch.index_select(out_rows, 0, ix.copy_rows, out=back[ix.n_send:].view(-1, ix.g_blocks))
+        ret = out_rows.index_select(0, ix.recv_rows).view(-1)
+        del out, out_rows
         flight["ret"] = self._exchange(b.exchanges, ret, back, forward=False)
-        flight["back"], flight["copies"] = back, ret[ix.n_recv:]
+        flight["back"] = back
         self._log("return", k)
 
     def _finish(self, k, apply):
         b, ix, flight = self.buckets[k], self.index[k], self.flight[k]
         for work in flight.pop("ret"):
             work.wait()
-        back, copies = flight.pop("back"), flight.pop("copies")
-        if copies.numel():
-            back[ix.n_send:].copy_(copies)
+        back = flight.pop("back")
         _apply_rows(back, ix.pack, ix.g_stage, apply)
         flight["gather"] = []
         for gm, ex in zip(ix.gathers, b.gathers):  # split parameters: my replica's results to the other replicas
@@ -156,6 +158,23 @@ def _batch(blocks, offset, n_wide, n_tall, s, l) -> torch.Tensor:
     at = offset + n_wide * s * l
     tall = blocks[at : at + n_tall * s * l].view(n_tall, l, s).mT
     return torch.cat([wide, tall]) if n_wide else tall
+
+
+def _blocks_layout(outs: list, batches, dtype, device) -> torch.Tensor:
+    """The NS outputs [n, s, l] per batch in the blocks layout (tall blocks back in their [l, s]),
+    one flat tensor; each output is released once copied."""
+    if len(outs) == 1 and not batches[0][2]:
+        return outs[0].view(-1)
+    flat = torch.empty(sum((nw + nt) * s * l for _, nw, nt, s, l in batches), dtype=dtype, device=device)
+    for offset, n_wide, n_tall, s, l in batches:
+        out = outs.pop(0)
+        if n_wide:
+            flat[offset : offset + n_wide * s * l].view(n_wide, s, l).copy_(out[:n_wide])
+        if n_tall:
+            at = offset + n_wide * s * l
+            flat[at : at + n_tall * s * l].view(n_tall, l, s).copy_(out[n_wide:].mT)
+        del out
+    return flat
 
 
 def _apply_rows(buffer, maps, g, apply) -> None:
