@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from optim.adamw import adamw_update, init_adamw_state
+from optim.adamw import adamw_multi_tensor, init_adamw_state
 from optim.config import OptimConfig
 from optim.muon_reference import param_groups, partition_params, step_groups
 from optim.newton_schulz import lr_scale
@@ -97,7 +97,7 @@ class ShardedMuon(torch.optim.Optimizer):
         d. all-to-all back (async; bucket k+1 launched before bucket k computes); with replica
            split, all-gather of the results over the replica axis;
         e. apply p[piece] -= lr * lr_scale(block) * O[piece] to the local shards;
-        then AdamW on the local shards of the other parameters.
+        then AdamW on the local shards of the other parameters (torch's multi-tensor AdamW).
         """
         if self.events is not None:
             self.events.clear()
@@ -131,15 +131,13 @@ class ShardedMuon(torch.optim.Optimizer):
         self._pipeline.run(direction, apply, self.overlap)  # b-d
 
     def _adamw_step(self, group):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        live = [p for p in group["params"] if p.grad is not None]
+        for p in live:
             _check_grad(p)
-            state = self.state[p]
-            local_state = {"step": state["step"], "exp_avg": _local(state["exp_avg"]),
-                           "exp_avg_sq": _local(state["exp_avg_sq"])}
-            adamw_update(_local(p), _local(p.grad), local_state, lr=group["lr"], betas=group["betas"],
-                         eps=group["eps"], weight_decay=group["weight_decay"])
+        states = [{"step": self.state[p]["step"], "exp_avg": _local(self.state[p]["exp_avg"]),
+                   "exp_avg_sq": _local(self.state[p]["exp_avg_sq"])} for p in live]
+        adamw_multi_tensor([_local(p) for p in live], [_local(p.grad) for p in live], states, lr=group["lr"],
+                           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
 
 
 def _check_grad(p):
