@@ -23,6 +23,7 @@ choose fp32 or bf16 (Muon's caller casts blocks, see `optim/muon_reference.py`).
 Shapes: B batch of matrices, M x N each, S = min(M, N) short side, L = max(M, N) long side.
 """
 
+import contextlib
 import math
 
 import torch
@@ -60,14 +61,16 @@ def coefficient_schedule(coefficients: str, steps: int) -> list[tuple[float, flo
 
 
 def orthogonalize(
-    x: torch.Tensor, steps: int = 5, coefficients: str = "jordan", eps: float = 1e-7, method: str = "standard"
+    x: torch.Tensor, steps: int = 5, coefficients: str = "jordan", eps: float = 1e-7, method: str = "standard",
+    tf32: bool = False,
 ) -> torch.Tensor:
     """Approximate polar factor of every matrix in x [..., m, n]; returns [..., m, n] in x.dtype.
 
     Each matrix is normalized by its own Frobenius norm (times the set's safety factor, plus eps,
     so an all-zero matrix gives zeros). `method`: "standard" iterates on X; "gram" iterates on the
     Gram matrix (`gram_iterations`) where the aspect ratio exceeds GRAM_MIN_ASPECT and is standard
-    elsewhere (`uses_gram`). Batch entries never interact mathematically. Numerically, in fp32 on CPU
+    elsewhere (`uses_gram`). `tf32`: fp32 matmuls on CUDA may use TF32 tensor cores (10-bit
+    significand products, fp32 accumulation; no effect on CPU or other dtypes). Batch entries never interact mathematically. Numerically, in fp32 on CPU
     the result for one matrix does not depend on what else is in the batch (measured, torch 2.13);
     in bf16 it can: CPUs with AMX-bf16 round a batched matmul's last bit differently with the batch
     size, so batched and one-by-one results agree only to bf16 rounding.
@@ -89,11 +92,12 @@ def orthogonalize(
     X_BSL = x_BSL / (norm_B11 * COEFFICIENT_SETS[coefficients][1] + eps)
     shape, dtype = x.shape, x.dtype
     del x, x_BMN, x_BSL  # a caller that passed its last reference to x gets its memory back now
-    if gram:
-        work = gram_dtype(dtype)
-        X_BSL = gram_iterations(X_BSL.to(work), schedule, gram_restarts(steps, work)).to(dtype)
-    else:
-        X_BSL = standard_iterations(X_BSL, schedule)
+    with _tf32_matmuls(tf32 and X_BSL.is_cuda):
+        if gram:
+            work = gram_dtype(dtype)
+            X_BSL = gram_iterations(X_BSL.to(work), schedule, gram_restarts(steps, work)).to(dtype)
+        else:
+            X_BSL = standard_iterations(X_BSL, schedule)
     return (X_BSL.mT if m > n else X_BSL).reshape(shape)
 
 
@@ -104,6 +108,20 @@ def gram_dtype(dtype: torch.dtype) -> torch.dtype:
     factor than standard NS in bf16, in fp16 within 1%; tests/test_newton_schulz.py), else `dtype`.
     Entries stay in fp16's range: R <= 1, Q <= the product of the a coefficients (< 1e3)."""
     return torch.float16 if dtype == torch.bfloat16 else dtype
+
+
+@contextlib.contextmanager
+def _tf32_matmuls(enabled: bool):
+    """Allow TF32 for CUDA fp32 matmuls inside the block (restored after; nothing when not enabled)."""
+    if not enabled:
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def standard_iterations(X_BSL: torch.Tensor, schedule) -> torch.Tensor:

@@ -67,19 +67,20 @@ class ShardedMuon(torch.optim.Optimizer):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         specs = [param_spec(n, p, splits[n]) for n, p in muon]
-        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=config.ns_torch_dtype(),
+        device = _local(muon[0][1]).device if muon else torch.device("cpu")
+        ns_dtype = config.ns_torch_dtype(device)  # plan, all-to-all and NS in this dtype
+        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=ns_dtype,
                               ns_steps=config.ns_steps, ns_method=config.ns_method, ranks_per_node=ranks_per_node)
         self.plan = make_plan(specs, world, options, split=split_params)
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
         listed = collectives(self.plan)
         groups = _process_groups(self.plan, listed, [p for _, p in muon], rank, world)
-        device = _local(muon[0][1]).device if muon else torch.device("cpu")
         local_shapes = [tuple(_local(p).shape) for _, p in muon]
         self._pipeline = BucketPipeline(
             self.plan, rank_schedule(self.plan, rank, listed), groups, local_shapes=local_shapes, device=device,
-            ns_dtype=config.ns_torch_dtype(),
-            steps=config.ns_steps, coefficients=config.coefficients, method=config.ns_method, events=self.events,
+            ns_dtype=ns_dtype, steps=config.ns_steps, coefficients=config.coefficients, method=config.ns_method,
+            tf32=config.ns_tf32, events=self.events,
         )
         for p in self.param_groups[0]["params"]:
             self.state[p]["momentum_buffer"] = torch.zeros_like(p)

@@ -32,9 +32,10 @@ from optim.sharded_index import bucket_index
 
 class BucketPipeline:
     def __init__(self, plan, buckets, groups, *, local_shapes, device, ns_dtype, steps, coefficients,
-                 method="standard", events=None):
+                 method="standard", tf32=False, events=None):
         self.plan, self.buckets, self.groups, self.device = plan, buckets, groups, device
         self.ns_dtype, self.steps, self.coefficients, self.method = ns_dtype, steps, coefficients, method
+        self.tf32 = tf32
         self.index = [bucket_index(plan, b, local_shapes, device) for b in buckets]
         self.events = events  # list to append (event, bucket) to, or None
         self.flight = {}
@@ -112,8 +113,8 @@ class BucketPipeline:
         inputs = [_batch(blocks, *batch) for batch in ix.batches]
         del blocks
         self._log("ns_start", k)
-        flight["out"] = [orthogonalize(inputs.pop(0), self.steps, self.coefficients, method=self.method)
-                         for _ in ix.batches]
+        flight["out"] = [orthogonalize(inputs.pop(0), self.steps, self.coefficients, method=self.method,
+                                       tf32=self.tf32) for _ in ix.batches]
         self._log("ns_end", k)
 
     def _return(self, k):

@@ -229,3 +229,11 @@ def test_multi_tensor_adamw_equals_single_tensor_adamw():
     for a, b, sa, sb in zip(single, multi, s_states, m_states):
         assert torch.equal(a, b) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) and sa["step"] == sb["step"]
     assert not torch.equal(single[0], params[0])
+
+
+def test_ns_dtype_auto_is_bf16_on_cuda_fp32_on_cpu():
+    config = OptimConfig()
+    assert config.ns_dtype == "auto"
+    assert config.ns_torch_dtype() == config.ns_torch_dtype("cpu") == torch.float32
+    assert config.ns_torch_dtype(torch.device("cuda", 0)) == torch.bfloat16  # a device name: no GPU needed
+    assert OptimConfig(ns_dtype="float32").ns_torch_dtype("cuda") == torch.float32
