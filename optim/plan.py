@@ -105,6 +105,7 @@ class PlanOptions:
     ns_steps: int = 5
     ns_method: str = "standard"  # "standard" | "gram": what `orthogonalize` runs (FLOPs counted for it)
     ranks_per_node: int = 8  # for intra/inter-node traffic in the stats and the cost model
+    prefer_holders: bool = False  # a block held in pieces goes to its least loaded holder while under the mean load
     flops_per_s: float = 400e12
     intra_node_bytes_per_s: float = 150e9
     inter_node_bytes_per_s: float = 40e9
@@ -187,7 +188,8 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
 def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
     """The plan with parameter i split across replicas where split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
-    plan = Plan(options, world_size, params, shape_groups, kind, assign(params, world_size, byte_flops))
+    inst = assign(params, world_size, byte_flops, options.prefer_holders)
+    plan = Plan(options, world_size, params, shape_groups, kind, inst)
     plan.num_buckets = _buckets(plan)
     plan.stats = plan_stats(plan)
     return plan
