@@ -121,9 +121,9 @@ class ShardedMuon(torch.optim.Optimizer):
             if grads[pi] is None:
                 return None
             if not group["nesterov"]:
-                return bufs[pi].view(-1, g).index_select(0, rows)
-            u = grads[pi].view(-1, g).index_select(0, rows)  # u = g + mu * buf
-            return u.add_(bufs[pi].view(-1, g).index_select(0, rows), alpha=mu)
+                return bufs[pi].reshape(-1, g).index_select(0, rows)
+            u = grads[pi].reshape(-1, g).index_select(0, rows)  # u = g + mu * buf (reshape: a view when contiguous)
+            return u.add_(bufs[pi].reshape(-1, g).index_select(0, rows), alpha=mu)
 
         def apply(pi, rows, g, values):  # e. p[rows] -= lr * lr_scale(block) * O[rows]
             if grads[pi] is not None:
