@@ -6,6 +6,9 @@ Every method in the benchmark is measured the same way, by running one extra (un
     `_foreach_` op over many tensors counts once, like the one multi-tensor kernel it is on GPU).
   - Peak extra memory: the most bytes of storages allocated by the step's ops alive at the same
     time (`_LiveMemory`): what the step needs on top of parameters, gradients and state.
+    Both see what reaches the dispatcher under the mode: for a DTensor op that is the DTensor op
+    once, not the local ops DTensor's own dispatch runs for it (the mode is off inside a handler),
+    so they are exact for steps on plain (local) tensors and undercounts for DTensor-level code.
   - FLOPs: torch's public `FlopCounterMode` counts every mm/bmm/addmm/baddbmm. An optimizer step has
     no other matmuls, so this is exactly the Newton-Schulz work (4 s^2 l + 2 s^3 per iteration
     and block), whatever the method's code looks like.
