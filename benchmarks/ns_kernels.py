@@ -17,6 +17,7 @@ own matmul FLOPs (`ns_flops`) / time; polar_err = max over the first POLAR_SAMPL
 Sets:
   debug           the `debug` preset's blocks;
   kimi_slice      Kimi K2 shapes scaled 16x down (benchmarks/param_sets.py), 2 MoE layers;
+  momentum        (--momentum-checkpoint) the saved momentum buffers of a `debug` run, polar_err only;
   kimi_k2_scaled  Kimi K2's block kinds with every side scaled 8x down (2048 x 7168 experts -> 256 x 896),
                   in a small batch per kind (KIMI_K2_SCALED: block counts chosen to run in seconds).
 """
@@ -107,6 +108,39 @@ def bench_shape(set_name: str, shape, batch: int, dtype, repeats: int, seed: int
     return rows
 
 
+def momentum_rows(checkpoint: str, dtypes: list[str]) -> list[dict]:
+    """polar_err of standard and Gram NS on the Muon blocks of real momentum buffers saved by a run
+    of the `debug` preset (the Nesterov direction's main term), one row per block shape and dtype."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from benchmarks.param_sets import model_config
+    from models import Transformer
+    from models.splits import muon_splits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(checkpoint, f"{tmp}/state.pt")
+        state = torch.load(f"{tmp}/state.pt", weights_only=False)["train"]["optim"]["state"]
+    with torch.device("meta"):
+        splits = muon_splits(Transformer(model_config("debug")))
+    by_shape: dict[tuple, list] = {}
+    for name, split in splits.items():
+        blocks = split.to_blocks(state[name]["momentum_buffer"])
+        by_shape.setdefault(tuple(blocks.shape[-2:]), []).append(blocks)
+    rows = []
+    for shape, blocks in by_shape.items():
+        x = torch.cat(blocks)
+        for dtype_name in dtypes:
+            for method in ("standard", "gram"):
+                out = orthogonalize(x.to(DTYPES[dtype_name]), method=method)
+                err = max(polar_error(out[i:i + POLAR_SAMPLES], x[i:i + POLAR_SAMPLES]) for i in range(0, len(x), POLAR_SAMPLES))
+                rows.append({"set": "momentum", "shape": list(shape), "batch": len(x), "method": method,
+                             "dtype": dtype_name, "ms": None, "gflops": None, "polar_err": err})
+                print(f"momentum {'x'.join(map(str, shape)):>9s} {len(x):4d} {dtype_name:9s} {method:8s} polar err {err:.4f}")
+    return rows
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (set, dtype): the whole set's time per method and gram / standard."""
     out = []
@@ -127,6 +161,8 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per method and shape (median)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--momentum-checkpoint", help="a run's checkpoint directory (debug preset): also report polar_err "
+                                                 "of both methods on its saved momentum buffers, per block shape")
     return p.parse_args(argv)
 
 
@@ -146,7 +182,9 @@ def main(argv=None) -> dict:
                       + "  ".join(f"{by[m]['ms']:12.2f}" for m in METHODS)
                       + f"  {by['gram']['ms'] / by['standard']['ms']:8.2f}"
                       + f"  {by['standard']['polar_err']:.4f}/{by['gram']['polar_err']:.4f}", flush=True)
-    summary = summarize(rows)
+    if args.momentum_checkpoint:
+        rows += momentum_rows(args.momentum_checkpoint, args.dtypes.split(","))
+    summary = summarize([r for r in rows if r["set"] != "momentum"])
     for s in summary:
         print(f"{s['set']:15s} {s['dtype']:9s} whole set: standard {s['standard_ms']:.1f} ms, gram {s['gram_ms']:.1f} ms "
               f"({s['gram_over_standard']:.2f}x), bmm ceiling {s['bmm_ms']:.1f} ms")

@@ -138,3 +138,19 @@ def test_counters_count_ops_and_peak_live_memory():
     assert counts.ops == 5 and counts.collectives == 0
     assert counts.peak_extra_bytes == 2 * 2**20
     assert w.shape == (10, 1024)
+
+
+def test_ns_kernels_rows_side_by_side():
+    from benchmarks import ns_kernels
+
+    out = ns_kernels.main(["--sets", "debug", "--dtypes", "float32", "--repeats", "1"])
+    rows = out["rows"]
+    shapes = {tuple(r["shape"]) for r in rows}
+    assert len(rows) == 3 * len(shapes) and {r["method"] for r in rows} == set(ns_kernels.METHODS)
+    for shape in shapes:
+        by = {r["method"]: r for r in rows if tuple(r["shape"]) == shape}
+        assert by["standard"]["ms"] > 0 and by["gram"]["gflops"] > 0 and by["bmm"]["polar_err"] is None
+        if max(shape) <= 2 * min(shape):  # the same standard code runs for both: identical output
+            assert by["gram"]["polar_err"] == by["standard"]["polar_err"]
+        assert 0 < by["gram"]["polar_err"] <= 1.1 * by["standard"]["polar_err"]
+    assert [s["set"] for s in out["summary"]] == ["debug"]
