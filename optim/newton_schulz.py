@@ -20,6 +20,11 @@ The Gram matrix A is formed on the short side (s = min(m, n)), so one iteration 
 4 s^2 l + 2 s^3 FLOPs with l = max(m, n) (`ns_flops`). All maths runs in the input dtype; callers
 choose fp32 or bf16 (Muon's caller casts blocks, see `optim/muon_reference.py`).
 
+method="gram" (Gram Newton-Schulz, `gram_iterations`): the same polynomials, computed on the S x S
+matrix R = X X^T with X touched only at the start, at a restart and at the end, for blocks of aspect
+ratio above GRAM_MIN_ASPECT: 4 s^2 l + 34 s^3 FLOPs for 5 iterations in fp32 instead of
+20 s^2 l + 10 s^3 (0.60x at 2048 x 7168). Normalized in fp32; bf16 inputs iterate in fp16.
+
 Shapes: B batch of matrices, M x N each, S = min(M, N) short side, L = max(M, N) long side.
 """
 
@@ -45,6 +50,8 @@ NS_METHODS = ("standard", "gram")
 # Gram NS where long side > GRAM_MIN_ASPECT x short side. FLOPs break even at 1.5 (`ns_flops`: 8 s^2 l +
 # 28 s^3 with one restart, 4 s^2 l + 34 s^3 without, against 20 s^2 l + 10 s^3); Dao AI Lab keep
 # standard NS at aspect <= 2, where the small S x S products gain little over its fewer, larger ones.
+# Measured (fp32, 1 CPU thread, 16 blocks of 128 x l, Gram / standard time): 1.26 at aspect 1, 1.14
+# at 2, 0.83 at 2.5, 0.71 at 3.5 (a shared machine: +-15%).
 GRAM_MIN_ASPECT = 2.0
 GRAM_RESTART_EVERY = 3
 
