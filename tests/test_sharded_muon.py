@@ -326,3 +326,21 @@ def _checkpoint_resume(rank, world, path):
 
 def test_dcp_save_load_resumes_identically(tmp_path):
     assert run_ranks(_checkpoint_resume, WORLD, str(tmp_path / "ckpt")) == [True] * WORLD
+
+
+def test_ops_per_step_do_not_grow_with_pieces():
+    # one process, plain tensors: every block is a piece held and owned here. Per-head rows of a
+    # [512, 128] parameter: 64 heads of [8, 128] or 8 heads of [64, 128]; the step issues the same ops
+    # (per parameter, shape group and bucket), where a per-piece schedule would issue 8x more.
+    from benchmarks.counters import count_step
+
+    ops = {}
+    for heads in (8, 64):
+        p = nn.Parameter(torch.randn(512, 128))
+        opt = ShardedMuon([("w", p)], {"w": per_head_rows(heads)}, CONFIG)
+        p.grad = torch.randn(512, 128)
+        opt.step()
+        with count_step() as counts:
+            opt.step()
+        ops[heads] = counts.ops
+    assert ops[8] == ops[64], ops
