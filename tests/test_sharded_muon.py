@@ -344,3 +344,19 @@ def test_ops_per_step_do_not_grow_with_pieces():
             opt.step()
         ops[heads] = counts.ops
     assert ops[8] == ops[64], ops
+
+
+def test_box_runs_are_the_boxes_elements_in_order():
+    # the index maps' building block against numpy's own indexing of an arange
+    import numpy as np
+
+    from optim.sharded_index import _local_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        shape = tuple(int(n) for n in rng.integers(1, 6, size=rng.integers(1, 4)))
+        box = tuple(slice(int(lo), int(rng.integers(lo + 1, n + 1))) for n in shape
+                    for lo in [rng.integers(0, n)])
+        starts, length = _local_runs(shape, box)
+        got = (starts[:, None] + np.arange(length)[None, :]).ravel()
+        assert np.array_equal(got, np.arange(int(np.prod(shape))).reshape(shape)[box].ravel()), (shape, box)
