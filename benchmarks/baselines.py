@@ -59,7 +59,7 @@ class _MuonBase:
         """Full direction -> full orthogonalized update, per block of the parameter's split."""
         split, c = self.splits[fqn], self.config
         (o_NRC,) = orthogonalize_blocks([split.to_blocks(full)], steps=c.ns_steps, coefficients=c.coefficients,
-                                        ns_dtype=c.ns_torch_dtype())
+                                        ns_dtype=c.ns_torch_dtype(), method=c.ns_method)
         return split.from_blocks(o_NRC, full.shape)
 
     def _apply(self, fqn: str, update_local: torch.Tensor) -> None:

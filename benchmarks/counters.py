@@ -2,6 +2,13 @@
 
 Every method in the benchmark is measured the same way, by running one extra (untimed) step under
 `count_step()`:
+  - Ops: every aten op the step dispatches (a proxy for kernel launches and host overhead: a
+    `_foreach_` op over many tensors counts once, like the one multi-tensor kernel it is on GPU).
+  - Peak extra memory: the most bytes of storages allocated by the step's ops alive at the same
+    time (`_LiveMemory`): what the step needs on top of parameters, gradients and state.
+    Both see what reaches the dispatcher under the mode: for a DTensor op that is the DTensor op
+    once, not the local ops DTensor's own dispatch runs for it (the mode is off inside a handler),
+    so they are exact for steps on plain (local) tensors and undercounts for DTensor-level code.
   - FLOPs: torch's public `FlopCounterMode` counts every mm/bmm/addmm/baddbmm. An optimizer step has
     no other matmuls, so this is exactly the Newton-Schulz work (4 s^2 l + 2 s^3 per iteration
     and block), whatever the method's code looks like.
@@ -24,11 +31,13 @@ and the group size.
 """
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -41,6 +50,8 @@ class StepCounts:
     bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    ops: int = 0  # aten ops dispatched (a proxy for kernel launches; a _foreach_ op counts once)
+    peak_extra_bytes: int = 0  # most bytes of tensors allocated during the step alive at once
     uncounted: list = field(default_factory=list)  # collectives whose bytes this module does not model
 
     @property
@@ -52,8 +63,17 @@ class _CommCounter(TorchDispatchMode):
     def __init__(self, counts: StepCounts):
         super().__init__()
         self.counts = counts
+        self.memory = _LiveMemory()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts.ops += 1
+        self._collective(func, args)
+        out = func(*args, **(kwargs or {}))
+        self.memory.track(args, out)
+        self.counts.peak_extra_bytes = self.memory.peak
+        return out
+
+    def _collective(self, func, args):
         name = func.__name__.split(".")[0]
         boxed = [a for a in args if isinstance(a, torch.ScriptObject)]  # the process group, if any
         if func.namespace == "c10d" and boxed and not name.startswith(("barrier", "monitored_barrier")):
@@ -62,7 +82,6 @@ class _CommCounter(TorchDispatchMode):
         elif func.namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
             group = distributed_c10d._resolve_process_group(args[-1])
             self._add(name, _functional_bytes(name, args, group.size(), group.rank()))
-        return func(*args, **(kwargs or {}))
 
     def _add(self, name: str, sent_received):
         if sent_received is None:
@@ -71,6 +90,51 @@ class _CommCounter(TorchDispatchMode):
         self.counts.bytes_sent += int(sent_received[0])
         self.counts.bytes_received += int(sent_received[1])
         self.counts.collectives += 1
+
+
+class _LiveMemory:
+    """Bytes of the storages that ops allocate while counting, alive at once (current and peak).
+
+    A storage is new when an op output's storage is none of its inputs' (in-place ops and views
+    return an input's); every plain tensor on a tracked storage (the output, later views of it)
+    holds a reference, and the storage counts until the last of them is garbage collected. Tensor
+    subclasses (DTensor) are skipped: their local tensors pass through the same ops.
+    """
+
+    def __init__(self):
+        self.live: dict[int, list[int]] = {}  # storage data_ptr -> [tensors alive, bytes]
+        self.current = self.peak = 0
+
+    def track(self, args, out) -> None:
+        inputs = {_storage_ptr(t) for t in _plain_tensors(args)}
+        for t in _plain_tensors(out):
+            ptr = _storage_ptr(t)
+            if ptr in self.live:
+                self.live[ptr][0] += 1
+            elif ptr in inputs or ptr == 0:
+                continue
+            else:
+                self.live[ptr] = [1, t.untyped_storage().nbytes()]
+                self.current += self.live[ptr][1]
+                self.peak = max(self.peak, self.current)
+            weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[ptr]
+
+
+def _plain_tensors(tree):
+    return [t for t in pytree.tree_leaves(tree) if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta]
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _c10d_bytes(name: str, args, G: int, me: int):

@@ -10,7 +10,9 @@ gradients) and each method (`benchmarks/methods.py`), in ONE process group:
   2. check: `--check-steps` steps of each, parameter changes compared with the single-process
      reference Muon (a method that fails is reported as FAILED, its time is not a result);
   3. warm up, then time `--steps` interleaved steps (slowest rank per step, median);
-  4. count one step per method: matmul (= NS) FLOPs and bytes sent + received per rank;
+  4. count one step per method: matmul (= NS) FLOPs, bytes sent + received, aten ops dispatched
+     (`ops_per_step`), collectives issued (`collectives_per_step`) and the peak of the memory the
+     step allocates (`peak_extra_mb`), per rank (the busiest rank is reported);
   5. measure this machine's NS rate on the same block shapes (`matmul_rate.ns_rate`, all ranks
      at once, like the step), and report each method's NS GFLOP/s on its busiest rank against it.
 Rank 0 prints a table per shape set; `--json PATH` and `--plot PATH` write the results
@@ -33,6 +35,7 @@ from benchmarks.matmul_rate import block_shape_counts, ns_rate
 from benchmarks.methods import METHODS, Method, Skipped, build_method
 from benchmarks.param_sets import SHAPE_SETS, build_param_set
 from optim.config import OptimConfig
+from optim.newton_schulz import NS_METHODS
 
 KIMI_EXPERT_BLOCK = (2048, 7168)  # moe_inter_dim x dim of kimi_k2_1t
 
@@ -48,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="sharded Muon bucket size (MB per rank)")
     p.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--ns-method", default="standard", choices=NS_METHODS)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--calibrate-kimi", type=int, default=None,
                    help="also measure the NS rate on N real Kimi K2 expert blocks (2048 x 7168) for "
@@ -86,10 +90,10 @@ def main(argv=None) -> dict:
 
 def run(args, device: torch.device) -> dict:
     world = dist.get_world_size()
-    config = OptimConfig(ns_dtype=args.ns_dtype)
+    config = OptimConfig(ns_dtype=args.ns_dtype, ns_method=args.ns_method)
     sets = SHAPE_SETS if args.shapes == "both" else (args.shapes,)
     results = {"world_size": world, "device": _device_name(device), "threads_per_rank": args.threads,
-               "steps": args.steps, "warmup": args.warmup, "ns_dtype": args.ns_dtype, "shape_sets": {}}
+               "steps": args.steps, "warmup": args.warmup, "ns_dtype": args.ns_dtype, "ns_method": args.ns_method, "shape_sets": {}}
     for name in sets:
         results["shape_sets"][name] = run_shape_set(name, args, config, device)
     main_set = "kimi_slice" if "kimi_slice" in sets else sets[0]
@@ -117,6 +121,10 @@ def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) ->
     rates = _ns_rates(param_set, methods, device)
     rows = {m: report.method_row(methods[m], times[m], counts[m], checks[m], rates[methods[m].ns_dtype])
             for m in methods}
+    for m in methods:  # host-side proxies (counters.py), busiest rank
+        rows[m].update(ops_per_step=max(c.ops for c in counts[m]),
+                       collectives_per_step=max(c.collectives for c in counts[m]),
+                       peak_extra_mb=max(c.peak_extra_bytes for c in counts[m]) / 2**20)
     rows.update({m: {"skipped": x.reason} for m, x in built.items() if isinstance(x, Skipped)})
     shapes = {fqn: tuple(p.shape) for fqn, p in param_set.params.items()}
     blocks = block_shape_counts(shapes, param_set.splits)

@@ -1,7 +1,8 @@
 """Project the optimizer step of Kimi K2 (1.04T parameters) on 64..4096 GPUs from the sharded Muon's plan.
 
     python benchmarks/projection.py [--json PATH] [--device h100|h200] [--calibration PATH]
-        [--worlds 64,128,...] [--expert-layout wide|capped] [--replica-split auto|on|off]
+        [--worlds 64,128,...] [--expert-layouts wide,narrow,capped] [--ns-methods standard,gram]
+        [--replica-split auto|on|off]
 
 No process group. For each world size W the sharded Muon's own planner (`optim.plan.make_plan`, fed by
 `optim.sharded_specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
@@ -20,7 +21,18 @@ NS is then either repeated in every replica (400 TFLOP per rank at W = 1024: 0.7
 replicas with the results all-gathered over the network (each replica group holds 1/16 of an ep
 rank's experts: ~19 GB in bf16 into every rank, 0.58 s at W = 512), against 0.26 s (W = 512) and
 0.15 s (W = 1024) for "wide", whose expert pieces cross the network once each way. Run
-`--expert-layout capped` to see it.
+`--expert-layouts capped` to see it.
+"narrow" turns the expert mesh around: edp_shard = 8 inside a node, ep = gcd(W / 8, 384) across nodes
+(edp_replicate = the rest): an expert's pieces then stay on NVLink (its Muon all-to-all never leaves
+the node) while the token all-to-all of ep crosses nodes (not modelled here: this is the optimizer
+step only). The runtime numbers ranks with ep innermost (parallel/meshes.py), so it cannot build
+this mesh yet; the planner takes any rank mesh, and the projection gives it
+`expert_ranks_narrow`'s numbering. Its plans keep each expert block with its holders while their
+load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
+that the balancing greedy sends pieces to any rank of the world and the traffic crosses nodes again
+(Kimi K2, W = 256, Gram: 0.418 s and 14.5 GB inter-node per rank, against 0.295 s and 0.1 GB).
+Every row reports its distance to the lower bound (`vs_bound`: step / bound), and the NS method's
+own FLOPs (`--ns-methods`: standard or Gram NS; bf16, so Gram restarts once) in both.
 
 Also printed: the smallest W whose projected step is <= 0.2 s (the published target for a ~1T MoE),
 the same projection for `gather_all` (Moonlight/ZeRO-1: every rank all-gathers every matrix of every
@@ -31,9 +43,11 @@ are sequential), and the lower bound total NS FLOPs / (W x peak).
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 if __package__ in (None, ""):  # `python benchmarks/projection.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,10 +57,10 @@ import torch
 
 from benchmarks.device_model import DEVICES, device_model, lower_bound, project
 from models import preset
-from optim.newton_schulz import ns_flops
+from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan import REPLICA_SPLIT, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, placement_kind
-from optim.sharded_specs import model_specs
+from optim.sharded_specs import EXPERT_NAMES, model_specs
 from parallel.layout import ParallelConfig
 
 WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -55,25 +69,47 @@ GPUS_PER_NODE = 8
 NS_DTYPE = torch.bfloat16  # communicated and orthogonalized in bf16; fp32 master weights and momentum
 
 
+EXPERT_LAYOUTS = ("wide", "narrow", "capped")
+N_EXPERTS = 384
+
+
 def kimi_layout(world: int, expert_layout: str = "wide"):
     """The layout of the module docstring for `world` GPUs (a multiple of 8)."""
     if world % GPUS_PER_NODE or world < GPUS_PER_NODE:
         raise ValueError(f"world size {world} must be a positive multiple of {GPUS_PER_NODE} GPUs per node")
     nodes = world // GPUS_PER_NODE
+    if expert_layout == "narrow":
+        ep = math.gcd(nodes, N_EXPERTS)
+        return ParallelConfig(dp_replicate=nodes, dp_shard=GPUS_PER_NODE, cp=1, ep=ep, edp_replicate=nodes // ep,
+                              edp_shard=GPUS_PER_NODE).resolve(world)
     edp_shard = nodes if expert_layout == "wide" else min(nodes, 16)
     return ParallelConfig(dp_replicate=nodes, dp_shard=GPUS_PER_NODE, cp=1, ep=GPUS_PER_NODE,
                           edp_replicate=nodes // edp_shard, edp_shard=edp_shard).resolve(world)
 
 
-def total_ns_flops(specs) -> int:
-    """NS FLOPs of one step with every block computed once."""
-    return sum(s.split.num_blocks(s.shape) * ns_flops(*s.split.block_shape(s.shape)) for s in specs)
+def expert_ranks_narrow(layout) -> np.ndarray:
+    """Rank mesh (edp_replicate, edp_shard, ep) with edp_shard innermost: rank = (r * ep + e) * edp_shard + s,
+    so an edp_shard group is one node and an ep group spans nodes."""
+    r, s, e = layout.edp_replicate, layout.edp_shard, layout.ep
+    return np.arange(r * s * e).reshape(r, e, s).transpose(0, 2, 1)
 
 
-def plan_world(config, world: int, device, *, expert_layout="wide", replica_split="auto", bucket_mb=256.0):
+def total_ns_flops(specs, method: str = "standard") -> int:
+    """NS FLOPs of one step with every block computed once, by `method` in the NS dtype."""
+    return sum(s.split.num_blocks(s.shape) * ns_flops(*s.split.block_shape(s.shape), method=method, dtype=NS_DTYPE)
+               for s in specs)
+
+
+def plan_world(config, world: int, device, *, expert_layout="wide", replica_split="auto", bucket_mb=256.0,
+               ns_method="standard"):
     """(specs, plan) of Kimi K2 on `world` GPUs, planned with the device's own numbers."""
-    specs = model_specs(config, kimi_layout(world, expert_layout), dtype=torch.float32)
-    options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=NS_DTYPE,
+    layout = kimi_layout(world, expert_layout)
+    specs = model_specs(config, layout, dtype=torch.float32)
+    if expert_layout == "narrow":
+        ranks = expert_ranks_narrow(layout)
+        specs = [replace(s, mesh_ranks=ranks) if s.mesh_dim_names == EXPERT_NAMES else s for s in specs]
+    options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=NS_DTYPE, ns_method=ns_method,
+                          prefer_holders=expert_layout == "narrow",
                           ranks_per_node=GPUS_PER_NODE, flops_per_s=device.sustained_tflops * 1e12,
                           intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
                           inter_node_bytes_per_s=device.network_gbs * 1e9)
@@ -101,7 +137,7 @@ def local_elements(specs, world: int) -> np.ndarray:
     return out
 
 
-def gather_all_traffic(specs, world: int) -> dict:
+def gather_all_traffic(specs, world: int, method: str = "standard") -> dict:
     """Per-rank NS FLOPs and all-gather bytes when every rank gathers and orthogonalizes every
     parameter it holds a shard of: all-gather inside the FSDP shard group of its replica, and for
     experts only its ep rank's experts (1/ep of the stacked tensor)."""
@@ -127,33 +163,37 @@ def gather_all_traffic(specs, world: int) -> dict:
         for k, v in traffic.items():
             np.add.at(out[k], ranks, v)
         ep = s.mesh_ranks.shape[s.mesh_dim_names.index("ep")] if "ep" in s.mesh_dim_names else 1
-        np.add.at(out["flops"], ranks, s.split.num_blocks(s.shape) // ep * ns_flops(*s.split.block_shape(s.shape)))
+        np.add.at(out["flops"], ranks,
+                  s.split.num_blocks(s.shape) // ep * ns_flops(*s.split.block_shape(s.shape), method=method, dtype=NS_DTYPE))
     return out
 
 
-def rows_for_world(config, world: int, device, args) -> list[dict]:
+def rows_for_world(config, world: int, device, args, expert_layout: str, method: str) -> list[dict]:
     start = time.perf_counter()
-    specs, plan = plan_world(config, world, device, expert_layout=args.expert_layout,
-                             replica_split=args.replica_split, bucket_mb=args.bucket_mb)
+    specs, plan = plan_world(config, world, device, expert_layout=expert_layout,
+                             replica_split=args.replica_split, bucket_mb=args.bucket_mb, ns_method=method)
     seconds = time.perf_counter() - start
-    total = total_ns_flops(specs)
+    total = total_ns_flops(specs, method)
     elems = local_elements(specs, world)
     bound = lower_bound(total, world, device)
     s = plan.stats
     est = project(device, s.flops, s.sent_intra, s.recv_intra, s.sent_inter, s.recv_inter, elems, plan.num_buckets)
-    layout = kimi_layout(world, args.expert_layout)
-    common = dict(world=world, lower_bound_s=bound, total_ns_pflop=total / 1e15,
+    layout = kimi_layout(world, expert_layout)
+    common = dict(world=world, lower_bound_s=bound, total_ns_pflop=total / 1e15, expert_layout=expert_layout,
+                  ns_method=method,
                   layout=f"dense {layout.dp_replicate}x{layout.dp_shard}, experts "
                          f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}")
     traffic = {k: getattr(s, k) for k in ("sent_intra", "recv_intra", "sent_inter", "recv_inter")}
     rows = [dict(common, method="sharded", **_estimate(est, s.flops, traffic, plan.num_buckets),
                  load_ratio=float(s.load_ratio), replica_split=plan.replica_split, plan_seconds=seconds)]
-    g = gather_all_traffic(specs, world)
+    g = gather_all_traffic(specs, world, method)
     # one gather per parameter, the next one in flight during this one's NS (generous: Moonlight's is sequential)
     est_g = project(device, g["flops"], g["sent_intra"], g["recv_intra"], g["sent_inter"], g["recv_inter"], elems,
                     len(specs))
     rows.append(dict(common, method="gather_all", **_estimate(est_g, g["flops"], g, len(specs)),
                      load_ratio=float(g["flops"].max() / g["flops"].mean())))
+    for row in rows:
+        row["vs_bound"] = row["step_s"] / bound
     return rows
 
 
@@ -172,11 +212,11 @@ def format_row(r: dict) -> str:
     return (f"{r['world']:5d} {r['method']:11s} {r['step_s']:9.3f} {r['compute_s']:9.3f} {r['comm_s']:8.3f} "
             f"{r['exposed_s'] + r['elementwise_s']:8.3f} {r['ns_tflop_per_rank_max']:9.1f} {r['load_ratio']:6.3f} "
             f"{r['inter_gb_per_rank_max']:8.2f} {r['intra_gb_per_rank_max']:8.2f} {r['buckets']:5d} {split:>5s} "
-            f"{r['lower_bound_s']:9.4f}  {r['layout']}")
+            f"{r['lower_bound_s']:9.4f} {r['vs_bound']:6.2f}  {r['expert_layout']:6s} {r['ns_method']:8s} {r['layout']}")
 
 
 HEADER = ("    W method         step s compute s   comm s  other s  NS TF/rk   load  inter GB intra GB "
-          "bkts  rsplit  bound s  layout (dense rep x shard, experts rep x shard x ep)")
+          "bkts  rsplit  bound s  xbound  expert method   layout (dense rep x shard, experts rep x shard x ep)")
 
 
 def parse_args(argv=None):
@@ -185,7 +225,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="h200", choices=sorted(DEVICES))
     p.add_argument("--calibration", help="JSON of optimizer_step.py --calibrate-kimi N (a GPU run)")
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma-separated world sizes")
-    p.add_argument("--expert-layout", default="wide", choices=("wide", "capped"))
+    p.add_argument("--expert-layouts", default="wide,narrow", help=f"comma-separated subset of {EXPERT_LAYOUTS}")
+    p.add_argument("--ns-methods", default="standard,gram", help=f"comma-separated subset of {NS_METHODS}")
     p.add_argument("--replica-split", default="auto", choices=REPLICA_SPLIT)
     p.add_argument("--bucket-mb", type=float, default=256.0)
     return p.parse_args(argv)
@@ -201,13 +242,15 @@ def main(argv=None) -> dict:
     print("step = max(compute, comm) + comm/buckets + buckets x latency + elementwise (other s = the last two terms)")
     print(HEADER)
     rows = []
-    for world in map(int, args.worlds.split(",")):
-        for row in rows_for_world(config, world, device, args):
-            rows.append(row)
-            print(format_row(row), flush=True)
+    for expert_layout in args.expert_layouts.split(","):
+        for method in args.ns_methods.split(","):
+            for world in map(int, args.worlds.split(",")):
+                for row in rows_for_world(config, world, device, args, expert_layout, method):
+                    rows.append(row)
+                    print(format_row(row), flush=True)
     summary = _summary(rows)
     print(summary["text"])
-    out = {"device": device.__dict__, "expert_layout": args.expert_layout, "rows": rows,
+    out = {"device": device.__dict__, "rows": rows,
            "smallest_world_reaching_0_2_s": summary["smallest"]}
     if args.json:
         with open(args.json, "w") as f:
@@ -217,12 +260,15 @@ def main(argv=None) -> dict:
 
 
 def _summary(rows) -> dict:
+    """Smallest W reaching TARGET_S per (optimizer, expert layout, NS method)."""
     lines, smallest = [], {}
-    for method in ("sharded", "gather_all"):
-        hits = [r["world"] for r in rows if r["method"] == method and r["step_s"] <= TARGET_S]
-        smallest[method] = min(hits) if hits else None
-        lines.append(f"smallest W with a projected step <= {TARGET_S} s, {method}: "
-                     f"{smallest[method] if hits else 'none of the W planned'}")
+    keys = dict.fromkeys((r["method"], r["expert_layout"], r["ns_method"]) for r in rows)
+    for key in keys:
+        hits = [r["world"] for r in rows if (r["method"], r["expert_layout"], r["ns_method"]) == key
+                and r["step_s"] <= TARGET_S]
+        smallest["/".join(key)] = min(hits) if hits else None
+        lines.append(f"smallest W with a projected step <= {TARGET_S} s, {' / '.join(key)}: "
+                     f"{min(hits) if hits else 'none of the W planned'}")
     return {"text": "\n".join(lines), "smallest": smallest}
 
 

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES
+from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES, NS_METHODS
 
 NAMES = ("muon", "adamw")
 REPLICA_SPLIT = ("auto", "on", "off")
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +28,9 @@ class OptimConfig:
     ns_steps: int = 5  # Newton-Schulz iterations
     coefficients: str = "jordan"  # "jordan" or "polar_express"
     lr_adjust: str = "rms"  # "rms": 0.2*sqrt(max(r,c)) per block; "spectral": sqrt(max(1,r/c)); "none"
-    ns_dtype: str = "float32"  # dtype of Newton-Schulz: "float32" or "bfloat16" (weights, momentum stay fp32)
+    ns_dtype: str = "auto"  # Newton-Schulz dtype: "float32", "bfloat16", or "auto" (bf16 on CUDA, fp32 on CPU); weights, momentum stay fp32
+    ns_tf32: bool = True  # allow TF32 tensor cores for fp32 Newton-Schulz matmuls on CUDA
+    ns_method: str = "standard"  # "standard" NS, or "gram" (iterate on X X^T; blocks of aspect ratio > 2, standard elsewhere)
     adam_beta1: float = 0.9  # AdamW beta1 (the AdamW parameters under muon, all under adamw)
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
@@ -40,7 +43,8 @@ class OptimConfig:
 
     def __post_init__(self):
         choices = {"name": NAMES, "coefficients": tuple(COEFFICIENT_SETS), "lr_adjust": LR_ADJUST_MODES,
-                   "ns_dtype": tuple(NS_DTYPES), "replica_split": REPLICA_SPLIT}
+                   "ns_dtype": NS_DTYPE_CHOICES, "ns_method": NS_METHODS,
+                   "replica_split": REPLICA_SPLIT}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"optim.{key}={getattr(self, key)!r}: expected one of {allowed}")
@@ -67,6 +71,15 @@ class OptimConfig:
             raise ValueError(f"optim.qk_clip_alpha={self.qk_clip_alpha} has no effect: QK-clip is off "
                              f"(optim.qk_clip_tau=0); set optim.qk_clip_tau > 0 (Kimi K2: 100)")
 
-    def ns_torch_dtype(self) -> torch.dtype:
-        """The torch dtype Newton-Schulz runs in."""
-        return NS_DTYPES[self.ns_dtype]
+    def ns_torch_dtype(self, device: torch.device | str | None = None) -> torch.dtype:
+        """The torch dtype Newton-Schulz runs in on `device` (None: CPU)."""
+        return resolve_ns_dtype(self.ns_dtype, device)
+
+
+def resolve_ns_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+    """"auto": bf16 where matmuls run bf16 fast (CUDA tensor cores: ~2x fp32-TF32, ~16x plain fp32
+    on an H100/H200, and half the all-to-all bytes), fp32 on CPU (where bf16 matmuls are no faster,
+    see benchmarks/ns_kernels.py); otherwise the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
+    return NS_DTYPES[name]

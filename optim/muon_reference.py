@@ -25,7 +25,7 @@ from torch import nn
 
 from models.splits import MatrixSplit
 from optim.adamw import adamw_update, init_adamw_state
-from optim.config import NS_DTYPES, OptimConfig
+from optim.config import OptimConfig, resolve_ns_dtype
 from optim.newton_schulz import lr_scale, orthogonalize
 
 
@@ -36,10 +36,12 @@ def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float, nest
 
 
 def orthogonalize_stack(
-    blocks_NRC: torch.Tensor, *, steps: int, coefficients: str, ns_dtype: torch.dtype
+    blocks_NRC: torch.Tensor, *, steps: int, coefficients: str, ns_dtype: torch.dtype, method: str = "standard",
+    tf32: bool = False,
 ) -> torch.Tensor:
     """One batched Newton-Schulz over same-shape blocks, run in `ns_dtype`, returned in the input dtype."""
-    out_NRC = orthogonalize(blocks_NRC.to(ns_dtype), steps=steps, coefficients=coefficients)
+    out_NRC = orthogonalize(blocks_NRC.to(ns_dtype), steps=steps, coefficients=coefficients, method=method,
+                            tf32=tf32)
     return out_NRC.to(blocks_NRC.dtype)
 
 
@@ -52,13 +54,15 @@ def group_by_shape(blocks: list[torch.Tensor]) -> dict[tuple, list[int]]:
 
 
 def orthogonalize_blocks(
-    blocks: list[torch.Tensor], *, steps: int, coefficients: str, ns_dtype: torch.dtype
+    blocks: list[torch.Tensor], *, steps: int, coefficients: str, ns_dtype: torch.dtype, method: str = "standard",
+    tf32: bool = False,
 ) -> list[torch.Tensor]:
     """Orthogonalize each [n_i, r_i, c_i] of `blocks` with one `orthogonalize_stack` per shape group."""
     out: list[torch.Tensor | None] = [None] * len(blocks)
     for idx in group_by_shape(blocks).values():
         stack_NRC = torch.cat([blocks[i] for i in idx])
-        done_NRC = orthogonalize_stack(stack_NRC, steps=steps, coefficients=coefficients, ns_dtype=ns_dtype)
+        done_NRC = orthogonalize_stack(stack_NRC, steps=steps, coefficients=coefficients, ns_dtype=ns_dtype,
+                                       method=method, tf32=tf32)
         for i, piece in zip(idx, done_NRC.split([blocks[i].shape[0] for i in idx])):
             out[i] = piece
     return out
@@ -101,7 +105,8 @@ def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
     muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
                       weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                       ns_steps=config.ns_steps, coefficients=config.coefficients,
-                      lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype)
+                      lr_adjust=config.lr_adjust, ns_dtype=config.ns_dtype,
+                      ns_method=config.ns_method, ns_tf32=config.ns_tf32)
     adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
                        weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
                        eps=config.adam_eps)
@@ -159,8 +164,10 @@ class ReferenceMuon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             u = momentum_update(self.state[p]["momentum_buffer"], p.grad, group["momentum"], group["nesterov"])
             blocks.append(self.splits[p].to_blocks(u))
+        ns_dtype = resolve_ns_dtype(group["ns_dtype"], params[0].device if params else None)
         ortho = orthogonalize_blocks(blocks, steps=group["ns_steps"], coefficients=group["coefficients"],
-                                     ns_dtype=NS_DTYPES[group["ns_dtype"]])  # phase 2
+                                     ns_dtype=ns_dtype, method=group.get("ns_method", "standard"),
+                                     tf32=group.get("ns_tf32", False))  # phase 2
         for p, o_NRC in zip(params, ortho):  # phase 3
             split = self.splits[p]
             scale = lr_scale(*split.block_shape(p.shape), group["lr_adjust"])

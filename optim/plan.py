@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from models.splits import MatrixSplit
-from optim.newton_schulz import ns_flops
+from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan_owners import assign
 from optim.sharded_boxes import all_boxes, placement_kind
 from optim.sharded_plan_stats import PlanStats, describe, plan_stats
@@ -103,7 +103,9 @@ class PlanOptions:
     replica_split: str = "auto"  # "auto" | "on" | "off": split NS work across HSDP replicas
     ns_dtype: torch.dtype | None = None  # dtype communicated and orthogonalized; None = parameter's
     ns_steps: int = 5
+    ns_method: str = "standard"  # "standard" | "gram": what `orthogonalize` runs (FLOPs counted for it)
     ranks_per_node: int = 8  # for intra/inter-node traffic in the stats and the cost model
+    prefer_holders: bool = False  # a block held in pieces goes to its least loaded holder while under the mean load
     flops_per_s: float = 400e12
     intra_node_bytes_per_s: float = 150e9
     inter_node_bytes_per_s: float = 40e9
@@ -111,6 +113,8 @@ class PlanOptions:
     def __post_init__(self):
         if self.replica_split not in REPLICA_SPLIT:
             raise ValueError(f"replica_split={self.replica_split!r}: expected one of {REPLICA_SPLIT}")
+        if self.ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method={self.ns_method!r}: expected one of {NS_METHODS}")
         if self.bucket_mb <= 0 or self.ranks_per_node < 1:
             raise ValueError(f"bucket_mb={self.bucket_mb}, ranks_per_node={self.ranks_per_node}: must be positive")
 
@@ -184,7 +188,8 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
 def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
     """The plan with parameter i split across replicas where split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
-    plan = Plan(options, world_size, params, shape_groups, kind, assign(params, world_size, byte_flops))
+    inst = assign(params, world_size, byte_flops, options.prefer_holders)
+    plan = Plan(options, world_size, params, shape_groups, kind, inst)
     plan.num_buckets = _buckets(plan)
     plan.stats = plan_stats(plan)
     return plan
@@ -246,9 +251,8 @@ def _layouts(specs, options):
         dtype = options.ns_dtype or spec.dtype
         sg = shape_groups.setdefault((min(r, c), max(r, c), dtype), len(shape_groups))
         nbytes = r * c * torch.empty((), dtype=dtype).element_size()
-        params.append(
-            ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), ns_flops(r, c, options.ns_steps), nbytes, sg)
-        )
+        flops = ns_flops(r, c, options.ns_steps, options.ns_method, dtype)
+        params.append(ParamLayout(spec, groups, boxes, block_boxes, pieces, (r, c), flops, nbytes, sg))
     return params, list(shape_groups)
 
 

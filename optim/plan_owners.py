@@ -9,13 +9,18 @@ import heapq
 import numpy as np
 
 
-def assign(params, world_size, byte_flops=None):
+def assign(params, world_size, byte_flops=None, prefer_holders=False):
     """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
     orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
     1% over the mean). Each parameter's `split` says whether its blocks are split across replicas.
 
     `byte_flops` (read for split parameters): per parameter, the NS FLOPs that cost as much time as
     one byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
+
+    `prefer_holders`: a block held in pieces by one replica group goes to its least loaded holder
+    while that one stays under the mean load (rule 3a for whole blocks, extended to pieces): its
+    pieces then travel only among its holders (inside a node when the shard axis is, e.g. an
+    expert mesh with edp_shard inside a node); else the rules below.
 
     Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
     group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
@@ -28,7 +33,8 @@ def assign(params, world_size, byte_flops=None):
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, byte_flops)
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, byte_flops,
+                                        prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
@@ -44,7 +50,7 @@ def assign(params, world_size, byte_flops=None):
     return inst
 
 
-def _greedy(params, items, world_size, cap, reps, byte_flops):
+def _greedy(params, items, world_size, cap, reps, byte_flops, prefer_holders=False):
     loads = np.zeros(world_size)
     sends = np.zeros(world_size)  # replica split: all-gather sends so far, in FLOP-equivalents
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
@@ -68,6 +74,11 @@ def _greedy(params, items, world_size, cap, reps, byte_flops):
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         masks, pattern, share = shares[t]
+        if prefer_holders and whole < 0 and p.groups.shape[0] == 1:
+            own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[t][b], loads, cap)
+            if own is not None:
+                owner[pi][b, 0] = own
+                continue
         if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
             own = _least_loaded_equal(share_heaps, p, masks, pattern[b], share[b], loads)
             if own is not None:
@@ -136,6 +147,29 @@ def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
         heap = heaps.get(key)
         if heap and heap[0][1] == pos:
             heapq.heapreplace(heap, (loads[own], pos))
+    return own
+
+
+def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
+    """The least loaded holder of a one-replica block (first position on ties) if the block fits
+    under `cap` there (its FLOPs added to its load), else None. Equal shares (k >= 0): the holders'
+    lazy heap; otherwise a scan of the holders."""
+    ranks = p.groups[0]
+    if k >= 0:
+        mask, mask_key = masks[k]
+        top = _heap_top(heaps, (id(p.groups), mask_key), ranks, mask, loads)
+        if top is None or top[0] + p.flops > cap:
+            return None
+        pos = top[1]
+    else:
+        holders = np.nonzero(held > 0)[0]
+        if not len(holders):
+            return None
+        pos = int(holders[np.argmin(loads[ranks[holders]])])
+        if loads[ranks[pos]] + p.flops > cap:
+            return None
+    own = int(ranks[pos])
+    loads[own] += p.flops
     return own
 
 

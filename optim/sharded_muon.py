@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from optim.adamw import adamw_update, init_adamw_state
+from optim.adamw import adamw_multi_tensor, init_adamw_state
 from optim.config import OptimConfig
-from optim.muon_reference import momentum_update, param_groups, partition_params, step_groups
+from optim.muon_reference import param_groups, partition_params, step_groups
 from optim.newton_schulz import lr_scale
 from optim.plan import PlanOptions, make_plan
 from optim.sharded_pipeline import BucketPipeline
@@ -67,17 +67,20 @@ class ShardedMuon(torch.optim.Optimizer):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         specs = [param_spec(n, p, splits[n]) for n, p in muon]
-        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=config.ns_torch_dtype(),
-                              ns_steps=config.ns_steps, ranks_per_node=ranks_per_node)
+        device = _local(muon[0][1]).device if muon else torch.device("cpu")
+        ns_dtype = config.ns_torch_dtype(device)  # plan, all-to-all and NS in this dtype
+        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=ns_dtype,
+                              ns_steps=config.ns_steps, ns_method=config.ns_method, ranks_per_node=ranks_per_node)
         self.plan = make_plan(specs, world, options, split=split_params)
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
         listed = collectives(self.plan)
         groups = _process_groups(self.plan, listed, [p for _, p in muon], rank, world)
-        device = _local(muon[0][1]).device if muon else torch.device("cpu")
+        local_shapes = [tuple(_local(p).shape) for _, p in muon]
         self._pipeline = BucketPipeline(
-            self.plan, rank_schedule(self.plan, rank, listed), groups, device=device, ns_dtype=config.ns_torch_dtype(),
-            steps=config.ns_steps, coefficients=config.coefficients, events=self.events,
+            self.plan, rank_schedule(self.plan, rank, listed), groups, local_shapes=local_shapes, device=device,
+            ns_dtype=ns_dtype, steps=config.ns_steps, coefficients=config.coefficients, method=config.ns_method,
+            tf32=config.ns_tf32, events=self.events,
         )
         for p in self.param_groups[0]["params"]:
             self.state[p]["momentum_buffer"] = torch.zeros_like(p)
@@ -87,47 +90,55 @@ class ShardedMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step. Flow (communication only in b and d; see optim/sharded_pipeline.py):
-        a. momentum on local shards: buf = mu buf + g, u = g + mu buf (Nesterov); p *= 1 - lr wd;
-        b. per bucket: pack u's local pieces, one uneven all_to_all_single per group (async);
+        a. momentum on local shards: buf = mu buf + g; p *= 1 - lr wd (multi-tensor ops);
+        b. per bucket: gather u = g + mu buf (Nesterov) at the bucket's local pieces straight into
+           the bucket's send buffer (u is never materialized whole: the step's extra memory is a few
+           buckets), one uneven all_to_all_single per group (async);
         c. owners assemble full blocks, one batched orthogonalize per shape group and bucket;
         d. all-to-all back (async; bucket k+1 launched before bucket k computes); with replica
            split, all-gather of the results over the replica axis;
         e. apply p[piece] -= lr * lr_scale(block) * O[piece] to the local shards;
-        then AdamW on the local shards of the other parameters.
+        then AdamW on the local shards of the other parameters (torch's multi-tensor AdamW).
         """
         if self.events is not None:
             self.events.clear()
         return step_groups(self, closure)
 
     def _muon_step(self, group):
-        params, lr = group["params"], group["lr"]
-        u = []
-        for p in params:  # a. momentum and weight decay, local shards only
-            if p.grad is None:
-                u.append(torch.zeros_like(_local(p)))
-                continue
-            _check_grad(p)
-            buf = _local(self.state[p]["momentum_buffer"])
-            u.append(momentum_update(buf, _local(p.grad), group["momentum"], group["nesterov"]))
-            _local(p).mul_(1 - lr * group["weight_decay"])
+        params, lr, mu = group["params"], group["lr"], group["momentum"]
+        live = [i for i, p in enumerate(params) if p.grad is not None]
+        for i in live:
+            _check_grad(params[i])
+        local = [_local(p) for p in params]
+        grads = [_local(p.grad) if p.grad is not None else None for p in params]
+        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        if live:  # a. momentum and weight decay on the local shards, one multi-tensor op each
+            torch._foreach_mul_([bufs[i] for i in live], mu)
+            torch._foreach_add_([bufs[i] for i in live], [grads[i] for i in live])
+            torch._foreach_mul_([local[i] for i in live], 1 - lr * group["weight_decay"])
 
-        def apply(held, result):  # e. one piece of one local shard
-            p = params[held.param]
-            if p.grad is not None:
-                _local(p)[held.local].add_(result.to(p.dtype) * self._scales[held.param], alpha=-lr)
+        def direction(pi, rows, g):  # the update direction u at some rows, never all of u at once
+            if grads[pi] is None:
+                return None
+            if not group["nesterov"]:
+                return bufs[pi].reshape(-1, g).index_select(0, rows)
+            u = grads[pi].reshape(-1, g).index_select(0, rows)  # u = g + mu * buf (reshape: a view when contiguous)
+            return u.add_(bufs[pi].reshape(-1, g).index_select(0, rows), alpha=mu)
 
-        self._pipeline.run(u, apply, self.overlap)  # b-d
+        def apply(pi, rows, g, values):  # e. p[rows] -= lr * lr_scale(block) * O[rows]
+            if grads[pi] is not None:
+                local[pi].view(-1, g).index_add_(0, rows, values.to(local[pi].dtype), alpha=-lr * self._scales[pi])
+
+        self._pipeline.run(direction, apply, self.overlap)  # b-d
 
     def _adamw_step(self, group):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        live = [p for p in group["params"] if p.grad is not None]
+        for p in live:
             _check_grad(p)
-            state = self.state[p]
-            local_state = {"step": state["step"], "exp_avg": _local(state["exp_avg"]),
-                           "exp_avg_sq": _local(state["exp_avg_sq"])}
-            adamw_update(_local(p), _local(p.grad), local_state, lr=group["lr"], betas=group["betas"],
-                         eps=group["eps"], weight_decay=group["weight_decay"])
+        states = [{"step": self.state[p]["step"], "exp_avg": _local(self.state[p]["exp_avg"]),
+                   "exp_avg_sq": _local(self.state[p]["exp_avg_sq"])} for p in live]
+        adamw_multi_tensor([_local(p) for p in live], [_local(p.grad) for p in live], states, lr=group["lr"],
+                           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
 
 
 def _check_grad(p):

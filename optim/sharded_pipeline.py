@@ -1,15 +1,19 @@
 """The communication schedule of one sharded-Muon step, bucket by bucket (see optim/sharded_schedule.py
 for what each bucket holds and optim/sharded_muon.py for the step around it).
 
-Per bucket k:
-  launch(k)   pack the held pieces of the update direction u into one buffer per group and issue
-              ONE uneven all_to_all_single per group (async): pieces travel to their blocks' owners.
-  compute(k)  wait for bucket k's all-to-alls, assemble full blocks (received pieces + own copies)
-              into one [n, short, long] tensor per shape group, ONE batched `orthogonalize` each.
-  return(k)   issue the reverse all_to_all_single (async): result pieces travel back to holders.
-  finish(k)   wait for the return, apply the results; for the parameters split across replicas,
-              issue the all-gather over the replica axis (all_to_all_single with the same segment
-              for every member).
+Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, not per piece):
+  launch(k)   gather the held pieces of the update direction u into the bucket's stage buffer (per
+              parameter: the caller's `direction` rows, one index_copy_), cast it to the NS dtype
+              once and issue ONE uneven all_to_all_single per group (async): pieces travel to their
+              blocks' owners.
+  compute(k)  wait for bucket k's all-to-alls, assemble every block of the bucket with ONE
+              index_copy_ of the received pieces and one of its own copies, then ONE batched `orthogonalize`
+              per shape group ([n, short, long]: tall blocks transposed into the batch).
+  return(k)   gather the results in the received layout (ONE index_select; own copies: one more) and issue the reverse
+              all_to_all_single (async): result pieces travel back to holders.
+  finish(k)   wait for the return, apply the results (per parameter: the caller's `apply` of its
+              rows); for the parameters split across replicas, issue the all-gather over the
+              replica axis (all_to_all_single with the same segment for every member).
   gathered(k) wait for that all-gather and apply what other replicas computed.
 
 With overlap: launch(k+1) is issued before compute(k), and return(k) is waited only after
@@ -23,30 +27,38 @@ import torch
 import torch.distributed as dist
 
 from optim.newton_schulz import orthogonalize
+from optim.sharded_index import bucket_index
 
 
 class BucketPipeline:
-    def __init__(self, plan, buckets, groups, *, device, ns_dtype, steps, coefficients, events=None):
+    def __init__(self, plan, buckets, groups, *, local_shapes, device, ns_dtype, steps, coefficients,
+                 method="standard", tf32=False, events=None):
         self.plan, self.buckets, self.groups, self.device = plan, buckets, groups, device
-        self.ns_dtype, self.steps, self.coefficients = ns_dtype, steps, coefficients
+        self.ns_dtype, self.steps, self.coefficients, self.method = ns_dtype, steps, coefficients, method
+        self.tf32 = tf32
+        self.index = [bucket_index(plan, b, local_shapes, device) for b in buckets]
         self.events = events  # list to append (event, bucket) to, or None
         self.flight = {}
 
-    def run(self, u: list[torch.Tensor], apply, overlap: bool) -> None:
-        """Orthogonalize every block of the update directions `u` (local shards, one per Muon param)
-        and call apply(held_piece, result) once per piece of this rank's shards."""
+    def run(self, direction, apply, overlap: bool) -> None:
+        """Orthogonalize every block of the update direction and apply the results.
+
+        direction(param, rows, g) -> [len(rows), g] fp32 values of the update direction at those
+        rows of the param's local shard viewed as [-1, g] (None: the param has no gradient, zeros);
+        apply(param, rows, g, values) applies orthogonalized values [len(rows), g] (fp32) there.
+        """
         K = len(self.buckets)
         if not overlap:
             for k in range(K):
-                self._launch(k, u), self._compute(k, u), self._return(k), self._finish(k, apply)
+                self._launch(k, direction), self._compute(k), self._return(k), self._finish(k, apply)
                 self._gathered(k, apply)
             return
         if K:
-            self._launch(0, u)
+            self._launch(0, direction)
         for k in range(K):
             if k + 1 < K:
-                self._launch(k + 1, u)
-            self._compute(k, u)
+                self._launch(k + 1, direction)
+            self._compute(k)
             self._return(k)
             if k >= 1:
                 self._finish(k - 1, apply)
@@ -61,101 +73,113 @@ class BucketPipeline:
         if self.events is not None:
             self.events.append((event, k))
 
-    def _a2a(self, recv_sizes, send_sizes, send, group):
-        recv = torch.empty(sum(recv_sizes), dtype=self.ns_dtype, device=self.device)
-        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.groups[group], async_op=True)
-        return work, recv
+    def _exchange(self, exchanges, send, recv, forward: bool) -> list:
+        """One async all_to_all_single per exchange on consecutive segments of send / recv."""
+        works, s_off, r_off = [], 0, 0
+        for ex in exchanges:
+            send_sizes, recv_sizes = (ex.send_sizes, ex.recv_sizes) if forward else (ex.recv_sizes, ex.send_sizes)
+            s_end, r_end = s_off + sum(send_sizes), r_off + sum(recv_sizes)
+            works.append(dist.all_to_all_single(recv[r_off:r_end], send[s_off:s_end], recv_sizes, send_sizes,
+                                                group=self.groups[ex.group], async_op=True))
+            s_off, r_off = s_end, r_end
+        return works
 
-    def _pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """One flat buffer in the NS dtype (an empty one when there is nothing to send)."""
-        if not pieces:
-            return torch.empty(0, dtype=self.ns_dtype, device=self.device)
-        return torch.cat([t.reshape(-1) for t in pieces]).to(self.ns_dtype)
-
-    def _launch(self, k, u):
-        b, flight = self.buckets[k], self.flight.setdefault(k, {})
-        flight["fwd"] = []
-        for ex in b.exchanges:  # forward: held pieces -> owners
-            send = self._pack([u[b.held[i].param][b.held[i].local] for i in ex.sends])
-            flight["fwd"].append((ex, *self._a2a(ex.recv_sizes, ex.send_sizes, send, ex.group)))
+    def _launch(self, k, direction):
+        b, ix, flight = self.buckets[k], self.index[k], self.flight.setdefault(k, {})
+        values = [(m.buffer_rows, direction(m.param, m.local_rows, ix.g_stage)) for m in ix.pack]
+        dtype = next((v.dtype for _, v in values if v is not None), torch.float32)
+        alloc = torch.empty if all(v is not None for _, v in values) else torch.zeros
+        stage = alloc(ix.n_stage, dtype=dtype, device=self.device)
+        for rows, v in values:
+            if v is not None:
+                stage.view(-1, ix.g_stage).index_copy_(0, rows, v)
+        stage = stage.to(self.ns_dtype)
+        incoming = torch.empty(ix.n_recv, dtype=self.ns_dtype, device=self.device)
+        flight["fwd"] = self._exchange(b.exchanges, stage, incoming, forward=True)
+        flight["incoming"], flight["copies"] = incoming, stage[ix.n_send:]
         self._log("launch", k)
 
-    def _views(self, b, blocks):
-        """Owned piece -> view into the batched blocks (tall blocks are stored transposed)."""
-        out = []
-        for o in b.owned:
-            param, _ = b.batches[o.batch].blocks[o.pos]
-            r, c = self.plan.params[param].block_shape
-            v = blocks[o.batch][o.pos]
-            out.append((v.mT if r > c else v)[o.block])
-        return out
-
-    def _compute(self, k, u):
-        b, flight = self.buckets[k], self.flight[k]
-        for ex, work, _ in flight["fwd"]:
+    def _compute(self, k):
+        ix, flight = self.index[k], self.flight[k]
+        for work in flight.pop("fwd"):
             work.wait()
         self._log("received", k)
-        short_long = [self.plan.shape_groups[batch.shape_group][:2] for batch in b.batches]
-        blocks = [torch.empty(len(batch.blocks), s, l, dtype=self.ns_dtype, device=self.device)
-                  for batch, (s, l) in zip(b.batches, short_long)]
-        views = self._views(b, blocks)
-        for h, o in b.copies:  # (an expert's piece has a leading expert dim of 1 in u)
-            views[o].copy_(u[b.held[h].param][b.held[h].local].reshape(views[o].shape))
-        for ex, _, recv in flight.pop("fwd"):
-            _unpack(recv, [views[i] for i in ex.recvs])
+        incoming, copies = flight.pop("incoming"), flight.pop("copies")
+        blocks = torch.empty(ix.n_blocks, dtype=self.ns_dtype, device=self.device)
+        for rows, source in ((ix.recv_rows, incoming), (ix.copy_rows, copies)):
+            if len(rows):
+                blocks.view(-1, ix.g_blocks).index_copy_(0, rows, source.view(-1, ix.g_blocks))
+        del incoming, copies  # dropped as soon as possible: the step's peak memory is a few buckets
+        inputs = [_batch(blocks, *batch) for batch in ix.batches]
+        del blocks
         self._log("ns_start", k)
-        flight["out"] = [orthogonalize(x, self.steps, self.coefficients) for x in blocks]
+        flight["out"] = [orthogonalize(inputs.pop(0), self.steps, self.coefficients, method=self.method,
+                                       tf32=self.tf32) for _ in ix.batches]
         self._log("ns_end", k)
 
     def _return(self, k):
-        b, flight = self.buckets[k], self.flight[k]
-        out = self._views(b, flight.pop("out"))
-        flight["ret"] = []
-        for ex in b.exchanges:  # reverse: owners -> holders
-            send = self._pack([out[i] for i in ex.recvs])
-            flight["ret"].append((ex, *self._a2a(ex.send_sizes, ex.recv_sizes, send, ex.group)))
-        flight["results"] = {h: out[o] for h, o in b.copies}
+        b, ix, flight = self.buckets[k], self.index[k], self.flight[k]
+        out = _blocks_layout(flight.pop("out"), ix.batches, self.ns_dtype, self.device)
+        back = torch.empty(ix.n_stage, dtype=self.ns_dtype, device=self.device)
+        out_rows = out.view(-1, ix.g_blocks)
+        if len(ix.copy_rows):  # own copies: straight into the back buffer
+            torch.index_select(out_rows, 0, ix.copy_rows, out=back[ix.n_send:].view(-1, ix.g_blocks))
+        ret = out_rows.index_select(0, ix.recv_rows).view(-1)
+        del out, out_rows
+        flight["ret"] = self._exchange(b.exchanges, ret, back, forward=False)
+        flight["back"] = back
         self._log("return", k)
 
     def _finish(self, k, apply):
-        b, flight = self.buckets[k], self.flight[k]
-        results = flight.pop("results")
-        for ex, work, recv in flight.pop("ret"):
+        b, ix, flight = self.buckets[k], self.index[k], self.flight[k]
+        for work in flight.pop("ret"):
             work.wait()
-            for i, piece in zip(ex.sends, _split(recv, [b.held[i].shape for i in ex.sends])):
-                results[i] = piece
-        for i, piece in results.items():
-            apply(b.held[i], piece)
+        back = flight.pop("back")
+        _apply_rows(back, ix.pack, ix.g_stage, apply)
         flight["gather"] = []
-        for ex in b.gathers:  # split parameters: my replica's results to the other replicas
-            mine = self._pack([results[i] for i in ex.sends])
-            send = torch.cat([mine] * sum(1 for n in ex.send_sizes if n)) if mine.numel() else mine
-            flight["gather"].append((ex, *self._a2a(ex.recv_sizes, ex.send_sizes, send, ex.group)))
+        for gm, ex in zip(ix.gathers, b.gathers):  # split parameters: my replica's results to the other replicas
+            mine = back.view(-1, ix.g_stage).index_select(0, gm.send_rows).view(-1)
+            send = mine.repeat(gm.repeat) if mine.numel() else mine
+            recv = torch.empty(gm.recv_numel, dtype=self.ns_dtype, device=self.device)
+            flight["gather"].append((gm, recv, self._exchange([ex], send, recv, forward=True)[0]))
         self._log("applied", k)
 
     def _gathered(self, k, apply):
-        b, flight = self.buckets[k], self.flight.pop(k)
-        for ex, work, recv in flight["gather"]:
+        ix, flight = self.index[k], self.flight.pop(k)
+        for gm, recv, work in flight["gather"]:
             work.wait()
-            for i, piece in zip(ex.recvs, _split(recv, [b.held[i].shape for i in ex.recvs])):
-                apply(b.held[i], piece)
+            _apply_rows(recv, gm.apply, ix.g_stage, apply)
 
 
-def _unpack(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
-    offset = 0
-    for v in views:
-        v.copy_(flat[offset : offset + v.numel()].view(v.shape))
-        offset += v.numel()
-    assert offset == flat.numel(), (offset, flat.numel())
+def _batch(blocks, offset, n_wide, n_tall, s, l) -> torch.Tensor:
+    """NS input [n, s, l] of one batch: its wide blocks, then its tall ones transposed."""
+    wide = blocks[offset : offset + n_wide * s * l].view(n_wide, s, l)
+    if not n_tall:
+        return wide
+    at = offset + n_wide * s * l
+    tall = blocks[at : at + n_tall * s * l].view(n_tall, l, s).mT
+    return torch.cat([wide, tall]) if n_wide else tall
 
 
-def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = 1
-        for s in shape:
-            n *= s
-        out.append(flat[offset : offset + n].view(shape))
-        offset += n
-    assert offset == flat.numel(), (offset, flat.numel())
-    return out
+def _blocks_layout(outs: list, batches, dtype, device) -> torch.Tensor:
+    """The NS outputs [n, s, l] per batch in the blocks layout (tall blocks back in their [l, s]),
+    one flat tensor; each output is released once copied."""
+    if len(outs) == 1 and not batches[0][2]:
+        return outs[0].view(-1)
+    flat = torch.empty(sum((nw + nt) * s * l for _, nw, nt, s, l in batches), dtype=dtype, device=device)
+    for offset, n_wide, n_tall, s, l in batches:
+        out = outs.pop(0)
+        if n_wide:
+            flat[offset : offset + n_wide * s * l].view(n_wide, s, l).copy_(out[:n_wide])
+        if n_tall:
+            at = offset + n_wide * s * l
+            flat[at : at + n_tall * s * l].view(n_tall, l, s).copy_(out[n_wide:].mT)
+        del out
+    return flat
+
+
+def _apply_rows(buffer, maps, g, apply) -> None:
+    """apply(param, local rows, g, fp32 values) for each parameter's rows of `buffer`."""
+    rows_g = buffer.view(-1, g).float()
+    for m in maps:
+        apply(m.param, m.local_rows, g, rows_g.index_select(0, m.buffer_rows))

@@ -5,8 +5,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from benchmarks import harness, projection
+from benchmarks.counters import count_step
 from benchmarks.device_model import DEVICES
 from benchmarks.methods import Method, build_method
 from benchmarks.param_sets import build_param_set
@@ -117,3 +119,38 @@ def test_optimizer_step_main_writes_json_on_2_ranks(tmp_path):
     for name, row in methods.items():
         assert "step_ms" in row or "skipped" in row, (name, row)
     assert set(result["speedup_vs"]) <= set(methods)
+    # host-side proxies: the debug set fits one bucket, so the sharded step issues 2 all-to-alls
+    # (there and back); the single-process reference none; every step allocates something
+    assert methods["sharded"]["collectives_per_step"] == 2 and methods["single"]["collectives_per_step"] == 0
+    assert all(methods[m]["ops_per_step"] > 0 and methods[m]["peak_extra_mb"] > 0 for m in ("sharded", "single"))
+
+
+def test_counters_count_ops_and_peak_live_memory():
+    x = torch.zeros(256, 1024)  # 1 MiB
+    with count_step() as counts:
+        y = x * 2  # +1 MiB
+        z = y + 1  # +1 MiB: peak 2 MiB
+        del y  # -1 MiB
+        view = z[:10]  # a view: no new storage
+        del z  # the view keeps z's storage alive
+        w = view * 3  # a small new tensor (40 KiB) while z's storage is alive: peak still 2 MiB
+        x.mul_(2)  # in place: nothing new
+    assert counts.ops == 5 and counts.collectives == 0
+    assert counts.peak_extra_bytes == 2 * 2**20
+    assert w.shape == (10, 1024)
+
+
+def test_ns_kernels_rows_side_by_side():
+    from benchmarks import ns_kernels
+
+    out = ns_kernels.main(["--sets", "debug", "--dtypes", "float32", "--repeats", "1"])
+    rows = out["rows"]
+    shapes = {tuple(r["shape"]) for r in rows}
+    assert len(rows) == 3 * len(shapes) and {r["method"] for r in rows} == set(ns_kernels.METHODS)
+    for shape in shapes:
+        by = {r["method"]: r for r in rows if tuple(r["shape"]) == shape}
+        assert by["standard"]["ms"] > 0 and by["gram"]["gflops"] > 0 and by["bmm"]["polar_err"] is None
+        if max(shape) <= 2 * min(shape):  # the same standard code runs for both: identical output
+            assert by["gram"]["polar_err"] == by["standard"]["polar_err"]
+        assert 0 < by["gram"]["polar_err"] <= 1.1 * by["standard"]["polar_err"]
+    assert [s["set"] for s in out["summary"]] == ["debug"]

@@ -1,6 +1,7 @@
 """The pure sharded-Muon planner: shard boxes, pieces, load balance (debug on 8 ranks, Kimi K2 on 256
 ranks without allocating it), replica-split choice, and rank-consistent collective schedules."""
 
+import dataclasses
 import hashlib
 import itertools
 import time
@@ -15,7 +16,7 @@ from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
 from optim.plan import ParamSpec, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, local_box, strided_shard
 from optim.sharded_schedule import group_keys, rank_schedule
-from optim.sharded_specs import model_specs
+from optim.sharded_specs import EXPERT_NAMES, model_specs
 from parallel.layout import ParallelConfig
 
 R, S0 = Replicate(), Shard(0)
@@ -263,3 +264,18 @@ def test_expert_blocks_whole_on_ep_ranks_are_communication_free():
     assert plan.stats.comm_free_groups == [plan.params[0].shape_group]
     assert "none" in plan.describe() and "communicated" in plan.describe()
     assert plan.stats.sent_intra.sum() > 0 and plan.stats.sent_inter.sum() == 0  # one node of 8
+
+
+def test_prefer_holders_keeps_expert_pieces_inside_the_node():
+    # the "narrow" expert mesh of benchmarks/projection.py on 16 ranks, 4 per node: edp_shard = 4
+    # inside a node (rank = e * 4 + s), ep = 4 across nodes; 2 local experts < edp_shard: Shard(1),
+    # every expert block in 4 pieces on one node. Balancing alone sends pieces to other nodes.
+    layout = ParallelConfig(dp_replicate=4, dp_shard=4, cp=1, ep=4, edp_replicate=1, edp_shard=4).resolve(16)
+    ranks = np.arange(16).reshape(1, 4, 4).transpose(0, 2, 1)
+    specs = [dataclasses.replace(s, mesh_ranks=ranks) if s.mesh_dim_names == EXPERT_NAMES else s
+             for s in model_specs(preset("debug"), layout)]
+    plans = {h: make_plan(specs, 16, PlanOptions(replica_split="off", ranks_per_node=4, prefer_holders=h))
+             for h in (False, True)}
+    balanced, holders = plans[False].stats, plans[True].stats
+    assert holders.sent_inter.sum() < balanced.sent_inter.sum() / 2
+    assert holders.flops.max() <= balanced.flops.max()
