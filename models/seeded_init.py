@@ -5,7 +5,9 @@ shard of it (any mesh, any placements), on any device. The random stream is coun
 fixed row blocks: view the parameter as rows of its last dim; block b holds rows
 [b*R, (b+1)*R) with R = max(1, ROW_BLOCK_ELEMS // row length) (a function of the shape only), and
 its values are the first R*row_length normals of a CPU generator seeded by (seed, parameter name,
-b). A rank draws only the blocks its shard touches (whole rows of them, then keeps its columns),
+b). Draws are rounded up to multiples of 16 normals: torch's CPU `normal_` is prefix-consistent
+only there (it transforms uniforms 16 at a time; checked on torch 2.13.0), so the rows a rank
+needs from a block's start come out the same as from a whole-block draw. A rank draws only the blocks its shard touches (whole rows of them, then keeps its columns),
 so the cost is about its own shard (at most one partial block at each end of a contiguous run of
 rows), never a full parameter. Blocks are drawn on a thread pool (torch ops release the GIL).
 """
@@ -45,18 +47,25 @@ def normal_box(full_shape, shape, offset, std: float, seed: int, name: str) -> t
     rows_per_block = max(1, ROW_BLOCK_ELEMS // row_len)
     rows_R = _box_rows(full_shape, shape, offset)
     cols = slice(offset[-1], offset[-1] + shape[-1]) if full_shape else slice(0, 1)
-    blocks, counts = torch.unique_consecutive(rows_R // rows_per_block, return_counts=True)
-    starts = [0, *torch.cumsum(counts, 0).tolist()]
-    n_rows = math.prod(full_shape[:-1])
+    blocks_K, counts_K = torch.unique_consecutive(rows_R // rows_per_block, return_counts=True)
+    ends_K = torch.cumsum(counts_K, 0)
+    firsts_K = blocks_K * rows_per_block  # global first row of each block
+    lo_K, hi_K = rows_R[ends_K - counts_K] - firsts_K, rows_R[ends_K - 1] - firsts_K + 1  # rows used, in the block
     out_RC = torch.empty(len(rows_R), cols.stop - cols.start)
+    full_rows = cols.stop - cols.start == row_len
 
-    def fill(i: int, block: int) -> None:
-        first = block * rows_per_block
+    def fill(block: int, end: int, count: int, lo: int, hi: int) -> None:
         g = torch.Generator().manual_seed(_seed(seed, name, block))
-        drawn = torch.empty(min(rows_per_block, n_rows - first), row_len).normal_(0.0, std, generator=g)
-        out_RC[starts[i]:starts[i + 1]] = drawn[rows_R[starts[i]:starts[i + 1]] - first, cols]
+        out = out_RC[end - count:end]
+        if lo == 0 and hi == count and full_rows and count * row_len % 16 == 0:  # the block's first rows
+            out.normal_(0.0, std, generator=g)
+            return
+        needed = hi * row_len  # the stream up to the last row used, in whole 16s
+        drawn = torch.empty(-(-needed // 16) * 16).normal_(0.0, std, generator=g)[:needed].view(hi, row_len)
+        used = slice(lo, hi) if hi - lo == count else rows_R[end - count:end] - block * rows_per_block
+        out.copy_(drawn[used, cols])
 
-    _run(fill, blocks.tolist())
+    _run(fill, list(zip(blocks_K.tolist(), ends_K.tolist(), counts_K.tolist(), lo_K.tolist(), hi_K.tolist())))
     return out_RC
 
 
@@ -68,14 +77,14 @@ def _box_rows(full_shape, shape, offset) -> torch.Tensor:
     return rows.reshape(-1)
 
 
-def _run(fill, blocks: list[int]) -> None:
+def _run(fill, tasks: list[tuple]) -> None:
     threads = torch.get_num_threads()
-    if threads == 1 or len(blocks) < 4:
-        for i, block in enumerate(blocks):
-            fill(i, block)
+    if threads == 1 or len(tasks) < 4:
+        for task in tasks:
+            fill(*task)
         return
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(fill, range(len(blocks)), blocks))
+        list(pool.map(lambda task: fill(*task), tasks))
 
 
 def _seed(seed: int, name: str, index: int) -> int:
