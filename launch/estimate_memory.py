@@ -7,9 +7,10 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   params        fp32 master shards (placements of parallel/fsdp.py, boxes of optim/sharded_boxes.py)
   grads         fp32 gradient shards
   optimizer     Muon momentum (1 x fp32) for declared matrices, AdamW exp_avg + exp_avg_sq (2 x fp32) for the rest
-  fsdp_buffers  unsharded FSDP units in param_dtype: forward = this unit + the prefetched next one;
-                backward = the same two + the unit's unsharded gradient (param_dtype) + its reduce-scatter
-                input (reduce_dtype); the largest over units (blocks with their experts, embedding, head)
+  fsdp_buffers  unsharded FSDP units in param_dtype while a unit runs its backward: the unit and the
+                prefetched one before it, the unit's unsharded gradient (param_dtype) and its
+                reduce-scatter input (reduce_dtype); units = embedding, each block with its ep rank's
+                experts, final norm + head
   activations   what autograd keeps for one micro-batch under training.activation_checkpoint, measured:
                 one dense and one MoE block are built on the CPU at the real widths and run forward at
                 two short sequence lengths and two expert counts; the kept bytes (torch's MemTracker)
@@ -25,9 +26,12 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
                 and 4 x this rank's largest bucket of blocks (received, orthogonalized, next in flight,
                 returning; optim/plan.py)
   runtime       CUDA context, NCCL and allocator reserve (an assumption, 0 on cpu)
-Peak = params + grads + optimizer + runtime
-       + max(fsdp_buffers + activations + dispatch + max(logits, recompute), muon_step)
-(the logits are freed by the head's backward, before the first block is recomputed).
+Peak = params + grads + optimizer + runtime + max(forward/backward peak, muon_step), where the
+forward/backward peak is the largest moment of the backward timeline: the head's backward (every
+block's activations, the logits and their gradient alive) or block l's backward (blocks 0..l still
+saved, block l's recompute and FSDP buffers, its dispatch). `per_rank_gib` shows the parts at that
+moment (`peak_at`), so they add up to the total (when the optimizer step is the peak, the total is
+the sharded state, runtime and muon_step).
 """
 
 import argparse
@@ -132,12 +136,13 @@ def unit_sizes(model_config, layout) -> list[int]:
     return sizes
 
 
-def fsdp_buffers(job: Job) -> int:
+def fsdp_buffers(job: Job) -> list[int]:
+    """Per unit u (execution order), FSDP bytes while u runs its backward: u and the prefetched unit
+    before it unsharded (param_dtype), u's unsharded gradient (param_dtype) and its reduce-scatter
+    input (reduce_dtype). Its forward (u and the next unit unsharded) needs less."""
     sizes, c = unit_sizes(job.config.model, job.layout), job.c
     r = DTYPE_BYTES[job.config.training.reduce_dtype]
-    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
-    backward = [pair * c + big * (c + r) for pair, big in zip(pairs, map(max, zip(sizes, sizes[1:])))] or [0]
-    return max(max(pairs) * c, max(backward))
+    return [(size + (sizes[u - 1] if u else 0)) * c + size * (c + r) for u, size in enumerate(sizes)]
 
 
 # ---- activations (measured on the CPU at the real widths) ----------------------------------------
@@ -145,7 +150,7 @@ def fsdp_buffers(job: Job) -> int:
 def _build_block(model_config, layer_id: int, n_experts: int, dtype: torch.dtype) -> nn.Module:
     """Block `layer_id` at the real widths with `n_experts` routed experts, on the CPU, weights in
     `dtype` (routers fp32, as under the mixed-precision policy). Values only need to be finite."""
-    c = dataclasses.replace(model_config, n_routed_experts=n_experts, n_layers=layer_id + 1)
+    c = dataclasses.replace(model_config, n_routed_experts=n_experts)
     with torch.device("meta"):
         block = TransformerBlock(c, layer_id)
     block.to_empty(device="cpu").to(dtype)
@@ -203,8 +208,8 @@ def block_fits(model_config, layer_id: int, dtype, modes, moe: bool) -> dict:
     return fits
 
 
-def activations(job: Job) -> tuple[int, int, dict]:
-    """(kept for the backward, recomputed at a time during the backward, kept per block in GiB)."""
+def activations(job: Job) -> tuple[list, list, int, dict]:
+    """(kept per layer, recomputed per layer during its backward, embedding + final norm, GiB per block kind)."""
     cfg, mode = job.config.model, job.config.training.activation_checkpoint
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
     n_seq, s_local = job.tokens
@@ -217,17 +222,31 @@ def activations(job: Job) -> tuple[int, int, dict]:
 
     kinds = [("dense", 0, False)] if cfg.n_dense_layers else []
     kinds += [("moe", cfg.n_dense_layers, True)] if cfg.n_moe_layers else []
-    per_block, recompute = {}, 0.0
+    per_kind, recompute_kind = {}, {}
     modes = ("none",) if mode == "none" else ("none", mode)
     for name, layer_id, moe in kinds:
         fits = block_fits(cfg, layer_id, dtype, modes, moe)
         none, chosen = kept(fits["none"], cfg.n_routed_experts), kept(fits[mode], cfg.n_routed_experts)
-        per_block[name] = chosen
-        recompute = max(recompute, none - chosen + (chosen if mode == "full" else 0))
-    n_moe = cfg.n_moe_layers
-    saved = per_block.get("dense", 0) * (cfg.n_layers - n_moe) + per_block.get("moe", 0) * n_moe
+        per_kind[name] = chosen
+        recompute_kind[name] = 0.0 if mode == "none" else none - chosen + (chosen if mode == "full" else 0)
+    kind_of = ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.n_layers)]
     edges = n_seq * s_local * cfg.dim * (job.c + 4 + job.c)  # embedding output; final norm's fp32 copy and output
-    return int(saved + edges), int(recompute), {k: v / GIB for k, v in per_block.items()}
+    return ([per_kind[k] for k in kind_of], [recompute_kind[k] for k in kind_of], edges,
+            {k: v / GIB for k, v in per_kind.items()})
+
+
+def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
+    """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
+    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute)."""
+    buffers, lg, disp = fsdp_buffers(job), logits(job), dispatch(job)
+    moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
+    moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
+                        "dispatch": 0, "logits": lg}}
+    for l in range(len(kept_L)):
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0, "logits": 0}
+    at = max(moments, key=lambda k: sum(moments[k].values()))
+    return at, moments[at]
 
 
 # ---- the rest ------------------------------------------------------------------------------------
@@ -265,18 +284,17 @@ def muon_step(job: Job, muon_elements: int) -> int:
 
 def estimate(job: Job) -> dict:
     state = sharded_state(job)
-    act, recompute, per_block = activations(job)
-    parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
-             "fsdp_buffers": fsdp_buffers(job), "activations": act, "recompute": recompute, "dispatch": dispatch(job),
-             "logits": logits(job), "muon_step": muon_step(job, state["muon_elements"]),
-             "runtime": RUNTIME_GIB[job.device] * GIB}
-    # the logits and their gradient are gone before the first block's backward (and its recompute) starts
-    step = parts["fsdp_buffers"] + parts["activations"] + parts["dispatch"] + max(parts["logits"], parts["recompute"])
-    total = parts["params"] + parts["grads"] + parts["optimizer"] + parts["runtime"] + max(step, parts["muon_step"])
+    kept_L, recompute_L, edges, per_block = activations(job)
+    at, step = step_peak(job, kept_L, recompute_L, edges)
+    parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"], **step,
+             "muon_step": muon_step(job, state["muon_elements"]), "runtime": RUNTIME_GIB[job.device] * GIB}
+    total = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["runtime"]
+             + max(sum(step.values()), parts["muon_step"]))
     device_gib = DEVICES[job.device]
     fits = device_gib is None or total / GIB <= device_gib
     return {"per_rank_gib": {k: v / GIB for k, v in parts.items()}, "total_gib": total / GIB,
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, parts, total),
+            "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
             "activation_gib_per_block": per_block, "rank": job.rank, "world": job.layout.world_size,
             "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
 

@@ -25,8 +25,8 @@ class Router(nn.Module):
     the un-biased scores of those experts, normalized over the top-k for sigmoid, times route_scale.
     Buffers: expert_bias [E] fp32 (moved by `update_expert_bias`, never by gradients) and
     tokens_per_expert [E] fp32 (top-k counts accumulated by every training-mode forward; eval-mode
-    forwards leave it alone; recomputation under activation checkpointing counts a micro-batch
-    twice, which doubles counts and mean alike, so the sign-based bias update is unchanged).
+    forwards leave it alone; a recompute under activation checkpointing restores it afterwards, see
+    parallel/activation_checkpoint.py, so each micro-batch is counted once).
     """
 
     def __init__(self, c: ModelConfig):
