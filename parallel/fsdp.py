@@ -30,7 +30,6 @@ fp32 no policy is set, which is exactly the fp32 path (no casts anywhere).
 """
 
 import torch
-
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
