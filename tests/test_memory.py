@@ -31,11 +31,11 @@ def test_chunked_cross_entropy_equals_plain(dtype, chunk):
     assert torch.equal(chunked_grad, plain_grad)  # every gradient op is row-wise: bitwise
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_estimate_within_20_percent_of_measured_peak(tmp_path, checkpointing):
-    """debug preset, 2 ranks, one real training step under torch's MemTracker (benchmarks/memory_validation.py
-    runs the whole table); observed ratios 1.03-1.06."""
-    argv = _argv("debug", checkpointing, str(tmp_path))
+def test_estimate_within_20_percent_of_measured_peak(tmp_path):
+    """debug preset, 2 ranks, full checkpointing (its estimate probes both none and full), one real
+    training step under torch's MemTracker (benchmarks/memory_validation.py runs the whole table:
+    ratios 0.91-1.12); observed here 1.045."""
+    argv = _argv("debug", "full", str(tmp_path))
     config = load_config(argv)
     estimated = estimate(Job(config, config.layout(2), 0, "cpu"))["total_gib"] * 2**30
     measured = run_ranks(_measure, 2, argv, timeout=300)[0]
