@@ -1,11 +1,11 @@
 """Time of the seeded init of ONE rank's shards for a preset and layout, on this machine's CPU.
 
 No process group: each parameter's local box comes from the layout's placements
-(optim/sharded_specs.py conventions, optim/sharded_boxes.local_box) at the given rank's mesh
-coordinate, and `models.seeded_init.normal_box` draws exactly what that rank would draw (results
-are discarded, one parameter at a time, so memory stays at one shard of one parameter).
+(launch/estimate_memory.rank_boxes) at the given rank's mesh coordinate, and
+`models.seeded_init.normal_box` draws exactly what that rank would draw (results are discarded, one
+parameter at a time, so memory stays at one shard of one parameter).
 
-    python benchmarks/init_time.py --preset kimi_k2_1t --world 256 --rank 0 [--layers N] [--threads T]
+    python benchmarks/init_time.py [--config configs/kimi_k2_256gpu.toml] [--world 256] [--rank 0] [--layers N] [--threads T]
 """
 
 import argparse
@@ -15,37 +15,23 @@ import sys
 import time
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
 if __package__ in (None, ""):  # `python benchmarks/init_time.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import Transformer, preset
-from models.experts import GroupedExperts
-from models.layers import RMSNorm
-from models.seeded_init import normal_box
-from optim.sharded_boxes import local_box
-from optim.sharded_specs import _expert_placements
-from runtime.config import load_config
+from launch.estimate_memory import rank_boxes  # noqa: E402
+from models import Transformer  # noqa: E402
+from models.layers import RMSNorm  # noqa: E402
+from models.seeded_init import normal_box  # noqa: E402
+from runtime.config import load_config  # noqa: E402
 
 
-def rank_boxes(config, layout, rank: int):
-    """[(fqn, full shape, box shape, box offset)] of the drawn parameters held by `rank`."""
+def drawn_boxes(config, layout, rank: int):
+    """[(fqn, full shape, local shape, offset)] of the parameters `rank` draws (norm weights are ones)."""
     with torch.device("meta"):
         model = Transformer(config)
-    experts = {f"{p}.{n}" for p, m in model.named_modules() if isinstance(m, GroupedExperts) for n in ("w1", "w2", "w3")}
     norms = {f"{p}.weight" for p, m in model.named_modules() if isinstance(m, RMSNorm)}
-    dense_mesh = (layout.dp_replicate, layout.dp_shard * layout.cp)
-    expert_mesh = (layout.edp_replicate, layout.edp_shard, layout.ep)
-    out = []
-    for fqn, p in model.named_parameters():
-        if fqn in norms:
-            continue  # filled with ones, not drawn
-        mesh, placements = ((expert_mesh, _expert_placements(config.n_routed_experts, layout)) if fqn in experts
-                            else (dense_mesh, (Replicate(), Shard(0))))
-        coordinate = [int(c) for c in torch.arange(layout.world_size).view(mesh).eq(rank).nonzero()[0]]
-        box = local_box(tuple(p.shape), mesh, placements, coordinate)
-        out.append((fqn, tuple(p.shape), tuple(b - a for a, b in box), tuple(a for a, _ in box)))
-    return out
+    return [(fqn, full, shape, offset) for fqn, full, shape, offset, _ in rank_boxes(config, layout, rank)
+            if fqn not in norms]
 
 
 def main(argv=None) -> dict:
@@ -58,7 +44,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     config = load_config(["--config", args.config])
     torch.set_num_threads(args.threads)
-    boxes = rank_boxes(config.model, config.layout(args.world), args.rank)
+    boxes = drawn_boxes(config.model, config.layout(args.world), args.rank)
     if args.layers:
         boxes = [b for b in boxes if not b[0].startswith("layers.") or int(b[0].split(".")[1]) < args.layers]
     start, elements = time.perf_counter(), 0
