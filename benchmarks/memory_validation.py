@@ -40,8 +40,9 @@ PRESETS = {
 }
 
 
-def _argv(preset: str, checkpointing: str, run_dir: str) -> list[str]:
-    return COMMON + PRESETS[preset] + [f"--training.activation_checkpoint={checkpointing}", f"--run.dir={run_dir}"]
+def _argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "float32") -> list[str]:
+    return COMMON + PRESETS[preset] + [f"--training.activation_checkpoint={checkpointing}", f"--run.dir={run_dir}",
+                                       f"--training.param_dtype={param_dtype}"]
 
 
 def _measure(rank, world_size, argv):
@@ -63,18 +64,20 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
+    ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     rows = []
     for preset in ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):
             for checkpointing in ("none", "full"):
-                argv_case = _argv(preset, checkpointing, "/tmp/memory_validation")
+                argv_case = _argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)
                 config = load_config(argv_case)
                 est = estimate(Job(config, config.layout(world), 0, "cpu"))["total_gib"] * 2**30
                 measured = run_ranks(_measure, world, argv_case, timeout=600)[0]
                 rows.append({"preset": preset, "world": world, "activation_checkpoint": checkpointing,
+                             "param_dtype": args.param_dtype,
                              "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured})
-                print(f"{preset:6s} world {world} {checkpointing:5s} estimate {est / 2**20:8.2f} MiB  "
+                print(f"{preset:6s} {args.param_dtype} world {world} {checkpointing:5s} estimate {est / 2**20:8.2f} MiB  "
                       f"measured {measured / 2**20:8.2f} MiB  ratio {est / measured:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
