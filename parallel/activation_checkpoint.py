@@ -8,18 +8,18 @@ Modes (`training.activation_checkpoint`):
              cp the K/V all-gather) and the routed experts (every GroupedExperts: under ep the
              count exchange, dispatch all-to-all, grouped matmuls and combine all-to-all). Saved as
              usual: block inputs, norm outputs, router outputs and the sort order, the shared
-             experts and dense FFNs. These two regions hold most of a block's saved activations
-             (for Kimi K2 at sequence 4096 about 0.85 GiB attention + ~2.5 GiB in the experts).
+             experts and dense FFNs. `launch/estimate_memory.py` measures what each mode keeps.
 
 Mechanism: the module's `forward` is wrapped in `torch.utils.checkpoint` (non-reentrant), so the
 module, its parameters and their FQNs are unchanged (optimizer state and checkpoints key on them).
 FSDP2's hooks run around the module call, outside the wrapper: in backward its pre-backward hook
-unshards the unit before the recompute reads the weights; nested units inside a recomputed region
-(experts, routers) all-gather again during the recompute.
+unshards the unit before the recompute reads the weights. Counted on 2 ranks (debug preset): full
+and selective issue the same FSDP all-gathers as none (each unit, nested expert units included,
+twice per micro-batch), so recomputing costs compute, not weight traffic.
 
 Communication inside a recomputed region runs again in backward: ep all-to-alls (and the one host
-sync for their split sizes), the cp K/V all-gather, nested FSDP all-gathers. Every rank recomputes
-the same regions in the same (reverse layer) order, so the collectives match across ranks.
+sync for their split sizes) and the cp K/V all-gather. Every rank recomputes the same regions in
+the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
 `tokens_per_expert` a second time; the recompute restores every router of the region afterwards.
