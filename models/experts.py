@@ -52,12 +52,10 @@ def swiglu_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, counts_E) -> torch.Tensor:
 
 
 def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Rows of x_TI grouped by expert (group sizes counts_E) times each group's w[e]^T -> [T, O]."""
-    device_type = x_TI.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Autocast does not cover torch._grouped_mm (CPU, torch 2.13): cast like it casts a matmul.
-        dtype = torch.get_autocast_dtype(device_type)
-        x_TI, w_EOI = x_TI.to(dtype), w_EOI.to(dtype)
+    """Rows of x_TI grouped by expert (group sizes counts_E) times each group's w[e]^T -> [T, O].
+
+    No casts: x and w come in the compute dtype (FSDP's mixed-precision policy all-gathers the
+    weights in it, the MoE dispatches activations in it)."""
     if _grouped_mm_ok(x_TI, w_EOI):
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         out_TO = torch._grouped_mm(x_TI, w_EOI.transpose(-2, -1), offs=offsets_E)

@@ -28,8 +28,8 @@ class Router(nn.Module):
     when norm_topk_prob, times route_scale.
     Buffers: expert_bias [E] fp32 (moved by `update_expert_bias`, never by gradients) and
     tokens_per_expert [E] fp32 (top-k counts accumulated by every training-mode forward; eval-mode
-    forwards leave it alone; recomputation under activation checkpointing counts a micro-batch
-    twice, which doubles counts and mean alike, so the sign-based bias update is unchanged).
+    forwards leave it alone; a recompute under activation checkpointing restores it afterwards, see
+    parallel/activation_checkpoint.py, so each micro-batch is counted once).
     """
 
     def __init__(self, c: ModelConfig):
@@ -161,7 +161,9 @@ class MoE(nn.Module):
         counts_E = torch.bincount(experts_TK.flatten(), minlength=self.router.n_experts)
         y_sorted_ND = self.experts(x_TD[order_N // K], counts_E)
         y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
-        out_TD = (y_ND.view(T, K, D).float() * weights_TK[..., None]).sum(1).type_as(x_BSD)
+        # Combine in the compute dtype (the fp32 router weights are rounded to it; the sum over K
+        # accumulates in fp32 inside torch's reduction): no fp32 copy of the N x D expert outputs.
+        out_TD = (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(B, S, D)

@@ -19,36 +19,60 @@ parallel/gradients.py for the loss convention that makes the sum the single-proc
 Wrapping units: one per expert group (GroupedExperts, expert mesh), one per TransformerBlock
 (the rest of the block, dense mesh), the embedding, the final norm with the output head, and the
 root. `fully_shard` keeps parameter names (FQNs) unchanged.
+
+Mixed precision (FSDP2 `MixedPrecisionPolicy`, the same on both meshes): sharded parameters, their
+gradients and the optimizer state stay fp32; each unit all-gathers its weights cast to
+`param_dtype` and its forward runs on them (floating-point inputs are cast to `param_dtype` at the
+unit's entry), so the model itself never casts weights; gradients are cast to `reduce_dtype` for the
+reduce-scatter / all-reduce and land fp32 on the shards. Routers are their own unit with an fp32
+policy when `param_dtype` is lower: routing decisions are sensitive to rounding. With everything
+fp32 no policy is set, which is exactly the fp32 path (no casts anywhere).
 """
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from models.experts import GroupedExperts
+from models.moe import Router
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 
 
-def apply_fsdp(model: nn.Module, meshes: Meshes, layout: Layout) -> None:
+def apply_fsdp(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
     """Shard `model` in place (after `apply_expert_parallel`, so expert weights are already DTensors on ep)."""
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    router_policy = mixed_precision_policy(torch.float32, reduce_dtype)
     expert_dim = layout.expert_shard_dim(model.config.n_routed_experts)
     for block in model.layers:
         for module in block.modules():
             if isinstance(module, GroupedExperts):
-                _shard_experts(module, meshes, expert_dim)
-        fully_shard(block, mesh=meshes.dense_fsdp)  # skips the experts, already managed above
-    fully_shard(model.tok_embeddings, mesh=meshes.dense_fsdp)
-    fully_shard([model.norm, model.output], mesh=meshes.dense_fsdp)
-    fully_shard(model, mesh=meshes.dense_fsdp)
+                _shard_experts(module, meshes, expert_dim, policy)
+            elif isinstance(module, Router) and param_dtype != torch.float32:
+                fully_shard(module, mesh=meshes.dense_fsdp, mp_policy=router_policy)
+        fully_shard(block, mesh=meshes.dense_fsdp, mp_policy=policy)  # skips the units above
+    fully_shard(model.tok_embeddings, mesh=meshes.dense_fsdp, mp_policy=policy)
+    fully_shard([model.norm, model.output], mesh=meshes.dense_fsdp, mp_policy=policy)
+    fully_shard(model, mesh=meshes.dense_fsdp, mp_policy=policy)
     _sum_gradients(model)
 
 
-def _shard_experts(experts: GroupedExperts, meshes: Meshes, dim: int) -> None:
+def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """The FSDP2 policy; the default (no casts) when both are the parameters' own fp32. FSDP2 reduces
+    in param_dtype when reduce_dtype is None, so reduce_dtype is explicit whenever param_dtype is set."""
+    if param_dtype == reduce_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
+                                reduce_dtype=reduce_dtype)
+
+
+def _shard_experts(experts: GroupedExperts, meshes: Meshes, dim: int, policy: MixedPrecisionPolicy) -> None:
     # Shard(1) = a matrix dim (F for w1/w3, D for w2) when there are fewer local experts than
     # edp_shard ranks: Shard(0) would leave ranks with empty shards (and padding traffic).
     placement_fn = None if dim == 0 else (lambda param: Shard(1))
-    fully_shard(experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn)
+    fully_shard(experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn, mp_policy=policy)
 
 
 def _sum_gradients(model: nn.Module) -> None:

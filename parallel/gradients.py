@@ -25,15 +25,56 @@ from torch.distributed.tensor import DTensor, Replicate
 IGNORE_INDEX = -100
 
 
-def loss_fn(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, global_tokens: int) -> torch.Tensor:
+# One chunk's fp32 logits, log-softmax and gradient stay within a few times this many bytes.
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_fn(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, global_tokens: int,
+            chunk_tokens: int | None = None) -> torch.Tensor:
     """This rank's share of the global mean cross-entropy: sum over local tokens / global_tokens.
 
     global_tokens: labels != IGNORE_INDEX over all ranks (and micro-batches) of the step; without
-    padding that is global_batch * seq_len."""
-    ce_sum = F.cross_entropy(
-        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return ce_sum / global_tokens
+    padding that is global_batch * seq_len. The cross-entropy runs in fp32 over chunks of
+    `chunk_tokens` tokens (default: LOSS_CHUNK_BYTES of fp32 logits), so the fp32 logits of the whole
+    micro-batch (and their log-softmax) never exist at once; see `chunked_cross_entropy_sum`."""
+    logits_TV, labels_T = logits_BSV.flatten(0, 1), labels_BS.flatten()
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOSS_CHUNK_BYTES // (4 * logits_TV.shape[-1]))
+    return chunked_cross_entropy_sum(logits_TV, labels_T, chunk_tokens) / global_tokens
+
+
+def chunked_cross_entropy_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """sum_t CE(logits_TV[t].float(), labels_T[t]) (IGNORE_INDEX skipped), chunk by chunk.
+
+    Gradients equal F.cross_entropy's on the whole tensor bit for bit (every op but the final sum
+    is row-wise); the loss equals it up to the summation order over chunks (bitwise with one chunk).
+    The backward recomputes each chunk's log-softmax and writes its gradient, in the logits' dtype,
+    into one preallocated buffer: peak extra memory is one chunk's fp32 temporaries."""
+    return _ChunkedCrossEntropySum.apply(logits_TV, labels_T, chunk_tokens)
+
+
+def _chunk_ce_sum(logits_CV: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_CV.float(), labels_C, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, chunk_tokens):
+        ctx.save_for_backward(logits_TV, labels_T)
+        ctx.chunk_tokens = chunk_tokens
+        chunks = zip(logits_TV.split(chunk_tokens), labels_T.split(chunk_tokens))
+        return sum(_chunk_ce_sum(logits_CV, labels_C) for logits_CV, labels_C in chunks)
+
+    @staticmethod
+    def backward(ctx, grad_sum):
+        logits_TV, labels_T = ctx.saved_tensors
+        grad_TV = torch.empty_like(logits_TV)
+        for start in range(0, logits_TV.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            with torch.enable_grad():
+                logits_CV = logits_TV[rows].detach().requires_grad_()
+                (grad_TV[rows],) = torch.autograd.grad(_chunk_ce_sum(logits_CV, labels_T[rows]), logits_CV, grad_sum)
+        return grad_TV, None, None
 
 
 def global_loss(local_loss: torch.Tensor, group=None) -> torch.Tensor:

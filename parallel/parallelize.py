@@ -1,12 +1,15 @@
 """`parallelize`: apply context, expert and data parallelism to an unchanged Transformer.
 
 Order matters: expert weights must be DTensors on `ep` before FSDP wraps them (FSDP then shards
-them further over the expert mesh); the cp attention swap touches no parameters. Parameter
+them further over the expert mesh); the cp attention swap touches no parameters; activation
+checkpointing wraps the forwards that cp and ep installed, so their communication is recomputed too. Parameter
 names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
 """
 
+import torch
 from torch import nn
 
+from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import apply_context_parallel
 from parallel.expert_parallel import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
@@ -14,9 +17,11 @@ from parallel.layout import Layout
 from parallel.meshes import Meshes
 
 
-def parallelize(model: nn.Module, meshes: Meshes, layout: Layout) -> nn.Module:
+def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
+                reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none") -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup."""
     apply_context_parallel(model, meshes.cp)  # attention.sdpa: all-gather K/V over cp
     apply_expert_parallel(model, meshes.ep)  # experts: Shard(0) on ep, all-to-all dispatch/combine
-    apply_fsdp(model, meshes, layout)  # experts on the expert mesh, the rest on the dense mesh
+    apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
+    apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
     return model

@@ -59,7 +59,9 @@ class RunConfig:
 class TrainingConfig:
     steps: int = 300  # optimizer steps of the whole run (a resumed run continues up to this total)
     seed: int = 0  # seeds weight init and the data order: same seed, same run, whatever the layout
-    dtype: Literal["float32", "bfloat16"] = "float32"  # forward/backward compute dtype (weights, optimizer: float32)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP all-gathers weights in this dtype and computes in it (master weights, optimizer state: float32; router: float32)
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP reduce-scatters / all-reduces gradients in this dtype
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # recompute in backward: full = every block, selective = attention and routed experts (parallel/activation_checkpoint.py)
     grad_clip: float = 1.0  # max global gradient norm over both meshes (0 = no clipping)
     warmup_steps: int = 20  # linear warmup steps from optim.lr/warmup_steps up to optim.lr
     schedule: Literal["cosine", "wsd"] = "cosine"  # after warmup: cosine decay, or warmup-stable-decay

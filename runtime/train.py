@@ -54,7 +54,9 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     seeded init gives the same global weights for every layout (models/seeded_init.py)."""
     with torch.device("meta"):
         model = Transformer(config.model)
-    parallelize(model, meshes, layout)
+    t = config.training
+    parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
+                activation_checkpoint=t.activation_checkpoint)
     model.to_empty(device=device)
     if not init_from_pretrained(config, model, dist.get_rank() if dist.is_initialized() else 0):
         model.init_weights(seed=config.training.seed)
@@ -82,19 +84,19 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
                   vocab_size=config.model.vocab_size, holdout=holdout, split=split)
 
 
-def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device, dtype) -> torch.Tensor:
-    """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py)."""
+def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) -> torch.Tensor:
+    """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
+    The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
     inputs_BS, labels_BS, positions_S = micro_batch
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
+    logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
     return loss_fn(logits_BSV, labels_BS.to(device), global_tokens)
 
 
-def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device, dtype) -> torch.Tensor:
+def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss."""
     local_loss = torch.zeros((), device=device)
     for micro_batch in micro_batches:
-        loss = micro_batch_loss(model, micro_batch, global_tokens, device, dtype)
+        loss = micro_batch_loss(model, micro_batch, global_tokens, device)
         loss.backward()
         local_loss += loss.detach()
     return local_loss
@@ -119,7 +121,7 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
     """One optimizer step; returns the step's metrics (global values, identical on every rank)."""
     start = time.perf_counter()
     global_tokens = config.data.tokens_per_step()
-    local_loss = forward_backward(model, loader.next_step(), global_tokens, device, DTYPES[config.training.dtype])
+    local_loss = forward_backward(model, loader.next_step(), global_tokens, device)
     loss = global_loss(local_loss) if dist.is_initialized() else local_loss
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm_(model.parameters(), clip)
@@ -251,11 +253,10 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps)
     eval_loader = build_loader(config, meshes, layout, "eval") if config.eval.enabled() else None
-    dtype = DTYPES[config.training.dtype]
 
     def eval_loss() -> float:
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
-                        lambda micro, tokens: micro_batch_loss(model, micro, tokens, device, dtype))
+                        lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
 
     with maybe_profile(config.profile, config.run.dir, rank) as profiler, Preemption(device) as preemption:
         try:

@@ -122,7 +122,7 @@ def test_explicit_degrees_are_kept_and_one_unknown_left_to_infer():
                                                ("moonlight_16b", [8, 64])])
 def test_large_configs_load_and_fit_their_world_size(name, world_sizes):
     config = load_config(["--config", os.path.join(CONFIGS, f"{name}.toml")])
-    assert config.training.dtype == "bfloat16" and config.data.source == "bin"
+    assert config.training.param_dtype == "bfloat16" and config.data.source == "bin"
     for world_size in world_sizes:
         layout = config.layout(world_size)
         assert layout.dp_shard == 8 and layout.ep == 8, layout  # dense FSDP and EP inside one 8-GPU node

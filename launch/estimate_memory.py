@@ -1,0 +1,348 @@
+"""Per-rank peak memory of a training job before launch: no GPU, no process group.
+
+    python launch/estimate_memory.py --config configs/kimi_k2_256gpu.toml [--world 256] [--device h200]
+                                     [--rank 0] [--json PATH]
+
+What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards):
+  params        fp32 master shards (placements of parallel/fsdp.py, boxes of optim/sharded_boxes.py)
+  grads         fp32 gradient shards
+  optimizer     Muon momentum (1 x fp32) for declared matrices, AdamW exp_avg + exp_avg_sq (2 x fp32) for the rest
+  fsdp_buffers  unsharded FSDP units in param_dtype while a unit runs its backward: the unit and the
+                prefetched one before it, the unit's unsharded gradient (param_dtype) and its
+                reduce-scatter input (reduce_dtype); units = embedding, each block with its ep rank's
+                experts, final norm + head
+  activations   what autograd keeps for one micro-batch under training.activation_checkpoint, measured:
+                one dense and one MoE block are built on the CPU at the real widths and run forward at
+                two short sequence lengths and two expert counts; the kept bytes (torch's MemTracker)
+                are fitted as a*S + b*S^2 + e*S*E per sequence and evaluated at the job's shapes.
+                Evaluated at the job's micro-batch for every layer, plus the embedding output and final norm. On a GPU the S^2 term (attention probabilities of the CPU math SDPA
+                kernel) is dropped: the fused kernels keep only a log-sum-exp per row.
+  recompute     checkpointed modes: the activations of one block (full) or of one block's regions
+                (selective) while it is recomputed in backward
+  dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
+  logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
+                log-softmax, gradient; parallel/gradients.py)
+  muon_step     the optimizer step's transients: the update directions (1 x fp32 of the Muon shards)
+                and 4 x this rank's largest bucket of blocks (received, orthogonalized, next in flight,
+                returning; optim/plan.py)
+  runtime       CUDA context, NCCL and allocator reserve (an assumption, 0 on cpu)
+Peak = params + grads + optimizer + runtime + max(forward/backward peak, muon_step), where the
+forward/backward peak is the largest moment of the backward timeline: the head's backward (every
+block's activations, the logits and their gradient alive) or block l's backward (blocks 0..l still
+saved, block l's recompute and FSDP buffers, its dispatch). `per_rank_gib` shows the parts at that
+moment (`peak_at`), so they add up to the total (when the optimizer step is the peak, the total is
+the sharded state, runtime and muon_step).
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from models import Transformer, TransformerBlock  # noqa: E402
+from models.experts import GroupedExperts  # noqa: E402
+from models.layers import RMSNorm  # noqa: E402
+from models.moe import Router  # noqa: E402
+from models.splits import muon_splits  # noqa: E402
+from optim.plan import PlanOptions, make_plan  # noqa: E402
+from optim.sharded_boxes import local_box  # noqa: E402
+from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
+from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
+from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
+from runtime.config import load_config  # noqa: E402
+
+GIB = 2**30
+DEVICES = {"h200": 139.8, "h100": 79.2, "cpu": None}  # GiB torch reports for H200 141 GB / H100 80 GB
+RUNTIME_GIB = {"h200": 4.0, "h100": 4.0, "cpu": 0.0}  # CUDA context ~0.5, NCCL buffers, allocator reserve
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+PROBE_SEQ = (32, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    config: object
+    layout: object
+    rank: int
+    device: str
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        """(sequences, tokens per sequence) of one micro-batch on one rank."""
+        t, d = self.config.training, self.config.data
+        return d.batch_size // (self.layout.dp * t.grad_accum), d.seq_len // self.layout.cp
+
+    @property
+    def c(self) -> int:
+        return DTYPE_BYTES[self.config.training.param_dtype]
+
+
+# ---- sharded state ------------------------------------------------------------------------------
+
+def rank_boxes(model_config, layout, rank: int):
+    """[(fqn, full shape, local shape, offset, is_expert)] of every parameter on `rank` (no process group)."""
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    experts = {f"{p}.{n}" for p, m in model.named_modules() if isinstance(m, GroupedExperts) for n in ("w1", "w2", "w3")}
+    meshes = {False: ((layout.dp_replicate, layout.dp_shard * layout.cp), (Replicate(), Shard(0))),
+              True: ((layout.edp_replicate, layout.edp_shard, layout.ep),
+                     _expert_placements(model_config.n_routed_experts, layout))}
+    out = []
+    for fqn, p in model.named_parameters():
+        mesh, placements = meshes[fqn in experts]
+        coordinate = [int(c) for c in torch.arange(layout.world_size).view(mesh).eq(rank).nonzero()[0]]
+        box = local_box(tuple(p.shape), mesh, placements, coordinate)
+        out.append((fqn, tuple(p.shape), tuple(b - a for a, b in box), tuple(a for a, _ in box), fqn in experts))
+    return out
+
+
+def sharded_state(job: Job) -> dict:
+    with torch.device("meta"):
+        splits = muon_splits(Transformer(job.config.model))
+    muon = job.config.optim.name == "muon"
+    out = {"params": 0, "grads": 0, "optimizer": 0, "muon_elements": 0}
+    for fqn, _, shape, _, _ in rank_boxes(job.config.model, job.layout, job.rank):
+        n = math.prod(shape)
+        out["params"] += 4 * n
+        out["grads"] += 4 * n
+        is_muon = muon and fqn in splits
+        out["optimizer"] += 4 * n * (1 if is_muon else 2)
+        out["muon_elements"] += n if is_muon else 0
+    return out
+
+
+# ---- FSDP buffers -------------------------------------------------------------------------------
+
+def unit_sizes(model_config, layout) -> list[int]:
+    """Unsharded elements of each FSDP unit in execution order: embedding, each block (its dense part
+    plus its ep rank's experts, gathered over the expert mesh), final norm + head."""
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    sizes = [model.tok_embeddings.weight.numel()]
+    for block in model.layers:
+        n = 0
+        for module in block.modules():
+            for p in module.parameters(recurse=False):
+                n += p.numel() // layout.ep if isinstance(module, GroupedExperts) else p.numel()
+        sizes.append(n)
+    sizes.append(model.norm.weight.numel() + model.output.weight.numel())
+    return sizes
+
+
+def fsdp_buffers(job: Job) -> list[int]:
+    """Per unit u (execution order), FSDP bytes while u runs its backward: u and the prefetched unit
+    before it unsharded (param_dtype), u's unsharded gradient (param_dtype) and its reduce-scatter
+    input (reduce_dtype). Its forward (u and the next unit unsharded) needs less."""
+    sizes, c = unit_sizes(job.config.model, job.layout), job.c
+    r = DTYPE_BYTES[job.config.training.reduce_dtype]
+    return [(size + (sizes[u - 1] if u else 0)) * c + size * (c + r) for u, size in enumerate(sizes)]
+
+
+# ---- activations (measured on the CPU at the real widths) ----------------------------------------
+
+def _build_block(model_config, layer_id: int, n_experts: int, dtype: torch.dtype) -> nn.Module:
+    """Block `layer_id` at the real widths with `n_experts` routed experts, on the CPU, weights in
+    `dtype` (routers fp32, as under the mixed-precision policy). Values only need to be finite."""
+    c = dataclasses.replace(model_config, n_routed_experts=n_experts)
+    with torch.device("meta"):
+        block = TransformerBlock(c, layer_id)
+    block.to_empty(device="cpu").to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():  # random where cheap (the router spreads tokens), constant where large
+            p.uniform_(-0.02, 0.02, generator=g) if p.numel() < 2**24 else p.fill_(0.01)
+        for b in block.buffers():
+            b.zero_()
+    for m in block.modules():
+        if isinstance(m, Router):
+            m.float()
+    return block
+
+
+def _kept(block: nn.Module, mode: str, seq: int, dtype: torch.dtype) -> int:
+    """Bytes that stay alive after the block's forward on [1, seq] tokens (its output excluded)."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
+
+    holder = nn.Module()
+    holder.layers = nn.ModuleList([block])
+    apply_activation_checkpoint(holder, mode)
+    x = torch.randn(1, seq, block.attention_norm.weight.shape[0], requires_grad=True)
+    tracker = MemTracker()
+    tracker.track_external(block)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")
+        x_in = x.to(dtype) * 1.0  # a non-leaf input, freed unless the block keeps it
+        out = block(x_in, torch.arange(seq))
+        del x_in
+        after = tracker.get_tracker_snapshot("current")
+    if mode != "none":
+        for module in checkpoint_regions(block, mode):
+            del module.forward  # back to the class forward for the next probe
+    return _total(after) - _total(before) - out.numel() * out.element_size()
+
+
+def _total(snapshot) -> int:
+    return sum(v["Total"] for v in snapshot.values())
+
+
+def block_fits(model_config, layer_id: int, dtype, modes, moe: bool) -> dict:
+    """{mode: (a, b, e)}: kept bytes per sequence of length S = a*S + b*S^2 (+ e*S*E for an MoE block)."""
+    e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
+    s1, s2 = PROBE_SEQ
+    block = _build_block(model_config, layer_id, e1, dtype)
+    kept = {mode: (_kept(block, mode, s1, dtype), _kept(block, mode, s2, dtype)) for mode in modes}
+    wider = _build_block(model_config, layer_id, 2 * e1, dtype) if moe else None
+    fits = {}
+    for mode, (k1, k2) in kept.items():
+        e = (_kept(wider, mode, s1, dtype) - k1) / (s1 * e1) if moe else 0.0
+        k1e, k2e = k1 - e * s1 * e1, k2 - e * s2 * e1  # k(S) = a S + b S^2 (+ e S E1)
+        b = (k2e / s2 - k1e / s1) / (s2 - s1)
+        fits[mode] = (k1e / s1 - b * s1, b, e)
+    return fits
+
+
+def activations(job: Job) -> tuple[list, list, int, dict]:
+    """(kept per layer, recomputed per layer during its backward, embedding + final norm, GiB per block kind)."""
+    cfg, mode = job.config.model, job.config.training.activation_checkpoint
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    n_seq, s_local = job.tokens
+    s_keys = s_local * job.layout.cp  # under cp each query chunk attends over the gathered sequence
+    quadratic = 1.0 if job.device == "cpu" else 0.0
+
+    def kept(fit, n_experts):
+        a, b, e = fit
+        return n_seq * (a * s_local + quadratic * b * s_local * s_keys + e * s_local * n_experts)
+
+    kinds = [("dense", 0, False)] if cfg.n_dense_layers else []
+    kinds += [("moe", cfg.n_dense_layers, True)] if cfg.n_moe_layers else []
+    per_kind, recompute_kind = {}, {}
+    modes = ("none",) if mode == "none" else ("none", mode)
+    for name, layer_id, moe in kinds:
+        fits = block_fits(cfg, layer_id, dtype, modes, moe)
+        none, chosen = kept(fits["none"], cfg.n_routed_experts), kept(fits[mode], cfg.n_routed_experts)
+        per_kind[name] = chosen
+        recompute_kind[name] = 0.0 if mode == "none" else none - chosen + (chosen if mode == "full" else 0)
+    kind_of = ["moe" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.n_layers)]
+    edges = n_seq * s_local * cfg.dim * (job.c + 4 + job.c)  # embedding output; final norm's fp32 copy and output
+    return ([per_kind[k] for k in kind_of], [recompute_kind[k] for k in kind_of], edges,
+            {k: v / GIB for k, v in per_kind.items()})
+
+
+def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
+    """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
+    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute)."""
+    buffers, lg, disp = fsdp_buffers(job), logits(job), dispatch(job)
+    moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
+    moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
+                        "dispatch": 0, "logits": lg}}
+    for l in range(len(kept_L)):
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0, "logits": 0}
+    at = max(moments, key=lambda k: sum(moments[k].values()))
+    return at, moments[at]
+
+
+# ---- the rest ------------------------------------------------------------------------------------
+
+def dispatch(job: Job) -> int:
+    cfg = job.config.model
+    if job.layout.ep == 1 or not cfg.n_moe_layers:
+        return 0
+    n_seq, s_local = job.tokens
+    return 2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c
+
+
+def logits(job: Job) -> int:
+    n_seq, s_local = job.tokens
+    v = job.config.model.vocab_size
+    chunk = max(1, LOSS_CHUNK_BYTES // (4 * v))
+    temporaries = 2 if job.c == 4 else 3  # (fp32 upcast,) log-softmax, gradient of one chunk
+    return 2 * n_seq * s_local * v * job.c + temporaries * min(chunk, n_seq * s_local) * v * 4
+
+
+def muon_step(job: Job, muon_elements: int) -> int:
+    if job.config.optim.name != "muon":
+        return 0
+    o = job.config.optim
+    specs = model_specs(job.config.model, job.layout)
+    plan = make_plan(specs, job.layout.world_size, PlanOptions(bucket_mb=o.bucket_mb, replica_split=o.replica_split,
+                                                               ranks_per_node=o.ranks_per_node))
+    inst = plan.inst
+    nbytes = torch.tensor([p.nbytes for p in plan.params])[torch.from_numpy(inst["param"])]
+    mine = torch.from_numpy(inst["owner"]) == job.rank
+    per_bucket = torch.zeros(max(plan.num_buckets, 1), dtype=torch.float64)
+    per_bucket.index_add_(0, torch.from_numpy(inst["bucket"])[mine], nbytes[mine].double())
+    return int(4 * muon_elements + 4 * per_bucket.max().item())
+
+
+def estimate(job: Job) -> dict:
+    state = sharded_state(job)
+    kept_L, recompute_L, edges, per_block = activations(job)
+    at, step = step_peak(job, kept_L, recompute_L, edges)
+    parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"], **step,
+             "muon_step": muon_step(job, state["muon_elements"]), "runtime": RUNTIME_GIB[job.device] * GIB}
+    total = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["runtime"]
+             + max(sum(step.values()), parts["muon_step"]))
+    device_gib = DEVICES[job.device]
+    fits = device_gib is None or total / GIB <= device_gib
+    return {"per_rank_gib": {k: v / GIB for k, v in parts.items()}, "total_gib": total / GIB,
+            "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, parts, total),
+            "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
+            "activation_gib_per_block": per_block, "rank": job.rank, "world": job.layout.world_size,
+            "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
+
+
+def suggestions(job: Job, parts: dict, total: int) -> list[str]:
+    t, out = job.config.training, []
+    over = total / GIB - DEVICES[job.device]
+    out.append(f"needs {over:.1f} GiB less per rank")
+    if t.param_dtype == "float32":
+        out.append("training.param_dtype=bfloat16 (halves FSDP buffers and activations)")
+    if t.activation_checkpoint != "full":
+        out.append("training.activation_checkpoint=full (keeps one block input per layer)")
+    if job.tokens[0] > 1:
+        out.append(f"training.grad_accum={t.grad_accum * job.tokens[0]} (one sequence per micro-batch)")
+    state = parts["params"] + parts["grads"] + parts["optimizer"]
+    out.append(f"more ranks in the shard groups (sharded state is {state / GIB:.1f} GiB: "
+               f"parallel.edp_shard / dp_shard, or a larger world)")
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description="Per-rank peak memory of a training job, before launch.")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world", type=int, default=None, help="world size (default: the product of the config's dense degrees)")
+    ap.add_argument("--device", choices=tuple(DEVICES), default="h200")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args, overrides = ap.parse_known_args(argv)
+    config = load_config(["--config", args.config, *overrides])
+    p = config.parallel
+    world = args.world or p.dp_replicate * p.dp_shard * p.cp
+    if world < 1:
+        raise ValueError(f"--world: the config infers its degrees (-1); give the world size, got {world}")
+    result = estimate(Job(config, config.layout(world), args.rank, args.device))
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def format_table(r: dict) -> str:
+    rows = [f"  {k:<13}{v:9.2f} GiB" for k, v in r["per_rank_gib"].items()]
+    device = "cpu (no limit)" if r["device_gib"] is None else f"{r['device_gib']:.1f} GiB"
+    verdict = "fits" if r["fits"] else "does NOT fit: " + "; ".join(r["suggestions"])
+    return "\n".join([f"rank {r['rank']} of {r['world']}, micro-batch {r['micro_batch']}", *rows,
+                      f"  {'peak':<13}{r['total_gib']:9.2f} GiB  (device {device}): {verdict}"])
+
+
+if __name__ == "__main__":
+    main()

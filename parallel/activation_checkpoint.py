@@ -1,0 +1,78 @@
+"""Activation checkpointing: chosen modules save only their inputs and rerun their forward in backward.
+
+Modes (`training.activation_checkpoint`):
+  none       nothing is recomputed.
+  full       every TransformerBlock: each block saves its input only; in backward the whole block
+             (norms, attention, router, expert dispatch, experts, combine, shared experts) reruns.
+  selective  in every block, the attention (`block.attention`: projections, RoPE, SDPA, and under
+             cp the K/V all-gather) and the routed experts (every GroupedExperts: under ep the
+             count exchange, dispatch all-to-all, grouped matmuls and combine all-to-all). Saved as
+             usual: block inputs, norm outputs, router outputs and the sort order, the shared
+             experts and dense FFNs. `launch/estimate_memory.py` measures what each mode keeps.
+
+Mechanism: the module's `forward` is wrapped in `torch.utils.checkpoint` (non-reentrant), so the
+module, its parameters and their FQNs are unchanged (optimizer state and checkpoints key on them).
+FSDP2's hooks run around the module call, outside the wrapper: in backward its pre-backward hook
+unshards the unit before the recompute reads the weights. Counted on 2 ranks (debug preset): full
+and selective issue the same FSDP all-gathers as none (each unit, nested expert units included,
+twice per micro-batch), so recomputing costs compute, not weight traffic.
+
+Communication inside a recomputed region runs again in backward: ep all-to-alls (and the one host
+sync for their split sizes) and the cp K/V all-gather. Every rank recomputes the same regions in
+the same (reverse layer) order, so the collectives match across ranks.
+
+Router statistics: recomputing a router would add the micro-batch's top-k counts to
+`tokens_per_expert` a second time; the recompute restores every router of the region afterwards.
+"""
+
+import contextlib
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.experts import GroupedExperts
+from models.moe import Router
+
+MODES = ("none", "full", "selective")
+
+
+def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    """Wrap the forwards of the regions `mode` names, in every block of `model.layers`; in place."""
+    if mode not in MODES:
+        raise ValueError(f"training.activation_checkpoint={mode!r} must be one of {', '.join(MODES)}")
+    if mode == "none":
+        return
+    for block in model.layers:
+        for module in checkpoint_regions(block, mode):
+            _checkpoint_forward(module)
+
+
+def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
+    """The modules of `block` whose forward is recomputed under `mode` ("full" or "selective")."""
+    if mode == "full":
+        return [block]
+    return [block.attention] + [m for m in block.modules() if isinstance(m, GroupedExperts)]
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    inner = module.forward  # the class forward, or the one expert parallelism swapped in
+    routers = [m for m in module.modules() if isinstance(m, Router)]
+
+    def context_fn():
+        return contextlib.nullcontext(), _counted_once(routers)
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = forward
+
+
+@contextlib.contextmanager
+def _counted_once(routers: list[Router]):
+    """Around a recompute: leave the routers' token counts as the original forward left them."""
+    saved = [router.tokens_per_expert.clone() for router in routers]
+    try:
+        yield
+    finally:
+        for router, counts_E in zip(routers, saved):
+            router.tokens_per_expert.copy_(counts_E)
