@@ -32,6 +32,8 @@ def check_environment(config) -> None:
     """The requested device exists and the data source opens (ValueError naming the key otherwise)."""
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    if config.data.source == "rollouts":
+        raise ValueError("data.source='rollouts' is post-training data: run launch/posttrain.py")
     Loader(config.data, config.training.seed, grad_accum=config.training.grad_accum,
            vocab_size=config.model.vocab_size)
     check_token_ids(config.data, config.model.vocab_size)
@@ -61,7 +63,8 @@ def stop(rank: int, message: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, check=check_environment, build_objective=None) -> int:
+    """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
@@ -69,7 +72,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)
         layout = config.layout(world_size)
-        check_environment(config)
+        check(config)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
         return stop(rank, f"config error: {e}", 2)
     device_type = config.training.device_type()
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
             meshes = build_meshes(layout, device_type)
             if rank == 0:
                 print(describe(layout, config.model), flush=True)
-            train(config, layout, meshes, device)
+            train(config, layout, meshes, device, build_objective)
     except RunError as e:  # raised identically on every rank
         return stop(rank, str(e), e.exit_code)
     finally:

@@ -6,6 +6,7 @@ Sections and where each one's dataclass lives (next to the component it configur
   [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
   [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
   [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
+                                                   [posttrain]   PosttrainConfig   runtime/posttrain.py
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -37,6 +38,7 @@ from runtime.checkpoint import CheckpointConfig
 from runtime.data import DataConfig, check_split
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
+from runtime.posttrain import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
@@ -118,6 +120,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)  # launch/posttrain.py only
 
     def layout(self, world_size: int) -> Layout:
         """The resolved layout for `world_size`, checked against model, batch and grad_accum (ConfigError)."""
@@ -168,7 +171,7 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
 def _sections() -> dict[str, type]:
     return {"run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
             "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig,
-            "metrics": MetricsConfig, "profile": ProfileConfig}
+            "metrics": MetricsConfig, "profile": ProfileConfig, "posttrain": PosttrainConfig}
 
 
 def _key_types(section: str, cls: type) -> dict[str, object]:

@@ -36,17 +36,20 @@ _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["corpus", "bin", "synthetic"] = "corpus"  # bundled byte corpus, token file, random tokens
+    source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain)
     seq_len: int = 128  # tokens per training sequence
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
     path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
     dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: token dtype; auto = from the sidecar <path>.json
+    batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
-        if self.source == "bin" and not self.path:
-            raise ValueError("data.path: source 'bin' needs the path of a token file")
+        if self.source in ("bin", "rollouts") and not self.path:
+            raise ValueError(f"data.path: source {self.source!r} needs the path of a file")
+        if self.batch_tokens < 1:
+            raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
 
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
@@ -60,7 +63,7 @@ class MicroBatch(NamedTuple):
 
 def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
     """Raise ValueError unless the global batch splits evenly over micro-batches, dp ranks and cp chunks."""
-    if config.batch_size % (grad_accum * dp_degree) != 0:
+    if config.source != "rollouts" and config.batch_size % (grad_accum * dp_degree) != 0:  # rollouts: by tokens
         raise ValueError(f"data.batch_size={config.batch_size} is not divisible by training.grad_accum={grad_accum} "
                          f"x data-parallel degree {dp_degree} = {grad_accum * dp_degree}")
     if config.seq_len % (2 * cp_degree) != 0:

@@ -42,6 +42,7 @@ from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
 from runtime.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
+from runtime.rollout_batch import RolloutLoader
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,7 +77,11 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train") -> Loader:
     """This rank's rows (dense data-parallel rank) and CP chunks of every global batch of `split`
-    ("train", or "eval": the held-out batches of runtime/evaluate.py)."""
+    ("train", or "eval": the held-out batches of runtime/evaluate.py); post-training rollouts train only."""
+    if config.data.source == "rollouts" and split == "train":
+        return RolloutLoader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
+                             max_seq_len=config.model.max_seq_len, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
+                             cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum)
     data = config.data if split == "train" else config.eval.data(config.data)
     holdout = config.eval.train_holdout() if split == "train" else (0.0 if config.eval.path else config.eval.holdout)
     return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
@@ -102,6 +107,25 @@ def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device
     return local_loss
 
 
+class NextToken:
+    """The pretraining objective: mean next-token cross-entropy over the step's tokens. An objective is
+    `forward_backward(model, step data, device) -> (this rank's loss share, global tokens, metrics)`,
+    `after_step(model)` (after each applied optimizer step) and `state()` (extra checkpoint entries);
+    post-training's is runtime/posttrain.py."""
+
+    def __init__(self, config: JobConfig):
+        self.global_tokens = config.data.tokens_per_step()
+
+    def forward_backward(self, model, micro_batches, device) -> tuple[torch.Tensor, int, dict]:
+        return forward_backward(model, micro_batches, self.global_tokens, device), self.global_tokens, {}
+
+    def after_step(self, model) -> None:
+        pass
+
+    def state(self) -> dict:
+        return {}
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module) -> None:
     """Aux-loss-free balancing: every router nudges its bias by the GLOBAL per-expert token counts."""
@@ -117,11 +141,11 @@ def reset_expert_counts(model: nn.Module) -> None:
         router.tokens_per_expert.zero_()
 
 
-def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -> dict:
+def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, objective=None) -> dict:
     """One optimizer step; returns the step's metrics (global values, identical on every rank)."""
     start = time.perf_counter()
-    global_tokens = config.data.tokens_per_step()
-    local_loss = forward_backward(model, loader.next_step(), global_tokens, device)
+    objective = objective or NextToken(config)
+    local_loss, global_tokens, extra = objective.forward_backward(model, loader.next_step(), device)
     loss = global_loss(local_loss) if dist.is_initialized() else local_loss
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm_(model.parameters(), clip)
@@ -138,13 +162,14 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device) -
             max_logit, clipped = qk_clip_(model, config.optim.qk_clip_tau, config.optim.qk_clip_alpha)
             qk = {"max_logit": max_logit, "clipped_heads": clipped}
         update_expert_bias(model)
+        objective.after_step(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
     end = time.perf_counter()
     return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": global_tokens,
-            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped, **qk}
+            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped, **qk, **extra}
 
 
 def run_meta(config: JobConfig) -> dict:
@@ -233,18 +258,20 @@ def checkpoint_or_stop(done: int, skipped: bool, preemption: Preemption, config:
                         f"same command to continue")
 
 
-def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device) -> None:
-    """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early."""
+def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective=None) -> None:
+    """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early.
+    `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
     model = build_model(config, meshes, layout, device)
+    objective = build_objective(config, model, meshes, layout, device) if build_objective else NextToken(config)
     optimizer = build_optimizer(model, config)
     if rank == 0:
         print(optimizer.plan.describe(), flush=True)  # who orthogonalizes what, and what it costs
     scheduler = build_scheduler(optimizer, config.training)
     loader = build_loader(config, meshes, layout)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
-                 "data": loader, "rng": checkpoint.RNGState()}
+                 "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
     start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True))
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
@@ -252,7 +279,8 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         world_size=layout.world_size, log_interval=config.training.log_interval,
                         tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps)
-    eval_loader = build_loader(config, meshes, layout, "eval") if config.eval.enabled() else None
+    has_eval = config.eval.enabled() and (config.data.source != "rollouts" or config.eval.path)  # rollouts: eval.path
+    eval_loader = build_loader(config, meshes, layout, "eval") if has_eval else None
 
     def eval_loss() -> float:
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
@@ -261,8 +289,8 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     with maybe_profile(config.profile, config.run.dir, rank) as profiler, Preemption(device) as preemption:
         try:
             for step in range(start, config.training.steps):
-                stats = train_step(model, optimizer, scheduler, loader, config, device)
-                if config.eval.due(step + 1, config.training.steps):
+                stats = train_step(model, optimizer, scheduler, loader, config, device, objective)
+                if eval_loader is not None and config.eval.due(step + 1, config.training.steps):
                     stats["eval_loss"] = eval_loss()
                 log.log(step, **stats)
                 profiler.step()

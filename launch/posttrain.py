@@ -1,0 +1,50 @@
+"""Entry point: `torchrun --nproc_per_node N launch/posttrain.py [--config PATH] [--section.key=value ...]`.
+
+The same config, layouts, optimizers, checkpoints, metrics and training loop as launch/pretrain.py,
+with the post-training objective (runtime/posttrain.py) on rollout data (`data.source = "rollouts"`).
+The whole rollout file is read and validated on every rank before any collective: a bad file exits
+with status 2 and one line naming the line of the file.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch  # noqa: E402
+
+from launch import pretrain  # noqa: E402
+from runtime.posttrain import FeedbackObjective, copy_weights  # noqa: E402
+from runtime.rollouts import read_rollouts  # noqa: E402
+from runtime.train import build_model  # noqa: E402
+
+
+def check_environment(config) -> None:
+    """The device exists and the rollout file is valid for the model (ValueError naming the key otherwise)."""
+    if config.data.source != "rollouts":
+        raise ValueError(f"data.source={config.data.source!r}: post-training reads rollouts (data.source='rollouts')")
+    if config.model.aux_loss_alpha > 0:
+        raise ValueError(f"model.aux_loss_alpha={config.model.aux_loss_alpha}: the sequence-wise aux loss would count "
+                         f"rollout padding; use aux-loss-free balancing (alpha=0)")
+    if config.training.device_type() == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
+
+
+def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
+    """The objective; for `initial` and `ema` teachers, a second model sharded like the student."""
+    teacher = None
+    if config.posttrain.teacher != "live":
+        teacher = build_model(config, meshes, layout, device)
+        copy_weights(model, teacher)
+        teacher.requires_grad_(False)
+    cp_group = meshes.cp.get_group() if layout.cp > 1 else None
+    return FeedbackObjective(config.posttrain, cp_group, teacher)
+
+
+def main(argv: list[str]) -> int:
+    return pretrain.main(argv, check=check_environment, build_objective=build_objective)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

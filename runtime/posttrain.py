@@ -1,0 +1,225 @@
+"""The post-training objective (the `[posttrain]` section): RL over the trajectory plus targeted feedback.
+
+    loss = rl_coef * L_rl + feedback_coef * L_feedback
+
+L_rl is the clipped policy gradient over every assistant token, divided by the step's assistant-token
+count; L_feedback is KL(student || stopgrad teacher) over the feedback turns' tokens only, divided by
+the step's target-token count (runtime/feedback.py has the per-token losses). The student is the
+policy on the trajectory; the teacher is the model on tokens[:start] + hint + tokens[start:end], with
+the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
+
+Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forward_backward` runs:
+  1. teacher forward, no grad, routers in eval mode (teacher tokens do not move the expert bias);
+  2. teacher data of the targets this rank holds on the teacher side: the logits (`full`), top-k
+     log-probs, ids and tail (`topk`) or the sampled token's log-prob (`sampled`);
+  3. communication: all-gather of that data over the cp group (only when cp > 1; the hint shifts
+     teacher positions, so a target's teacher position may live on another cp rank);
+  4. student forward (padding tokens removed from the routers' expert counts), losses, backward.
+Every rank divides by the GLOBAL counts, which it knows from the step plan without communication, so
+the per-rank losses sum to the single-process loss (parallel/gradients.py). Metrics: one all-reduce.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from runtime import feedback
+from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+
+
+@dataclass(frozen=True, kw_only=True)
+class PosttrainConfig:
+    rl_coef: float = 1.0  # weight of the policy-gradient loss over all assistant tokens
+    feedback_coef: float = 1.0  # weight of the KL(student || teacher) loss on feedback turns
+    clip_eps: float = 0.2  # PPO ratio clip: the ratio pi/pi_old is clipped to [1-eps, 1+eps]
+    mode: Literal["full", "topk", "sampled"] = "full"  # feedback KL: exact, teacher top-k + tail, sampled token
+    top_k: int = 32  # topk: teacher tokens kept per position (one tail bucket holds the rest)
+    vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
+    teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
+    ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
+
+    def __post_init__(self):
+        checks = {"rl_coef": self.rl_coef >= 0, "feedback_coef": self.feedback_coef >= 0,
+                  "clip_eps": self.clip_eps > 0, "top_k": self.top_k >= 1, "vocab_chunk": self.vocab_chunk >= 1,
+                  "ema_decay": 0 <= self.ema_decay < 1}
+        expected = {"clip_eps": "> 0", "top_k": ">= 1", "vocab_chunk": ">= 1", "ema_decay": "in [0, 1)"}
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"posttrain.{key}={getattr(self, key)} must be {expected.get(key, '>= 0')}")
+
+
+# ---- teacher data of the targets ----------------------------------------------------------------
+
+def teacher_data(logits_NV: torch.Tensor, labels_N: torch.Tensor, config: PosttrainConfig) -> list[torch.Tensor]:
+    """What the student side needs from the teacher at N target positions, as a list of [N, ...] tensors."""
+    if config.mode == "full":
+        return [logits_NV.float()]
+    if config.mode == "sampled":
+        return [feedback.token_logp(logits_NV, labels_N)]
+    logp_NK, idx_NK, log_tail_N = feedback.teacher_topk(logits_NV, config.top_k)
+    return [logp_NK, idx_NK] + ([] if log_tail_N is None else [log_tail_N])
+
+
+def feedback_kl(student_NV: torch.Tensor, labels_N: torch.Tensor, data: list[torch.Tensor],
+                config: PosttrainConfig) -> torch.Tensor:
+    """Per-target KL(student || teacher) [N] in the configured mode (sampled: the surrogate)."""
+    if config.mode == "full":
+        return feedback.kl_full(student_NV, data[0], config.vocab_chunk)
+    if config.mode == "sampled":
+        return feedback.kl_sampled(feedback.token_logp(student_NV, labels_N), data[0])
+    return feedback.kl_topk(student_NV, data[0], data[1], data[2] if len(data) > 2 else None)
+
+
+def _gather_cp(local: list[torch.Tensor], mb: RolloutMicroBatch, group) -> list[torch.Tensor]:
+    """Each local target's teacher data, fetched from the cp rank holding its teacher position.
+
+    Communication: one all-gather over cp per tensor, each rank's list padded to the longest."""
+    longest = max(mb.teacher_counts_P)
+    out = []
+    for x in local:
+        padded = x.new_zeros((longest, *x.shape[1:]))
+        padded[:len(x)] = x
+        gathered = x.new_empty((len(mb.teacher_counts_P), *padded.shape))
+        dist.all_gather_into_tensor(gathered, padded, group=group)
+        out.append(gathered[mb.source_rank_m, mb.source_slot_m])
+    return out
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def _padding_uncounted(model: nn.Module, pad_BS: torch.Tensor):
+    """Remove padding tokens from every router's expert counts (the aux-loss-free bias update sees only
+    trajectory tokens, so it does not depend on how much padding a layout needs)."""
+    pad_T = pad_BS.flatten()
+
+    def hook(router, args, output):
+        if router.training and bool(pad_T.any()):
+            experts_TK = output[1]
+            router.tokens_per_expert -= torch.bincount(experts_TK[pad_T].flatten(), minlength=router.n_experts)
+
+    handles = [r.register_forward_hook(hook) for r in model.routers()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- the objective ------------------------------------------------------------------------------
+
+class FeedbackObjective:
+    """`forward_backward(model, step, device, dtype)` for the training loop (runtime/train.py)."""
+
+    def __init__(self, config: PosttrainConfig, cp_group=None, teacher: nn.Module | None = None):
+        """`teacher`: a model sharded like the student (initial / ema), or None to use the live weights."""
+        self.config, self.cp_group, self.teacher = config, cp_group, teacher
+
+    def forward_backward(self, model: nn.Module, step: RolloutStep, device, dtype) -> tuple[torch.Tensor, int, dict]:
+        """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
+        sums = torch.zeros(5, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum
+        for mb in step.micro_batches:
+            mb = RolloutMicroBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in mb))
+            data, entropy_sum = self._teacher(model, mb, dtype)
+            sums += self._student(model, mb, data, step, dtype)
+            sums[4] += entropy_sum
+        if dist.is_initialized():
+            dist.all_reduce(sums)  # communication: 5 floats (every rank's shares of the global means)
+        n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
+        metrics = {"rl_loss": sums[1].item() / n_rl, "feedback_kl": sums[2].item() / n_tgt,
+                   "target_tokens": step.target_tokens, "clip_fraction": sums[3].item() / n_rl,
+                   "teacher_entropy": sums[4].item() / n_tgt}
+        return sums[0], step.tokens, metrics
+
+    @torch.no_grad()
+    def _teacher(self, model: nn.Module, mb: RolloutMicroBatch, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Teacher data for this rank's student-side targets, and the entropy summed over its teacher-side ones."""
+        if mb.teacher_inputs_BS.shape[0] == 0:  # no feedback anywhere in the step: no rank runs a teacher
+            return [], torch.zeros((), device=mb.inputs_BS.device)
+        teacher = self.teacher if self.teacher is not None else model
+        with _eval_mode(teacher), _autocast(mb.inputs_BS.device, dtype):
+            logits_BSV = teacher(mb.teacher_inputs_BS, mb.teacher_positions_S)
+        logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
+        data = teacher_data(logits_mV, mb.teacher_labels_m, self.config)
+        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+            data = _gather_cp(data, mb, self.cp_group)
+        return data, feedback.entropy(logits_mV).sum()
+
+    def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep, dtype):
+        with _padding_uncounted(model, mb.pad_BS), _autocast(mb.inputs_BS.device, dtype):
+            logits_BSV = model(mb.inputs_BS, mb.positions_S)
+        logits_TV = logits_BSV.flatten(0, 1)
+        logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
+        old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
+        rl_sum, clipped = feedback.ppo_loss(logp_n, old_n, mb.advantages_n, self.config.clip_eps)
+        kl_sum = logits_TV.new_zeros((), dtype=torch.float32)
+        if data:
+            kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, self.config).sum()
+        c = self.config
+        loss = c.rl_coef * rl_sum / max(step.trained_tokens, 1) + c.feedback_coef * kl_sum / max(step.target_tokens, 1)
+        loss.backward()
+        return torch.stack([loss.detach(), rl_sum.detach(), kl_sum.detach(), clipped.float(),
+                            torch.zeros_like(rl_sum)])
+
+    @torch.no_grad()
+    def after_step(self, model: nn.Module) -> None:
+        """EMA teacher: teacher <- decay * teacher + (1 - decay) * student, on the local shards (no
+        communication: both models are sharded alike); buffers (expert bias) follow the student."""
+        if self.teacher is None or self.config.teacher != "ema":
+            return
+        for t, s in zip(self.teacher.parameters(), model.parameters()):
+            _local(t).lerp_(_local(s), 1.0 - self.config.ema_decay)
+        copy_buffers(model, self.teacher)
+
+    def state(self) -> dict:
+        """Extra checkpoint entries: the teacher's weights when they are not the live ones."""
+        return {} if self.teacher is None else {"teacher": TeacherState(self.teacher)}
+
+
+def _autocast(device, dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    """dst <- src, shard by shard (both parallelized alike: no communication)."""
+    for t, s in zip(dst.parameters(), src.parameters()):
+        _local(t).copy_(_local(s))
+    copy_buffers(src, dst)
+
+
+@torch.no_grad()
+def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
+    for t, s in zip(dst.buffers(), src.buffers()):
+        t.copy_(s)
+
+
+class TeacherState:
+    """The teacher model's weights as one checkpoint Stateful (DCP, resharded on load like the student)."""
+
+    def __init__(self, teacher: nn.Module):
+        self.teacher = teacher
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.teacher)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.teacher, state)

@@ -1,0 +1,179 @@
+"""This rank's tensors of each post-training step: student rows, teacher rows, and where every trained
+and target token lives (runtime/rollouts.py says which trajectories make up a step and its slots).
+
+A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
+  student rows  [B, S]: one trajectory per row, padded at the end to L = a multiple of 2*cp, padded up
+                to the step's largest slot with empty rows (every rank runs the same forwards); cp rank
+                i holds the load-balanced chunks i and 2*cp-1-i (parallel/context_parallel.py).
+  teacher rows  [Bt, St]: tokens[:start] + hint + tokens[start:end] per feedback item, split the same
+                way (Bt = 0 on every rank when the step has no feedback).
+  trained       flat indices into the local B*S positions of assistant tokens, with label, advantage
+                and behaviour log-prob.
+  targets       the slot's target tokens in one canonical order. A target's student position j-1 and
+                teacher position j+H-1 may sit on different cp ranks (the hint shifts the teacher); each
+                rank lists the targets it holds on the teacher side (`teacher_flat`, in order) and, for
+                those it holds on the student side, which cp rank and list slot their teacher data
+                comes from (`source_rank`, `source_slot`). The objective all-gathers that data over cp.
+
+Letters: B rows, S local positions (L/cp), n trained tokens here, m targets here, P cp ranks.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from parallel.context_parallel import load_balanced_positions
+from runtime.rollouts import StepPlan, Trajectory, deal, read_rollouts
+
+
+class RolloutMicroBatch(NamedTuple):
+    inputs_BS: torch.Tensor  # int64
+    positions_S: torch.Tensor  # int64 global positions of the local tokens
+    pad_BS: torch.Tensor  # bool: padding (no trajectory token)
+    trained_flat_n: torch.Tensor  # int64 into B*S
+    labels_n: torch.Tensor  # int64 the trained tokens
+    advantages_n: torch.Tensor  # float32
+    old_logp_n: torch.Tensor  # float32 behaviour log-probs (0 where has_old is False)
+    has_old_n: torch.Tensor  # bool
+    teacher_inputs_BS: torch.Tensor  # int64 [Bt, St]
+    teacher_positions_S: torch.Tensor
+    teacher_flat_m: torch.Tensor  # int64 into Bt*St: targets whose teacher position is here, canonical order
+    teacher_labels_m: torch.Tensor  # int64 their target tokens (sampled mode)
+    teacher_counts_P: list[int]  # how many targets each cp rank holds on the teacher side
+    target_flat_m: torch.Tensor  # int64 into B*S: targets whose student position is here
+    target_labels_m: torch.Tensor  # int64 the target tokens (sampled mode)
+    source_rank_m: torch.Tensor  # int64 cp rank holding each local target's teacher position
+    source_slot_m: torch.Tensor  # int64 its index in that rank's teacher list
+
+
+class RolloutStep(NamedTuple):
+    micro_batches: list[RolloutMicroBatch]
+    trained_tokens: int  # over the whole step, all ranks: the L_rl denominator
+    target_tokens: int  # the L_feedback denominator
+    tokens: int  # real tokens forwarded (student + teacher), for tokens/s
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def _owner(pos: np.ndarray, length: int, cp: int) -> np.ndarray:
+    """cp rank holding each global position of a row of `length` (chunk c -> c, mirror 2cp-1-c -> c)."""
+    chunk = length // (2 * cp)
+    c = pos // chunk
+    return np.where(c < cp, c, 2 * cp - 1 - c)
+
+
+def _local_index(length: int, cp: int, cp_rank: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(this rank's positions, local index of every global position or -1)."""
+    positions_S = load_balanced_positions(length, cp, cp_rank)
+    local = np.full(length, -1, dtype=np.int64)
+    local[positions_S.numpy()] = np.arange(len(positions_S))
+    return positions_S, local
+
+
+def _rows(seqs: list[np.ndarray], n_rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens, pad = np.zeros((n_rows, length), dtype=np.int64), np.ones((n_rows, length), dtype=bool)
+    for b, seq in enumerate(seqs):
+        tokens[b, :len(seq)], pad[b, :len(seq)] = seq, False
+    return tokens, pad
+
+
+def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_teacher_rows: int,
+                      cp: int, cp_rank: int) -> RolloutMicroBatch:
+    """One slot's tensors on cp rank `cp_rank` (pure)."""
+    length = _round_up(max((len(t.tokens) for t in trajs), default=1), 2 * cp)
+    positions_S, local = _local_index(length, cp, cp_rank)
+    S = len(positions_S)
+    tokens_BL, pad_BL = _rows([t.tokens for t in trajs], n_rows, length)
+    trained = _trained(trajs, local, S)
+    teacher_seqs, targets = _targets(trajs)
+    t_length = _round_up(max((len(s) for s in teacher_seqs), default=1), 2 * cp)
+    t_positions_S, t_local = _local_index(t_length, cp, cp_rank)
+    t_tokens_BL, _ = _rows(teacher_seqs, n_teacher_rows, t_length)
+    rows_t, q, rows_s, p, labels = targets
+    t_owner, s_owner = _owner(q, t_length, cp), _owner(p, length, cp)
+    slot = np.zeros(len(q), dtype=np.int64)  # index of each target in its teacher owner's list
+    for r in range(cp):
+        slot[t_owner == r] = np.arange(int((t_owner == r).sum()))
+    mine_t, mine_s = t_owner == cp_rank, s_owner == cp_rank
+    as_t = torch.as_tensor
+    return RolloutMicroBatch(
+        inputs_BS=as_t(tokens_BL[:, positions_S.numpy()]), positions_S=positions_S,
+        pad_BS=as_t(pad_BL[:, positions_S.numpy()]), **trained,
+        teacher_inputs_BS=as_t(t_tokens_BL[:, t_positions_S.numpy()]), teacher_positions_S=t_positions_S,
+        teacher_flat_m=as_t(rows_t[mine_t] * len(t_positions_S) + t_local[q[mine_t]]),
+        teacher_labels_m=as_t(labels[mine_t]),
+        teacher_counts_P=[int((t_owner == r).sum()) for r in range(cp)],
+        target_flat_m=as_t(rows_s[mine_s] * S + local[p[mine_s]]), target_labels_m=as_t(labels[mine_s]),
+        source_rank_m=as_t(t_owner[mine_s]), source_slot_m=as_t(slot[mine_s]))
+
+
+def _trained(trajs: list[Trajectory], local: np.ndarray, S: int) -> dict:
+    """Assistant tokens j >= 1 whose position j-1 is on this rank."""
+    flat, labels, adv, old, has_old = [], [], [], [], []
+    for b, t in enumerate(trajs):
+        for turn in t.turns:
+            if turn.role != "assistant":
+                continue
+            j = np.arange(max(turn.start, 1), turn.end)
+            j = j[local[j - 1] >= 0]
+            flat.append(b * S + local[j - 1])
+            labels.append(t.tokens[j])
+            adv.append(np.full(len(j), t.advantage))
+            old.append(t.logprobs[j] if t.logprobs is not None else np.zeros(len(j)))
+            has_old.append(np.full(len(j), t.logprobs is not None))
+    cat = lambda xs, dtype: torch.as_tensor(np.concatenate(xs) if xs else np.zeros(0), dtype=dtype)  # noqa: E731
+    return {"trained_flat_n": cat(flat, torch.int64), "labels_n": cat(labels, torch.int64),
+            "advantages_n": cat(adv, torch.float32), "old_logp_n": cat(old, torch.float32),
+            "has_old_n": cat(has_old, torch.bool)}
+
+
+def _targets(trajs: list[Trajectory]) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:
+    """(teacher sequences, (teacher row, teacher position, student row, student position, label) per target)."""
+    seqs, parts = [], []
+    for b, t in enumerate(trajs):
+        for item in t.feedback:
+            start, end = t.turns[item.turn].start, t.turns[item.turn].end
+            j = np.arange(max(start, 1), end)
+            parts.append(np.stack([np.full(len(j), len(seqs)), j + len(item.hint) - 1, np.full(len(j), b),
+                                   j - 1, t.tokens[j]]))
+            seqs.append(t.teacher_tokens(item))
+    cols = np.concatenate(parts, axis=1) if parts else np.zeros((5, 0), dtype=np.int64)
+    return seqs, tuple(cols.astype(np.int64))
+
+
+class RolloutLoader:
+    """This rank's micro-batches of each post-training step; `state_dict()` is the next step to load."""
+
+    def __init__(self, data, seed: int, *, vocab_size: int, max_seq_len: int, dp_rank: int = 0,
+                 dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1):
+        """Reads and validates the whole file (ValueError naming data.path and the line)."""
+        self.trajs = read_rollouts(data.path, vocab_size, max_seq_len)
+        self.plan = StepPlan([t.cost() for t in self.trajs], seed, data.batch_tokens)
+        self.dp_rank, self.dp, self.cp_rank, self.cp, self.grad_accum = dp_rank, dp_degree, cp_rank, cp_degree, grad_accum
+        self.step = 0
+
+    def batch(self, step: int) -> RolloutStep:
+        """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step)."""
+        ids = self.plan.step(step)
+        slots = deal(ids, self.plan.costs, self.grad_accum * self.dp)
+        n_rows = max(1, max(len(s) for s in slots))
+        n_teacher = max(sum(len(self.trajs[i].feedback) for i in s) for s in slots)
+        mine = [slots[m * self.dp + self.dp_rank] for m in range(self.grad_accum)]
+        micro = [build_micro_batch([self.trajs[i] for i in s], n_rows, n_teacher, self.cp, self.cp_rank) for s in mine]
+        trajs = [self.trajs[i] for i in ids]
+        return RolloutStep(micro, sum(t.trained_tokens() for t in trajs), sum(t.target_tokens() for t in trajs),
+                           sum(t.cost() for t in trajs))
+
+    def next_step(self) -> RolloutStep:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

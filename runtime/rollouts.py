@@ -1,0 +1,219 @@
+"""Rollout data for post-training (`data.source = "rollouts"`): reading, validating and batching.
+
+File format (JSON lines, one trajectory per line; blank lines are skipped):
+  {"tokens": [int], "turns": [{"role": "system"|"user"|"assistant"|"tool", "start": int, "end": int}],
+   "advantage": float, "logprobs": [float], "feedback": [{"turn": int, "hint": [int]}]}
+`turns` are disjoint token ranges [start, end); only assistant tokens are trained. `advantage`
+defaults to 0. `logprobs[j]` (optional) is the behaviour policy's log-prob of tokens[j]. Each
+feedback item names an assistant turn (index into `turns`) and hint tokens inserted before the
+turn's first token in the teacher's context: teacher = tokens[:start] + hint + tokens[start:end].
+
+Which trajectories make up step t (a pure function of the file, the seed and t, never of the layout):
+the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
+seeded by (seed, epoch), and cut greedily into steps of at most `data.batch_tokens` tokens (student
+tokens plus teacher tokens; a trajectory over the budget makes a step alone).
+
+How a step is split (runtime/posttrain.py turns a slot into tensors): the step's trajectories, longest
+first, are dealt in snake order to grad_accum x dp slots (micro-batch m, dp rank d is slot m*dp + d).
+Padding never changes a loss: rows are padded at the end (causal attention never looks ahead), and
+padded positions carry no label. Each rank knows the whole step, so the global token counts that the
+losses divide by need no communication.
+
+Token j is predicted at position j-1: a trained token is an assistant token with j >= 1, and the
+target tokens of feedback item (turn [s, e), hint of H tokens) are j in [max(s, 1), e), at student
+position j-1 and teacher position j+H-1.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+_ROLLOUT_STREAM = 0x50A7  # mixed into the seed so the epoch order never coincides with other seeded draws
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Turn(NamedTuple):
+    role: str
+    start: int
+    end: int
+
+
+class Feedback(NamedTuple):
+    turn: int
+    hint: np.ndarray  # int64 token ids
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    tokens: np.ndarray  # int64 [n]
+    turns: tuple[Turn, ...]
+    advantage: float
+    logprobs: np.ndarray | None  # float64 [n] or None
+    feedback: tuple[Feedback, ...]
+
+    def teacher_tokens(self, item: Feedback) -> np.ndarray:
+        start, end = self.turns[item.turn].start, self.turns[item.turn].end
+        return np.concatenate([self.tokens[:start], item.hint, self.tokens[start:end]])
+
+    def cost(self) -> int:
+        """Tokens forwarded for this trajectory: the student row and one teacher row per feedback item."""
+        return len(self.tokens) + sum(self.turns[f.turn].end + len(f.hint) for f in self.feedback)
+
+    def trained_tokens(self) -> int:
+        return sum(t.end - max(t.start, 1) for t in self.turns if t.role == "assistant" and t.end > 1)
+
+    def target_tokens(self) -> int:
+        return sum(self.turns[f.turn].end - max(self.turns[f.turn].start, 1) for f in self.feedback)
+
+
+# ---- reading and validating ------------------------------------------------------------------
+
+def read_rollouts(path: str, vocab_size: int, max_seq_len: int) -> list[Trajectory]:
+    """Every trajectory of the file, validated; ValueError naming data.path, the line and the numbers."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"data.path: cannot read rollouts file {path!r}: {e.strerror}") from None
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                out.append(_parse(line, vocab_size, max_seq_len))
+            except ValueError as e:
+                raise ValueError(f"data.path: {path} line {number}: {e}") from None
+    if not out:
+        raise ValueError(f"data.path: rollouts file {path} holds no trajectory")
+    return out
+
+
+def _parse(line: str, vocab_size: int, max_seq_len: int) -> Trajectory:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    unknown = set(record) - {"tokens", "turns", "advantage", "logprobs", "feedback"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}")
+    tokens = _token_ids(record.get("tokens"), "tokens", vocab_size)
+    if not 1 <= len(tokens) <= max_seq_len:
+        raise ValueError(f"tokens: {len(tokens)} tokens, must be in [1, model.max_seq_len={max_seq_len}]")
+    turns = _turns(record.get("turns"), len(tokens))
+    feedback = _feedback(record.get("feedback", []), turns, vocab_size, max_seq_len)
+    return Trajectory(tokens, turns, _number(record.get("advantage", 0.0), "advantage"),
+                      _logprobs(record.get("logprobs"), len(tokens)), feedback)
+
+
+def _token_ids(value, key: str, vocab_size: int) -> np.ndarray:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{key}: expected a list of integer token ids")
+    ids = np.asarray(value, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{key}: token id {int(ids.min() if ids.min() < 0 else ids.max())} outside "
+                         f"[0, model.vocab_size={vocab_size})")
+    return ids
+
+
+def _number(value, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _turns(value, n_tokens: int) -> tuple[Turn, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("turns: expected a non-empty list of {role, start, end}")
+    turns = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or t.get("role") not in ROLES:
+            raise ValueError(f"turns[{i}]: expected {{role, start, end}} with role in {list(ROLES)}, got {t!r}")
+        start, end = t.get("start"), t.get("end")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)):
+            raise ValueError(f"turns[{i}]: start and end must be integers, got {start!r}, {end!r}")
+        if not 0 <= start < end <= n_tokens:
+            raise ValueError(f"turns[{i}]: range [{start}, {end}) is out of bounds or empty for {n_tokens} tokens")
+        turns.append(Turn(t["role"], start, end))
+    order = sorted(range(len(turns)), key=lambda i: turns[i].start)
+    for a, b in zip(order, order[1:]):
+        if turns[b].start < turns[a].end:
+            raise ValueError(f"turns[{a}] [{turns[a].start}, {turns[a].end}) and turns[{b}] "
+                             f"[{turns[b].start}, {turns[b].end}) overlap")
+    return tuple(turns)
+
+
+def _logprobs(value, n_tokens: int) -> np.ndarray | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n_tokens:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise ValueError(f"logprobs: expected one per token ({n_tokens}), got {got}")
+    return np.asarray([_number(v, f"logprobs[{j}]") for j, v in enumerate(value)], dtype=np.float64)
+
+
+def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int) -> tuple[Feedback, ...]:
+    if not isinstance(value, list):
+        raise ValueError("feedback: expected a list of {turn, hint}")
+    out, seen = [], set()
+    for i, item in enumerate(value):
+        turn = item.get("turn") if isinstance(item, dict) else None
+        if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < len(turns):
+            raise ValueError(f"feedback[{i}].turn={turn!r} is not a turn index in [0, {len(turns)})")
+        if turns[turn].role != "assistant":
+            raise ValueError(f"feedback[{i}].turn={turn} is a {turns[turn].role} turn; feedback targets assistant turns")
+        if turn in seen:
+            raise ValueError(f"feedback[{i}].turn={turn} already has feedback")
+        seen.add(turn)
+        hint = _token_ids(item.get("hint"), f"feedback[{i}].hint", vocab_size)
+        length = turns[turn].end + len(hint)
+        if length > max_seq_len:
+            raise ValueError(f"feedback[{i}]: the teacher sequence (turn end {turns[turn].end} + hint {len(hint)} "
+                             f"= {length} tokens) is longer than model.max_seq_len={max_seq_len}")
+        out.append(Feedback(turn, hint))
+    return tuple(out)
+
+
+# ---- steps: which trajectories, and which slot each goes to -----------------------------------
+
+class StepPlan:
+    """The trajectory ids of every step: a pure function of (costs, seed, batch_tokens)."""
+
+    def __init__(self, costs: list[int], seed: int, batch_tokens: int):
+        self.costs, self.seed, self.batch_tokens = costs, seed, batch_tokens
+        self._steps: list[list[int]] = []
+        self._epoch, self._order, self._cursor = -1, np.zeros(0, dtype=np.int64), 0
+
+    def step(self, t: int) -> list[int]:
+        while len(self._steps) <= t:
+            self._steps.append(self._next_step())
+        return self._steps[t]
+
+    def _next_id(self, peek: bool) -> int:
+        if self._cursor == len(self._order):
+            self._epoch += 1
+            rng = np.random.default_rng([_ROLLOUT_STREAM, self.seed, self._epoch])
+            self._order, self._cursor = rng.permutation(len(self.costs)), 0
+        i = int(self._order[self._cursor])
+        self._cursor += 0 if peek else 1
+        return i
+
+    def _next_step(self) -> list[int]:
+        ids, used = [self._next_id(False)], 0
+        used = self.costs[ids[0]]
+        while used + self.costs[self._next_id(True)] <= self.batch_tokens:
+            ids.append(self._next_id(False))
+            used += self.costs[ids[-1]]
+        return ids
+
+
+def deal(ids: list[int], costs: list[int], slots: int) -> list[list[int]]:
+    """ids split over `slots`, longest first in snake order (0..n-1, n-1..0, ...): balanced, deterministic."""
+    out = [[] for _ in range(slots)]
+    for k, i in enumerate(sorted(ids, key=lambda i: (-costs[i], i))):
+        lap, pos = divmod(k, slots)
+        out[pos if lap % 2 == 0 else slots - 1 - pos].append(i)
+    return out
