@@ -1,0 +1,121 @@
+"""The post-training objective on the debug model, one process: locality of the feedback gradient,
+`full` mode against a plainly written per-token KL loop over separately run teacher sequences, and
+the modes against each other through the whole objective."""
+
+import json
+
+import pytest
+import torch
+
+from models import Transformer, preset
+from runtime.posttrain import FeedbackObjective, PosttrainConfig
+from runtime.rollout_batch import RolloutLoader
+
+HINT = [82, 101, 109, 105, 110, 100, 58, 32]  # "Remind: "
+
+
+def _records() -> list[dict]:
+    """Two trajectories; feedback on one assistant turn of each (the second one's starts at token 0)."""
+    t1 = {"tokens": [(11 * j + 3) % 256 for j in range(60)],
+          "turns": [{"role": "system", "start": 0, "end": 12}, {"role": "assistant", "start": 12, "end": 25},
+                    {"role": "tool", "start": 25, "end": 31}, {"role": "assistant", "start": 31, "end": 60}],
+          "advantage": 1.0, "feedback": [{"turn": 3, "hint": HINT}]}
+    t2 = {"tokens": [(5 * j + 1) % 256 for j in range(33)],
+          "turns": [{"role": "assistant", "start": 0, "end": 9}, {"role": "user", "start": 9, "end": 20},
+                    {"role": "assistant", "start": 20, "end": 33}],
+          "advantage": -0.5, "logprobs": [-5.0] * 33, "feedback": [{"turn": 0, "hint": HINT[:3]}]}
+    return [t1, t2]
+
+
+class _Data:
+    def __init__(self, path):
+        self.path, self.batch_tokens = path, 200  # both trajectories (cost 173), no repeat
+
+
+@pytest.fixture
+def setup(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    torch.manual_seed(0)
+    model = Transformer(preset("debug"))
+    model.init_weights()
+    step = RolloutLoader(_Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
+    return model, step
+
+
+def _capture_logits(model, store):
+    def hook(module, args, output):
+        if output.requires_grad:  # the student forward (the teacher's runs under no_grad)
+            output.retain_grad()
+            store.append(output)
+    return model.output.register_forward_hook(hook)
+
+
+def test_feedback_gradient_is_zero_outside_target_turns(setup):
+    model, step = setup
+    (mb,) = step.micro_batches
+    captured = []
+    handle = _capture_logits(model, captured)
+    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full"))
+    objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+    handle.remove()
+    (student,) = captured
+    grad_TV = student.grad.flatten(0, 1)
+    target = torch.zeros(grad_TV.shape[0], dtype=torch.bool)
+    target[mb.target_flat_m] = True
+    assert target.sum().item() == step.target_tokens == (60 - 31) + (9 - 1)
+    assert (grad_TV[~target] == 0).all()  # exactly zero: no loss term reads those logits
+    assert (grad_TV[target].abs().sum(1) > 0).all()  # and every target position gets a gradient
+
+
+def _plain_feedback_loss(model, records) -> torch.Tensor:
+    """Mean over target tokens of KL(student || teacher), written out: one sequence per forward, no
+    padding, teacher = tokens[:start] + hint + tokens[start:end], token j at positions j-1 / j+H-1."""
+    terms = []
+    for r in records:
+        student = model(torch.tensor([r["tokens"]]))[0]
+        for item in r["feedback"]:
+            turn, hint = r["turns"][item["turn"]], item["hint"]
+            teacher_seq = r["tokens"][:turn["start"]] + hint + r["tokens"][turn["start"]:turn["end"]]
+            with torch.no_grad():
+                teacher = model(torch.tensor([teacher_seq]))[0]
+            for j in range(max(turn["start"], 1), turn["end"]):
+                p = torch.softmax(student[j - 1], 0)
+                q = torch.softmax(teacher[j + len(hint) - 1], 0)
+                terms.append((p * (p.log() - q.log())).sum())
+    return torch.stack(terms).mean()
+
+
+def test_full_mode_equals_plain_per_token_kl_loop(setup):
+    """Loss value and every parameter's gradient. fp32 both sides; they differ in batch composition
+    (padded rows, both trajectories in one forward) and summation order: measured 2.1e-7 relative on
+    the loss and <= 8.2e-7 of each gradient's largest entry; we allow 1e-5 and 2e-5 (a wrong alignment
+    by one position, a missing target or a wrong normalizer changes them by > 1e-2)."""
+    model, step = setup
+    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full", vocab_chunk=100))
+    loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want_loss = _plain_feedback_loss(model, _records())
+    want_loss.backward()
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+    assert metrics["feedback_kl"] == pytest.approx(want_loss.item(), rel=1e-5)
+    for k, p in model.named_parameters():
+        if p.grad is None:  # parameters the plain loop never reaches (none expected)
+            assert got[k] is None or got[k].abs().max() == 0, k
+            continue
+        err, scale = (got[k] - p.grad).abs().max().item(), p.grad.abs().max().item()
+        assert err <= 2e-5 * scale + 1e-9, (k, err, scale)
+
+
+def test_topk_full_vocab_equals_full_through_the_objective(setup):
+    model, step = setup
+    results = {}
+    for mode, k in (("full", 32), ("topk", 256)):
+        model.zero_grad(set_to_none=True)
+        objective = FeedbackObjective(PosttrainConfig(rl_coef=0.3, feedback_coef=1.0, mode=mode, top_k=k))
+        loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+        results[mode] = (loss.item(), metrics, model.output.weight.grad.clone())
+    assert results["topk"][0] == pytest.approx(results["full"][0], rel=1e-5)
+    torch.testing.assert_close(results["topk"][2], results["full"][2], rtol=1e-5, atol=1e-7)
+    assert results["full"][1]["teacher_entropy"] > 0 and results["full"][1]["target_tokens"] == 37
