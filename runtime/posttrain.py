@@ -85,9 +85,9 @@ def _gather_cp(local: list[torch.Tensor], mb: RolloutMicroBatch, group) -> list[
     for x in local:
         padded = x.new_zeros((longest, *x.shape[1:]))
         padded[:len(x)] = x
-        gathered = x.new_empty((len(mb.teacher_counts_P), *padded.shape))
+        gathered = x.new_empty((len(mb.teacher_counts_P) * longest, *x.shape[1:]))
         dist.all_gather_into_tensor(gathered, padded, group=group)
-        out.append(gathered[mb.source_rank_m, mb.source_slot_m])
+        out.append(gathered[mb.source_rank_m * longest + mb.source_slot_m])
     return out
 
 
@@ -137,13 +137,14 @@ class FeedbackObjective:
             data, entropy_sum = self._teacher(model, mb, dtype)
             sums += self._student(model, mb, data, step, dtype)
             sums[4] += entropy_sum
+        local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
             dist.all_reduce(sums)  # communication: 5 floats (every rank's shares of the global means)
         n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
         metrics = {"rl_loss": sums[1].item() / n_rl, "feedback_kl": sums[2].item() / n_tgt,
                    "target_tokens": step.target_tokens, "clip_fraction": sums[3].item() / n_rl,
                    "teacher_entropy": sums[4].item() / n_tgt}
-        return sums[0], step.tokens, metrics
+        return local_loss, step.tokens, metrics
 
     @torch.no_grad()
     def _teacher(self, model: nn.Module, mb: RolloutMicroBatch, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
