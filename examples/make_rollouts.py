@@ -4,12 +4,12 @@
 Each trajectory is a short tool-use transcript: a system turn listing the episode's tools, a user
 request, then assistant calls and tool answers. Some calls go to a tool that is not available; those
 assistant turns get the hint "Reminder: available tools: ..." as feedback, and the trajectory a
-negative advantage. Behaviour log-probs are those of a uniform byte policy (-log 256).
+negative advantage. No `logprobs`: these transcripts were not sampled from a model, so the trainer
+uses an importance ratio of 1 (plain policy gradient).
 """
 
 import argparse
 import json
-import math
 import random
 
 TOOLS = ("search", "calc", "weather", "clock", "translate", "maps")
@@ -40,8 +40,7 @@ def trajectory(rng: random.Random) -> dict:
         tokens += data
     hint = list(f"Reminder: available tools: {','.join(available)}\n".encode())
     feedback = [{"turn": i, "hint": hint} for i in wrong if spans[i]["end"] + len(hint) <= MAX_LEN]
-    return {"tokens": tokens, "turns": spans, "advantage": -1.0 if wrong else 1.0,
-            "logprobs": [-math.log(256)] * len(tokens), "feedback": feedback}
+    return {"tokens": tokens, "turns": spans, "advantage": -1.0 if wrong else 1.0, "feedback": feedback}
 
 
 def main() -> None:

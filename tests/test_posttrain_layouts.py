@@ -29,6 +29,8 @@ LOSSES = ("loss", "rl_loss", "feedback_kl", "clip_fraction", "teacher_entropy")
 def _write_rollouts(path) -> list[dict]:
     rng = random.Random(1)
     records = [trajectory(rng) for _ in range(16)]
+    for r in records[::2]:  # behaviour log-probs on half of them: the clipped ratio is exercised too
+        r["logprobs"] = [-5.0] * len(r["tokens"])
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     return records
@@ -84,3 +86,20 @@ def test_8_ranks_match_1_process(tmp_path, rollouts, layout):
         for key in LOSSES:
             atol = 5e-7 if key == "feedback_kl" else 1e-8
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=atol), (key, a, b)
+
+
+def test_readme_example_config_runs(tmp_path, capsys):
+    """The README's command (configs/posttrain_example.toml on the bundled rollouts), 2 ranks, 2 steps."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.getcwd()
+    os.chdir(repo)  # the config names examples/rollouts.jsonl relative to the repository root
+    try:
+        argv = ["--config", "configs/posttrain_example.toml", "--training.steps=2", f"--run.dir={tmp_path}"]
+        assert run_ranks(_main, 2, argv, as_torchrun=True, timeout=300) == [0, 0]
+    finally:
+        os.chdir(cwd)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["target_tokens"] > 0 and r["feedback_kl"] > 0 for r in records)
+    assert main(["--help"]) == 0 and "--posttrain.mode=full" in capsys.readouterr().out
