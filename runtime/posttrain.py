@@ -108,11 +108,12 @@ def _padding_uncounted(model: nn.Module, pad_BS: torch.Tensor):
     pad_T = pad_BS.flatten()
 
     def hook(router, args, output):
-        if router.training and bool(pad_T.any()):
+        if router.training:
             experts_TK = output[1]
             router.tokens_per_expert -= torch.bincount(experts_TK[pad_T].flatten(), minlength=router.n_experts)
 
-    handles = [r.register_forward_hook(hook) for r in model.routers()]
+    has_padding = bool(pad_T.any())  # one host sync per micro-batch (the mask is built on the host)
+    handles = [r.register_forward_hook(hook) for r in model.routers()] if has_padding else []
     try:
         yield
     finally:

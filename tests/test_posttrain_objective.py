@@ -68,9 +68,11 @@ def test_feedback_gradient_is_zero_outside_target_turns(setup):
     assert (grad_TV[target].abs().sum(1) > 0).all()  # and every target position gets a gradient
 
 
-def _plain_feedback_loss(model, records) -> torch.Tensor:
+def _plain_feedback_loss(model, records, sampled=False) -> torch.Tensor:
     """Mean over target tokens of KL(student || teacher), written out: one sequence per forward, no
-    padding, teacher = tokens[:start] + hint + tokens[start:end], token j at positions j-1 / j+H-1."""
+    padding, teacher = tokens[:start] + hint + tokens[start:end], token j at positions j-1 / j+H-1.
+    sampled: the on-policy distillation loss instead, r * log p_s(y) with r = stopgrad(log p_s(y) -
+    log p_t(y)) and y = tokens[j] (gradient r * grad log p_s(y)); its value is returned as the mean r."""
     terms = []
     for r in records:
         student = model(torch.tensor([r["tokens"]]))[0]
@@ -82,21 +84,27 @@ def _plain_feedback_loss(model, records) -> torch.Tensor:
             for j in range(max(turn["start"], 1), turn["end"]):
                 p = torch.softmax(student[j - 1], 0)
                 q = torch.softmax(teacher[j + len(hint) - 1], 0)
-                terms.append((p * (p.log() - q.log())).sum())
+                if sampled:
+                    y = r["tokens"][j]
+                    ratio = (p[y].log() - q[y].log()).detach()
+                    terms.append(ratio * p[y].log() - (ratio * p[y].log()).detach() + ratio)
+                else:
+                    terms.append((p * (p.log() - q.log())).sum())
     return torch.stack(terms).mean()
 
 
-def test_full_mode_equals_plain_per_token_kl_loop(setup):
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+def test_mode_equals_plain_per_token_loop(setup, mode):
     """Loss value and every parameter's gradient. fp32 both sides; they differ in batch composition
     (padded rows, both trajectories in one forward) and summation order: measured 2.1e-7 relative on
     the loss and <= 8.2e-7 of each gradient's largest entry; we allow 1e-5 and 2e-5 (a wrong alignment
     by one position, a missing target or a wrong normalizer changes them by > 1e-2)."""
     model, step = setup
-    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full", vocab_chunk=100))
+    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode=mode, vocab_chunk=100))
     loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    want_loss = _plain_feedback_loss(model, _records())
+    want_loss = _plain_feedback_loss(model, _records(), sampled=mode == "sampled")
     want_loss.backward()
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
     assert metrics["feedback_kl"] == pytest.approx(want_loss.item(), rel=1e-5)

@@ -64,7 +64,7 @@ def _main(rank, world_size, argv):
 def _run(run_dir, *extra):
     argv = ["--data.source=rollouts", f"--data.path={EXAMPLE}", "--data.batch_tokens=600", "--training.steps=4",
             "--training.warmup_steps=1", "--checkpoint.interval=2", "--checkpoint.keep=0",
-            "--posttrain.teacher=ema", "--posttrain.ema_decay=0.5", "--parallel.dp_shard=1", "--parallel.cp=2",
+            "--posttrain.teacher=ema", "--posttrain.ema_decay=0.5", "--posttrain.mode=topk", "--posttrain.top_k=16", "--parallel.dp_shard=1", "--parallel.cp=2",
             "--parallel.ep=2", "--parallel.edp_shard=1", f"--run.dir={run_dir}", *extra]
     assert run_ranks(_main, 2, argv, as_torchrun=True, timeout=300) == [0, 0]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
