@@ -81,6 +81,8 @@ def _gather_cp(local: list[torch.Tensor], mb: RolloutMicroBatch, group) -> list[
 
     Communication: one all-gather over cp per tensor, each rank's list padded to the longest."""
     longest = max(mb.teacher_counts_P)
+    if longest == 0:  # no target in this cp group (every rank of it knows): nothing to exchange
+        return [x[:0] for x in local]
     out = []
     for x in local:
         padded = x.new_zeros((longest, *x.shape[1:]))

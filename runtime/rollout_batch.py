@@ -124,10 +124,13 @@ def _trained(trajs: list[Trajectory], local: np.ndarray, S: int) -> dict:
             adv.append(np.full(len(j), t.advantage))
             old.append(t.logprobs[j] if t.logprobs is not None else np.zeros(len(j)))
             has_old.append(np.full(len(j), t.logprobs is not None))
-    cat = lambda xs, dtype: torch.as_tensor(np.concatenate(xs) if xs else np.zeros(0), dtype=dtype)  # noqa: E731
-    return {"trained_flat_n": cat(flat, torch.int64), "labels_n": cat(labels, torch.int64),
-            "advantages_n": cat(adv, torch.float32), "old_logp_n": cat(old, torch.float32),
-            "has_old_n": cat(has_old, torch.bool)}
+    return {"trained_flat_n": _cat(flat, torch.int64), "labels_n": _cat(labels, torch.int64),
+            "advantages_n": _cat(adv, torch.float32), "old_logp_n": _cat(old, torch.float32),
+            "has_old_n": _cat(has_old, torch.bool)}
+
+
+def _cat(pieces: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
+    return torch.as_tensor(np.concatenate(pieces) if pieces else np.zeros(0), dtype=dtype)
 
 
 def _targets(trajs: list[Trajectory]) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:

@@ -61,21 +61,31 @@ def _main(rank, world_size, argv):
     return main(argv)
 
 
-def _run(run_dir, *extra):
+CP2 = ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.ep=2", "--parallel.edp_shard=1"]
+
+
+def _run(run_dir, world_size=2, layout=CP2):
     argv = ["--data.source=rollouts", f"--data.path={EXAMPLE}", "--data.batch_tokens=600", "--training.steps=4",
             "--training.warmup_steps=1", "--checkpoint.interval=2", "--checkpoint.keep=0",
-            "--posttrain.teacher=ema", "--posttrain.ema_decay=0.5", "--posttrain.mode=topk", "--posttrain.top_k=16", "--parallel.dp_shard=1", "--parallel.cp=2",
-            "--parallel.ep=2", "--parallel.edp_shard=1", f"--run.dir={run_dir}", *extra]
-    assert run_ranks(_main, 2, argv, as_torchrun=True, timeout=300) == [0, 0]
+            "--posttrain.teacher=ema", "--posttrain.ema_decay=0.5", "--posttrain.mode=topk",
+            "--posttrain.top_k=16", f"--run.dir={run_dir}", *layout]
+    assert run_ranks(_main, world_size, argv, as_torchrun=True, timeout=300) == [0] * world_size
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 def test_resume_with_ema_teacher_is_exact(tmp_path):
-    """Steps 2-3 after resuming from step 2 equal the uninterrupted run bitwise: same weights, optimizer
-    state, EMA teacher, data position and reduction order. Without the teacher in the checkpoint it
-    would restart from the student's weights and feedback_kl would differ."""
+    """cp=2 with the EMA teacher and the topk mode (its top-k ids, log-probs and tail cross cp ranks)
+    equals one process (tolerances as in tests/test_posttrain_layouts.py). Steps 2-3 after resuming
+    from step 2 equal the uninterrupted run bitwise: same weights, optimizer state, EMA teacher, data
+    position and reduction order. Without the teacher in the checkpoint, the EMA would restart from
+    the initial weights and feedback_kl would differ (checked by leaving it out: the test fails)."""
+    single = _run(tmp_path / "single", 1, [])
     full = _run(tmp_path / "run")
+    for a, b in zip(single, full):
+        for key in ("loss", "rl_loss", "teacher_entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a, b)
+        assert b["feedback_kl"] == pytest.approx(a["feedback_kl"], rel=1e-5, abs=5e-7), (a, b)
     os.rename(tmp_path / "run" / "checkpoints" / "step_4", tmp_path / "step_4.bak")
     resumed = _run(tmp_path / "run")
     keys = ("loss", "feedback_kl", "rl_loss", "grad_norm")
