@@ -47,7 +47,8 @@ class DataConfig:
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
         if self.source in ("bin", "rollouts") and not self.path:
-            raise ValueError(f"data.path: source {self.source!r} needs the path of a file")
+            kind = "token file" if self.source == "bin" else "rollouts file (JSON lines)"
+            raise ValueError(f"data.path: source {self.source!r} needs the path of a {kind}")
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
 
