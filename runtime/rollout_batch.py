@@ -151,9 +151,11 @@ class RolloutLoader:
     """This rank's micro-batches of each post-training step; `state_dict()` is the next step to load."""
 
     def __init__(self, data, seed: int, *, vocab_size: int, max_seq_len: int, dp_rank: int = 0,
-                 dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1):
-        """Reads and validates the whole file (ValueError naming data.path and the line)."""
-        self.trajs = read_rollouts(data.path, vocab_size, max_seq_len)
+                 dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1,
+                 trajectories: list[Trajectory] | None = None):
+        """Reads and validates the whole file `data.path` (ValueError naming it and the line), unless
+        `trajectories` are given (in memory, e.g. fresh on-policy rollouts)."""
+        self.trajs = trajectories if trajectories is not None else read_rollouts(data.path, vocab_size, max_seq_len)
         self.plan = StepPlan([t.cost() for t in self.trajs], seed, data.batch_tokens)
         self.dp_rank, self.dp, self.cp_rank, self.cp, self.grad_accum = dp_rank, dp_degree, cp_rank, cp_degree, grad_accum
         self.step = 0

@@ -95,6 +95,11 @@ def _parse(line: str, vocab_size: int, max_seq_len: int) -> Trajectory:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    return trajectory_from_record(record, vocab_size, max_seq_len)
+
+
+def trajectory_from_record(record, vocab_size: int, max_seq_len: int) -> Trajectory:
+    """One validated trajectory from a decoded record (the file format above, as a dict); ValueError."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     unknown = set(record) - {"tokens", "turns", "advantage", "logprobs", "feedback"}
