@@ -11,7 +11,8 @@ turn's first token in the teacher's context: teacher = tokens[:start] + hint + t
 Which trajectories make up step t (a pure function of the file, the seed and t, never of the layout):
 the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
 seeded by (seed, epoch), and cut greedily into steps of at most `data.batch_tokens` tokens (student
-tokens plus teacher tokens; a trajectory over the budget makes a step alone).
+tokens plus teacher tokens; a trajectory over the budget makes a step alone). Steps run on across
+epoch boundaries, so a budget larger than the file holds some trajectories twice.
 
 How a step is split (runtime/posttrain.py turns a slot into tensors): the step's trajectories, longest
 first, are dealt in snake order to grad_accum x dp slots (micro-batch m, dp rank d is slot m*dp + d).
@@ -207,7 +208,7 @@ class StepPlan:
         return i
 
     def _next_step(self) -> list[int]:
-        ids, used = [self._next_id(False)], 0
+        ids = [self._next_id(False)]
         used = self.costs[ids[0]]
         while used + self.costs[self._next_id(True)] <= self.batch_tokens:
             ids.append(self._next_id(False))
