@@ -105,3 +105,32 @@ def test_ppo_hand_computed_cases():
     assert clipped.item() == 1
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, 2.0, -3.0]))
+
+
+def _saved_bytes(fn, inputs) -> int:
+    """Bytes of new storage autograd keeps for backward (the inputs themselves not counted)."""
+    seen, total = {t.untyped_storage().data_ptr() for t in inputs}, 0
+
+    def pack(x):
+        nonlocal total
+        if x.untyped_storage().data_ptr() not in seen:
+            seen.add(x.untyped_storage().data_ptr())
+            total += x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return total
+
+
+def test_full_kl_keeps_no_vocabulary_sized_intermediates():
+    """Memory proxy (CPU-countable): what autograd saves for backward. A plain softmax/log_softmax KL
+    keeps 3 tensors of N x V (measured 24 MB for N=64, V=32768, logits 8 MB); the chunked function only
+    the N-sized logsumexps and KL (0.75 KB), recomputing each chunk in backward."""
+    student, teacher = torch.randn(64, 32768, requires_grad=True), torch.randn(64, 32768)
+    plain = _saved_bytes(lambda: (torch.softmax(student, -1) * (torch.log_softmax(student, -1)
+                                                                - torch.log_softmax(teacher, -1))).sum(-1),
+                         [student, teacher])
+    chunked = _saved_bytes(lambda: feedback.kl_full(student, teacher, chunk=4096), [student, teacher])
+    assert plain >= 3 * student.numel() * 4
+    assert chunked <= 3 * 64 * 4
