@@ -6,6 +6,7 @@ The whole rollout file is read and validated on every rank before any collective
 with status 2 and one line naming the line of the file.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -14,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from launch import pretrain  # noqa: E402
-from runtime.posttrain import FeedbackObjective, copy_weights  # noqa: E402
+from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollouts import read_rollouts  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
@@ -29,10 +30,16 @@ def check_environment(config) -> None:
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
+    if config.posttrain.init_from:
+        check_init_from(config.posttrain.init_from, dataclasses.asdict(config.model))
 
 
 def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
-    """The objective; for `initial` and `ema` teachers, a second model sharded like the student."""
+    """The objective; for `initial` and `ema` teachers, a second model sharded like the student. The
+    student starts from `posttrain.init_from` when given (a checkpoint of the run dir, if any, then
+    takes precedence: the run resumes)."""
+    if config.posttrain.init_from:
+        load_model_weights(model, config.posttrain.init_from)
     teacher = None
     if config.posttrain.teacher != "live":
         teacher = build_model(config, meshes, layout, device)

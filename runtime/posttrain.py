@@ -20,6 +20,7 @@ the per-rank losses sum to the single-process loss (parallel/gradients.py). Metr
 """
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from runtime import feedback
+from runtime import checkpoint, feedback
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
 
 
@@ -43,6 +44,7 @@ class PosttrainConfig:
     vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
     teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
     ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
+    init_from: str = ""  # checkpoint dir (.../checkpoints/step_N, any layout) whose model weights start the run
 
     def __post_init__(self):
         checks = {"rl_coef": self.rl_coef >= 0, "feedback_coef": self.feedback_coef >= 0,
@@ -227,3 +229,30 @@ class TeacherState:
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.teacher, state)
+
+
+class _ModelWeights:
+    """The model part of a checkpoint's "train" entry as one Stateful (the optimizer state is not read)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"model": get_model_state_dict(self.model)}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"])
+
+
+def check_init_from(path: str, model_config: dict) -> None:
+    """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model (no collective)."""
+    if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+        raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
+    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), model_config, "model.")
+    if diffs:
+        raise ValueError(f"posttrain.init_from: {path} holds another model ({'; '.join(diffs)})")
+
+
+def load_model_weights(model: nn.Module, path: str) -> None:
+    """Collective (DCP): the model weights (and buffers) of checkpoint `path`, resharded to this layout."""
+    checkpoint.load(path, {"train": _ModelWeights(model)})

@@ -1,17 +1,23 @@
-"""Teacher weights: `live` (the student itself), `initial` (frozen copy), `ema`; and an exact resume with
-an EMA teacher through the real entry point (the teacher is part of the checkpoint)."""
+"""Teacher weights: `live` (the student itself), `initial` (frozen copy), `ema`; an exact resume with an
+EMA teacher through the real entry point (the teacher is part of the checkpoint); starting from a
+pretraining checkpoint (`posttrain.init_from`)."""
 
 import json
 import os
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from launch.posttrain import main
+from launch import pretrain
+from launch.posttrain import build_objective, check_environment, main
 from models import Transformer, preset
 from multirank import run_ranks
+from parallel.meshes import build_meshes
+from runtime.config import load_config
 from runtime.posttrain import FeedbackObjective, PosttrainConfig, copy_weights
 from runtime.rollout_batch import RolloutLoader
+from runtime.train import build_model
 from test_posttrain_objective import _Data, _records
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "rollouts.jsonl")
@@ -91,3 +97,44 @@ def test_resume_with_ema_teacher_is_exact(tmp_path):
     keys = ("loss", "feedback_kl", "rl_loss", "grad_norm")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
     assert full[-1]["target_tokens"] > 0
+
+
+def _init_from_weights(rank, world_size, path):
+    config = load_config(["--data.source=rollouts", f"--data.path={EXAMPLE}", f"--posttrain.init_from={path}",
+                          "--posttrain.teacher=initial"])
+    layout = config.layout(world_size)
+    meshes = build_meshes(layout, "cpu")
+    model = build_model(config, meshes, layout, torch.device("cpu"))
+    fresh = model.output.weight.full_tensor().clone()
+    objective = build_objective(config, model, meshes, layout, torch.device("cpu"))
+    return fresh, {k: v.full_tensor() for k, v in model.state_dict().items() if k.endswith("weight")}, \
+        objective.teacher.output.weight.full_tensor()
+
+
+def test_init_from_loads_a_pretraining_checkpoint_into_another_layout(tmp_path):
+    """Checkpoint written by launch/pretrain.py on 1 process, loaded on 2 ranks (FSDP 2 | ep 2); the
+    reference is DCP's own converter to a plain torch.save file. The `initial` teacher copies it too."""
+    assert pretrain.main(["--training.steps=2", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0",
+                          f"--run.dir={tmp_path}"]) == 0
+    path = str(tmp_path / "checkpoints" / "step_2")
+    dcp_to_torch_save(path, tmp_path / "plain.pt")
+    saved = torch.load(tmp_path / "plain.pt", weights_only=False)["train"]["model"]
+    (fresh, loaded, teacher), _ = run_ranks(_init_from_weights, 2, path, timeout=120)
+    assert loaded.keys() <= saved.keys() and len(loaded) > 10
+    for k, v in loaded.items():
+        assert torch.equal(v, saved[k]), k
+    assert not torch.equal(fresh, loaded["output.weight"]) and torch.equal(teacher, loaded["output.weight"])
+
+
+@pytest.mark.parametrize("bad, message", [("missing", "is not a complete checkpoint"),
+                                          ("other_model", "holds another model (model.dim: 64 -> 32")])
+def test_init_from_errors_name_the_key(tmp_path, bad, message):
+    run_dir = tmp_path / "run"
+    if bad == "other_model":
+        assert pretrain.main(["--training.steps=1", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0",
+                              f"--run.dir={run_dir}"]) == 0
+    config = load_config(["--data.source=rollouts", f"--data.path={EXAMPLE}", "--model.dim=32",
+                          f"--posttrain.init_from={run_dir}/checkpoints/step_1"])
+    with pytest.raises(ValueError, match="posttrain.init_from") as err:
+        check_environment(config)
+    assert message in str(err.value)
