@@ -157,7 +157,8 @@ class RolloutLoader:
         `trajectories` are given (in memory, e.g. fresh on-policy rollouts)."""
         self.trajs = trajectories if trajectories is not None else read_rollouts(data.path, vocab_size, max_seq_len)
         self.plan = StepPlan([t.cost() for t in self.trajs], seed, data.batch_tokens)
-        self.dp_rank, self.dp, self.cp_rank, self.cp, self.grad_accum = dp_rank, dp_degree, cp_rank, cp_degree, grad_accum
+        self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp_degree, cp_rank, cp_degree
+        self.grad_accum = grad_accum
         self.step = 0
 
     def batch(self, step: int) -> RolloutStep:

@@ -170,7 +170,8 @@ def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int)
         if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < len(turns):
             raise ValueError(f"feedback[{i}].turn={turn!r} is not a turn index in [0, {len(turns)})")
         if turns[turn].role != "assistant":
-            raise ValueError(f"feedback[{i}].turn={turn} is a {turns[turn].role} turn; feedback targets assistant turns")
+            raise ValueError(f"feedback[{i}].turn={turn} is a {turns[turn].role} turn; "
+                             f"feedback targets assistant turns")
         if turn in seen:
             raise ValueError(f"feedback[{i}].turn={turn} already has feedback")
         seen.add(turn)

@@ -83,7 +83,8 @@ def _mixed_file(tmp_path) -> str:
     for i in range(13):
         n = int(rng.integers(40, 91))
         over = {"logprobs": None} if i % 3 == 0 else {}
-        records.append({k: v for k, v in _traj(n=n, **over, **({} if i % 2 == 0 else {"feedback": []})).items() if v is not None})
+        record = _traj(n=n, **over, **({} if i % 2 == 0 else {"feedback": []}))
+        records.append({k: v for k, v in record.items() if v is not None})
     records.append(_traj(n=20, turns=[{"role": "assistant", "start": 0, "end": 20}],
                          feedback=[{"turn": 0, "hint": [4, 4]}]))
     return _write(tmp_path / "mixed.jsonl", records)
@@ -128,7 +129,8 @@ def test_every_token_lands_once_whatever_the_layout(tmp_path, dp, cp, grad_accum
         assert len(_global_tokens(views)[0]) == single.trained_tokens
         assert len({len(v.micro_batches) for _, v in views}) == 1
         for _, v in views:  # every rank runs the same number of forwards with the same row counts
-            assert [mb.inputs_BS.shape[0] for mb in v.micro_batches] == [mb.inputs_BS.shape[0] for mb in views[0][1].micro_batches]
+            rows = [mb.inputs_BS.shape[0] for mb in v.micro_batches]
+            assert rows == [mb.inputs_BS.shape[0] for mb in views[0][1].micro_batches]
 
 
 def test_steps_follow_the_seed_and_the_budget(tmp_path):

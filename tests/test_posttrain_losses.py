@@ -76,7 +76,8 @@ def test_topk_with_tail_bucket_is_the_kl_of_k_plus_one_buckets():
         pb = torch.cat([p[top], p[rest].sum()[None]])
         qb = torch.cat([q[top], q[rest].sum()[None]])
         assert got[n].item() == pytest.approx((pb * (pb.log() - qb.log())).sum().item(), rel=1e-5, abs=1e-6)
-    assert (feedback.kl_topk(student, *feedback.teacher_topk(teacher, k)) <= feedback.kl_full(student, teacher) + 1e-6).all()
+    coarse = feedback.kl_topk(student, *feedback.teacher_topk(teacher, k))
+    assert (coarse <= feedback.kl_full(student, teacher) + 1e-6).all()  # coarse-graining never raises a KL
 
 
 def test_sampled_matches_hand_computed_case():
