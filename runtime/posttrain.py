@@ -146,9 +146,9 @@ class FeedbackObjective:
         if dist.is_initialized():
             dist.all_reduce(sums)  # communication: 5 floats (every rank's shares of the global means)
         n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
-        metrics = {"rl_loss": sums[1].item() / n_rl, "feedback_kl": sums[2].item() / n_tgt,
-                   "target_tokens": step.target_tokens, "clip_fraction": sums[3].item() / n_rl,
-                   "teacher_entropy": sums[4].item() / n_tgt}
+        _, rl, kl, clipped, entropy = sums.tolist()  # one host sync
+        metrics = {"rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt, "target_tokens": step.target_tokens,
+                   "clip_fraction": clipped / n_rl, "teacher_entropy": entropy / n_tgt}
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
