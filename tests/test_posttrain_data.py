@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from launch.posttrain import main
-from multirank import run_ranks
+from entry_point import run_pretrain
 from runtime.rollout_batch import RolloutLoader, _owner
 from runtime.rollouts import read_rollouts
 
@@ -61,17 +61,13 @@ def test_bad_rollouts_name_the_line(tmp_path, name):
     assert expected in message and "\n" not in message and message.startswith("data.path"), message
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 @pytest.mark.parametrize("name", ["malformed_json", "teacher_too_long", "empty_file"])
 def test_bad_rollouts_exit_2_on_every_rank_with_rank0s_line(tmp_path, capfd, name):
     """The entry point checks the file on every rank before the process group exists (no rank enters a
     collective); rank 0 prints the one line."""
     path = _write(tmp_path / "r.jsonl", BAD[name][0])
-    argv = ["--data.source=rollouts", f"--data.path={path}", f"--run.dir={tmp_path}"]
-    assert run_ranks(_main, 2, argv, as_torchrun=True, timeout=60) == [2, 2]
+    codes, _ = run_pretrain(tmp_path, 2, ["--data.source=rollouts", f"--data.path={path}"], timeout=60, entry=main)
+    assert codes == [2, 2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
     assert len(lines) == 1 and BAD[name][1] in lines[0], lines
 

@@ -13,7 +13,7 @@ import pytest
 
 from examples.make_rollouts import trajectory
 from launch.posttrain import main
-from multirank import run_ranks
+from entry_point import run_ok
 from runtime.rollout_batch import _owner
 
 BASE = ["--data.source=rollouts", "--data.batch_tokens=1200", "--training.steps=3", "--training.warmup_steps=1",
@@ -47,15 +47,8 @@ def _straddles(records, cp=2) -> int:
     return count
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 def _run(run_dir, world_size, *extra):
-    codes = run_ranks(_main, world_size, BASE + [f"--run.dir={run_dir}", *extra], as_torchrun=True, timeout=300)
-    assert codes == [0] * world_size
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return run_ok(run_dir, world_size, [*BASE, *extra], entry=main)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +90,8 @@ def test_readme_example_config_runs(tmp_path, capsys):
     cwd = os.getcwd()
     os.chdir(repo)  # the config names examples/rollouts.jsonl relative to the repository root
     try:
-        argv = ["--config", "configs/posttrain_example.toml", "--training.steps=2", f"--run.dir={tmp_path}"]
-        assert run_ranks(_main, 2, argv, as_torchrun=True, timeout=300) == [0, 0]
+        argv = ["--config", "configs/posttrain_example.toml", "--training.steps=2"]
+        run_ok(tmp_path, 2, argv, entry=main)
     finally:
         os.chdir(cwd)
     with open(tmp_path / "metrics.jsonl") as f:

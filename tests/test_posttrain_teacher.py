@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from launch import pretrain
 from launch.posttrain import build_objective, check_environment, main
 from models import Transformer, preset
+from entry_point import run_ok
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime.config import load_config
@@ -63,10 +64,6 @@ def test_ema_update_is_the_definition():
     assert all(torch.equal(p, frozen[k]) for k, p in teacher.named_parameters())  # initial: never moves
 
 
-def _main(rank, world_size, argv):
-    return main(argv)
-
-
 CP2 = ["--parallel.dp_shard=1", "--parallel.cp=2", "--parallel.ep=2", "--parallel.edp_shard=1"]
 
 
@@ -74,10 +71,8 @@ def _run(run_dir, world_size=2, layout=CP2):
     argv = ["--data.source=rollouts", f"--data.path={EXAMPLE}", "--data.batch_tokens=600", "--training.steps=4",
             "--training.warmup_steps=1", "--checkpoint.interval=2", "--checkpoint.keep=0",
             "--posttrain.teacher=ema", "--posttrain.ema_decay=0.5", "--posttrain.mode=topk",
-            "--posttrain.top_k=16", f"--run.dir={run_dir}", *layout]
-    assert run_ranks(_main, world_size, argv, as_torchrun=True, timeout=300) == [0] * world_size
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+            "--posttrain.top_k=16", *layout]
+    return run_ok(run_dir, world_size, argv, entry=main)
 
 
 def test_resume_with_ema_teacher_is_exact(tmp_path):
