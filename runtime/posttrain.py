@@ -128,19 +128,20 @@ def _padding_uncounted(model: nn.Module, pad_BS: torch.Tensor):
 # ---- the objective ------------------------------------------------------------------------------
 
 class FeedbackObjective:
-    """`forward_backward(model, step, device, dtype)` for the training loop (runtime/train.py)."""
+    """`forward_backward(model, step, device)` for the training loop (runtime/train.py). The compute dtype
+    is FSDP's (training.param_dtype): logits come in it, every loss is computed in fp32."""
 
     def __init__(self, config: PosttrainConfig, cp_group=None, teacher: nn.Module | None = None):
         """`teacher`: a model sharded like the student (initial / ema), or None to use the live weights."""
         self.config, self.cp_group, self.teacher = config, cp_group, teacher
 
-    def forward_backward(self, model: nn.Module, step: RolloutStep, device, dtype) -> tuple[torch.Tensor, int, dict]:
+    def forward_backward(self, model: nn.Module, step: RolloutStep, device) -> tuple[torch.Tensor, int, dict]:
         """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
         sums = torch.zeros(5, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum
         for mb in step.micro_batches:
             mb = RolloutMicroBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in mb))
-            data, entropy_sum = self._teacher(model, mb, dtype)
-            sums += self._student(model, mb, data, step, dtype)
+            data, entropy_sum = self._teacher(model, mb)
+            sums += self._student(model, mb, data, step)
             sums[4] += entropy_sum
         local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
@@ -152,12 +153,12 @@ class FeedbackObjective:
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
-    def _teacher(self, model: nn.Module, mb: RolloutMicroBatch, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _teacher(self, model: nn.Module, mb: RolloutMicroBatch) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Teacher data for this rank's student-side targets, and the entropy summed over its teacher-side ones."""
         if mb.teacher_inputs_BS.shape[0] == 0:  # no feedback anywhere in the step: no rank runs a teacher
             return [], torch.zeros((), device=mb.inputs_BS.device)
         teacher = self.teacher if self.teacher is not None else model
-        with _eval_mode(teacher), _autocast(mb.inputs_BS.device, dtype):
+        with _eval_mode(teacher):
             logits_BSV = teacher(mb.teacher_inputs_BS, mb.teacher_positions_S)
         logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
         data = teacher_data(logits_mV, mb.teacher_labels_m, self.config)
@@ -165,8 +166,8 @@ class FeedbackObjective:
             data = _gather_cp(data, mb, self.cp_group)
         return data, feedback.entropy(logits_mV).sum()
 
-    def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep, dtype):
-        with _padding_uncounted(model, mb.pad_BS), _autocast(mb.inputs_BS.device, dtype):
+    def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep):
+        with _padding_uncounted(model, mb.pad_BS):
             logits_BSV = model(mb.inputs_BS, mb.positions_S)
         logits_TV = logits_BSV.flatten(0, 1)
         logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
@@ -194,10 +195,6 @@ class FeedbackObjective:
     def state(self) -> dict:
         """Extra checkpoint entries: the teacher's weights when they are not the live ones."""
         return {} if self.teacher is None else {"teacher": TeacherState(self.teacher)}
-
-
-def _autocast(device, dtype):
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_feedback_gradient_is_zero_outside_target_turns(setup):
     captured = []
     handle = _capture_logits(model, captured)
     objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full"))
-    objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+    objective.forward_backward(model, step, torch.device("cpu"))
     handle.remove()
     (student,) = captured
     grad_TV = student.grad.flatten(0, 1)
@@ -101,7 +101,7 @@ def test_mode_equals_plain_per_token_loop(setup, mode):
     by one position, a missing target or a wrong normalizer changes them by > 1e-2)."""
     model, step = setup
     objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode=mode, vocab_chunk=100))
-    loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+    loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     want_loss = _plain_feedback_loss(model, _records(), sampled=mode == "sampled")
@@ -122,7 +122,7 @@ def test_topk_full_vocab_equals_full_through_the_objective(setup):
     for mode, k in (("full", 32), ("topk", 256)):
         model.zero_grad(set_to_none=True)
         objective = FeedbackObjective(PosttrainConfig(rl_coef=0.3, feedback_coef=1.0, mode=mode, top_k=k))
-        loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"), torch.float32)
+        loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
         results[mode] = (loss.item(), metrics, model.output.weight.grad.clone())
     assert results["topk"][0] == pytest.approx(results["full"][0], rel=1e-5)
     torch.testing.assert_close(results["topk"][2], results["full"][2], rtol=1e-5, atol=1e-7)

@@ -40,7 +40,7 @@ def step(tmp_path):
 
 def _kl(model, step, teacher=None, mode="live"):
     objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, teacher=mode), teacher=teacher)
-    return objective.forward_backward(model, step, torch.device("cpu"), torch.float32)[2]["feedback_kl"]
+    return objective.forward_backward(model, step, torch.device("cpu"))[2]["feedback_kl"]
 
 
 def test_separate_teacher_is_used_and_a_copy_equals_live(step):
