@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from launch import pretrain
 from launch.posttrain import build_objective, check_environment, main
 from models import Transformer, preset
 from entry_point import run_ok
@@ -109,8 +108,7 @@ def _init_from_weights(rank, world_size, path):
 def test_init_from_loads_a_pretraining_checkpoint_into_another_layout(tmp_path):
     """Checkpoint written by launch/pretrain.py on 1 process, loaded on 2 ranks (FSDP 2 | ep 2); the
     reference is DCP's own converter to a plain torch.save file. The `initial` teacher copies it too."""
-    assert pretrain.main(["--training.steps=2", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0",
-                          f"--run.dir={tmp_path}"]) == 0
+    run_ok(tmp_path, 1, ["--training.steps=2", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0"])
     path = str(tmp_path / "checkpoints" / "step_2")
     dcp_to_torch_save(path, tmp_path / "plain.pt")
     saved = torch.load(tmp_path / "plain.pt", weights_only=False)["train"]["model"]
@@ -126,8 +124,7 @@ def test_init_from_loads_a_pretraining_checkpoint_into_another_layout(tmp_path):
 def test_init_from_errors_name_the_key(tmp_path, bad, message):
     run_dir = tmp_path / "run"
     if bad == "other_model":
-        assert pretrain.main(["--training.steps=1", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0",
-                              f"--run.dir={run_dir}"]) == 0
+        run_ok(run_dir, 1, ["--training.steps=1", "--data.seq_len=32", "--data.batch_size=4", "--eval.interval=0"])
     config = load_config(["--data.source=rollouts", f"--data.path={EXAMPLE}", "--model.dim=32",
                           f"--posttrain.init_from={run_dir}/checkpoints/step_1"])
     with pytest.raises(ValueError, match="posttrain.init_from") as err:
