@@ -101,7 +101,9 @@ def partition_params(
 
 
 def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
-    """The "muon" and "adamw" param groups (both with "lr", so LR schedulers scale both)."""
+    """The non-empty ones of the "muon" and "adamw" param groups (both with "lr", so LR schedulers scale
+    both). An empty group is left out: distributed checkpoints key group settings by parameter name, so
+    an empty group's settings would not survive a save and load."""
     muon_group = dict(params=[p for _, p in muon], kind="muon", lr=config.lr,
                       weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                       ns_steps=config.ns_steps, coefficients=config.coefficients,
@@ -110,7 +112,7 @@ def param_groups(muon, adamw, config: OptimConfig) -> list[dict]:
     adamw_group = dict(params=[p for _, p in adamw], kind="adamw", lr=config.lr,
                        weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
                        eps=config.adam_eps)
-    return [muon_group, adamw_group]
+    return [g for g in (muon_group, adamw_group) if g["params"]] or [adamw_group]
 
 
 def step_groups(optimizer, closure=None):
@@ -131,8 +133,8 @@ def step_groups(optimizer, closure=None):
 class ReferenceMuon(torch.optim.Optimizer):
     """Muon for parameters named in `splits` (when config.name == "muon"), AdamW for the others.
 
-    Two param groups, both with "lr" (LR schedulers scale both): group["kind"] == "muon" and
-    "adamw" (either may be empty). State: "momentum_buffer" for Muon parameters; "step" (tensor),
+    Param groups, both with "lr" (LR schedulers scale both): group["kind"] == "muon" and "adamw"
+    (an empty one is left out). State: "momentum_buffer" for Muon parameters; "step" (tensor),
     "exp_avg", "exp_avg_sq" for AdamW parameters. Parameters whose grad is None are skipped.
 
     Step flow: 1. momentum, per Muon parameter; 2. Newton-Schulz, one batched call per block shape

@@ -82,10 +82,12 @@ class ShardedMuon(torch.optim.Optimizer):
             ns_dtype=ns_dtype, steps=config.ns_steps, coefficients=config.coefficients, method=config.ns_method,
             tf32=config.ns_tf32, events=self.events,
         )
-        for p in self.param_groups[0]["params"]:
-            self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        for p in self.param_groups[1]["params"]:
-            self.state[p].update(init_adamw_state(p))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["kind"] == "muon":
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                else:
+                    self.state[p].update(init_adamw_state(p))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -38,14 +38,15 @@ def test_headline_layout_matches_single_process_losses(tmp_path):
     assert single[-1]["loss"] < single[0]["loss"]
 
 
-def test_resume_is_exact_and_ignores_incomplete_checkpoints(tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_resume_is_exact_and_ignores_incomplete_checkpoints(tmp_path, optimizer):
     run_dir = tmp_path / "run"
-    full = _run(run_dir, 2)
+    full = _run(run_dir, 2, f"--optim.name={optimizer}")
     checkpoints = run_dir / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["step_2", "step_4"]
     # Make step_4 look like a save that crashed before completing: no marker. Resume must use step_2.
     os.remove(checkpoints / "step_4" / MARKER)
-    resumed = _run(run_dir, 2)  # redoes steps 2 and 3 from step_2
+    resumed = _run(run_dir, 2, f"--optim.name={optimizer}")  # redoes steps 2 and 3 from step_2
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     exact = ("loss", "grad_norm", "lr")  # bitwise: same weights, optimizer state, data and reduction order
     assert [[r[k] for k in exact] for r in resumed] == [[r[k] for k in exact] for r in full]
