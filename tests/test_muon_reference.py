@@ -114,8 +114,9 @@ def test_adamw_params_equal_torch_adamw(name):
     adamw_names = [n for n, _ in model.named_parameters() if name == "adamw" or n not in MUON_NAMES]
     expected = run_torch_adamw(copy.deepcopy(model), config, adamw_names)
     opt = ReferenceMuon(model.named_parameters(), muon_splits(model), config)
-    assert [g["kind"] for g in opt.param_groups] == ["muon", "adamw"]
-    assert len(opt.param_groups[0]["params"]) == (4 if name == "muon" else 0)
+    # an empty group is left out (its settings would not survive a distributed checkpoint)
+    assert [g["kind"] for g in opt.param_groups] == (["muon", "adamw"] if name == "muon" else ["adamw"])
+    assert len(opt.param_groups[0]["params"]) == (4 if name == "muon" else len(adamw_names))
     for step in range(STEPS):
         set_grads(model, random_grads(model, step))
         opt.step()
