@@ -41,6 +41,11 @@ class GroupedExperts(nn.Module):
         assert counts_E.shape == (self.w1.shape[0],), (counts_E.shape, self.w1.shape)
         return swiglu_experts(x_TD, self.w1, self.w2, self.w3, counts_E)
 
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Start whatever `forward` needs to know about the other ranks' counts; here nothing (the
+        counts are forward's input as they are). Expert parallelism swaps this for an all-to-all."""
+        return counts_E
+
     def muon_splits(self) -> dict[str, MatrixSplit]:
         return {"w1": PER_EXPERT, "w2": PER_EXPERT, "w3": PER_EXPERT}
 

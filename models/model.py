@@ -58,7 +58,8 @@ class Transformer(nn.Module):
 
         positions_S: global RoPE positions of the S tokens (default arange(S)); context parallelism
         passes the global positions of its local chunks. They must be strictly increasing: the
-        attention uses that to pick the fused causal kernel (checked here, one host sync).
+        attention uses that to pick the fused causal kernel (checked here without a host sync: an
+        asynchronous device assert on a GPU, a ValueError on the CPU).
         cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
         """
         S = tokens_BS.shape[1]
@@ -118,5 +119,10 @@ def _check_positions(positions_S: torch.Tensor, S: int):
             f"positions_S must be an integer tensor of shape ({S},), got {tuple(positions_S.shape)} "
             f"{positions_S.dtype}"
         )
-    if S > 1 and not bool((positions_S[1:] > positions_S[:-1]).all()):
-        raise ValueError(f"positions_S must be strictly increasing, got {positions_S.tolist()[:16]}...")
+    if S == 1:
+        return
+    message = "positions_S must be strictly increasing"
+    try:  # queued on the stream on CUDA (the host never waits); raises at once on the CPU
+        torch._assert_async((positions_S[1:] > positions_S[:-1]).all(), message)
+    except RuntimeError as e:
+        raise ValueError(f"{message}, got {positions_S.tolist()[:16]}...") from e

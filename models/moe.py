@@ -57,7 +57,7 @@ class Router(nn.Module):
         weights_TK = weights_TK * self.route_scale
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(experts_TK.flatten(), minlength=self.n_experts)
+                self.tokens_per_expert += expert_counts(experts_TK, self.n_experts)
             if self.aux_loss_alpha > 0:
                 aux_loss = self.aux_loss_alpha * sequence_balance_loss(
                     scores_TE.view(B, S, -1), experts_TK.view(B, S, -1)
@@ -103,6 +103,14 @@ class Router(nn.Module):
         return {"gate.weight": WHOLE}
 
 
+def expert_counts(experts_TK: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Token copies per expert (int64 [E]) without a host sync: `torch.bincount` reads the
+    maximum index on the host to size its output (a sync on CUDA); a scatter-add into a fixed-size
+    buffer does not. Integer adds, so the counts are exact whatever the order."""
+    idx_N = experts_TK.flatten()
+    return torch.zeros(n_experts, dtype=torch.int64, device=idx_N.device).scatter_add_(0, idx_N, torch.ones_like(idx_N))
+
+
 def sequence_balance_loss(scores_BSE: torch.Tensor, experts_BSK: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 eq. 17-20 without alpha, averaged over the B sequences.
 
@@ -141,7 +149,12 @@ class _AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts."""
+    """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts.
+
+    Order of issue: the routed experts' count exchange (`exchange_counts`, an all-to-all under
+    expert parallelism) is queued first, then the shared experts, and only then do the routed
+    experts read the split sizes back to the host (the one host sync of the layer under EP): the
+    device computes the shared experts while the host waits for the counts."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -158,12 +171,13 @@ class MoE(nn.Module):
         T, K = experts_TK.shape
         # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
         order_N = torch.argsort(experts_TK.flatten(), stable=True)
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.router.n_experts)
-        y_sorted_ND = self.experts(x_TD[order_N // K], counts_E)
+        counts = self.experts.exchange_counts(expert_counts(experts_TK, self.router.n_experts))
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        y_sorted_ND = self.experts(x_TD[order_N // K], counts)
         y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
         # Combine in the compute dtype (the fp32 router weights are rounded to it; the sum over K
         # accumulates in fp32 inside torch's reduction): no fp32 copy of the N x D expert outputs.
         out_TD = (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
         return out_TD.view(B, S, D)

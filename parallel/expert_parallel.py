@@ -2,8 +2,12 @@
 
 After `apply_expert_parallel`, each GroupedExperts weight (w1 [E, F, D], w2 [E, D, F], w3 [E, F, D])
 is a DTensor Shard(0) over the ep mesh: ep rank p owns experts [p*L, (p+1)*L), L = E/ep. Its
-`forward` is swapped (same parameters, same names) for one that
-  1. exchanges token counts per expert (all-to-all of ints, then one host sync for the split sizes),
+`exchange_counts` and `forward` are swapped (same parameters, same names) for ones that
+  1. exchange token counts per expert (all-to-all of ints) and queue ONE device-to-host copy of
+     both split-size vectors (pinned memory, non-blocking), then return; the MoE layer issues its
+     shared experts meanwhile;
+  1b. forward waits for that copy: the layer's only host sync, inherent to EP because NCCL's
+     all-to-all takes its split sizes (and the receive buffer's size) as host integers,
   2. dispatches the expert-sorted token copies to the owning ranks (all-to-all, uneven splits),
   3. regroups the received rows by local expert and runs the model's grouped matmul,
   4. combines: the inverse all-to-all returns each output row to the rank that sent the token.
@@ -17,6 +21,7 @@ F expert hidden dim, E experts, L local experts (E/ep), P ep ranks.
 """
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,22 +46,57 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 local = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
             module.ep_group = ep_mesh.get_group()
+            module.exchange_counts = types.MethodType(expert_parallel_exchange_counts, module)
             module.forward = types.MethodType(expert_parallel_forward, module)
 
 
-def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Drop-in GroupedExperts.forward under EP: same inputs (this rank's token copies sorted by
-    expert, counts of all E experts) and output (out_TD in the same order)."""
-    w1, w2, w3 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)  # [L, F, D], [L, D, F], [L, F, D]
+@dataclass
+class ExchangedCounts:
+    """What `expert_parallel_exchange_counts` started: the counts this rank sends and receives
+    ([P, L], device), and their row sums (split sizes) on their way to the host."""
+    send_counts_PL: torch.Tensor
+    recv_counts_PL: torch.Tensor
+    splits_2P: torch.Tensor  # host tensor: [send splits, recv splits]; valid once `ready` completed
+    ready: object  # torch.cuda.Event recorded after the copy, or None (copy already complete)
+
+    def split_sizes(self) -> tuple[list[int], list[int]]:
+        """(send_splits, recv_splits) as Python ints: waits for the copy (the host sync)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        send, recv = self.splits_2P.tolist()  # a host tensor: no further device work
+        return send, recv
+
+
+def expert_parallel_exchange_counts(self: GroupedExperts, counts_E: torch.Tensor):
+    """Drop-in GroupedExperts.exchange_counts under EP: all-to-all of the per-expert counts
+    (communication: E ints), then a non-blocking copy of the split sizes to pinned host memory."""
     n_ranks = dist.get_world_size(self.ep_group)
     if n_ranks == 1:
-        return swiglu_experts(x_TD, w1, w2, w3, counts_E)
-    n_local = counts_E.shape[0] // n_ranks
-    send_counts_PL = counts_E.view(n_ranks, n_local)
+        return counts_E
+    send_counts_PL = counts_E.view(n_ranks, counts_E.shape[0] // n_ranks)
     recv_counts_PL = torch.empty_like(send_counts_PL)
     dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=self.ep_group)  # communication: counts
-    send_splits = send_counts_PL.sum(1).tolist()  # host sync: split sizes must be Python ints
-    recv_splits = recv_counts_PL.sum(1).tolist()
+    splits_2P = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)])
+    ready = None
+    if splits_2P.device.type == "cuda":
+        host_2P = torch.empty(splits_2P.shape, dtype=splits_2P.dtype, pin_memory=True)
+        host_2P.copy_(splits_2P, non_blocking=True)  # queued on the stream; the host does not wait here
+        ready = torch.cuda.Event()
+        ready.record()
+        splits_2P = host_2P
+    return ExchangedCounts(send_counts_PL, recv_counts_PL, splits_2P, ready)
+
+
+def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) -> torch.Tensor:
+    """Drop-in GroupedExperts.forward under EP: same inputs (this rank's token copies sorted by
+    expert, and what `exchange_counts` returned for the counts of all E experts) and output (out_TD
+    in the same order)."""
+    w1, w2, w3 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)  # [L, F, D], [L, D, F], [L, F, D]
+    if not isinstance(counts, ExchangedCounts):  # ep == 1
+        return swiglu_experts(x_TD, w1, w2, w3, counts)
+    recv_counts_PL = counts.recv_counts_PL
+    n_ranks, n_local = recv_counts_PL.shape
+    send_splits, recv_splits = counts.split_sizes()  # host sync: split sizes must be Python ints
 
     x_RD = _all_to_all(x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
     # Received rows are ordered (source rank, local expert); the grouped matmul needs (local expert, ...).

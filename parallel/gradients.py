@@ -88,15 +88,27 @@ def global_loss(local_loss: torch.Tensor, group=None) -> torch.Tensor:
 def grad_norm(parameters, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients of `parameters`, DTensors on any meshes that span `group`
     (default: world). Each rank adds the squares of its local shards; a shard replicated over
-    mesh axes of total size n is held by n ranks, so it is counted 1/n times."""
+    mesh axes of total size n is held by n ranks, so it is counted 1/n times. One `_foreach_norm`
+    per (device, dtype, replica count) group of local shards (fp32 per-shard norms, as
+    torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64, then one
+    all-reduce of one scalar (communication). No host sync."""
     sq = torch.zeros((), dtype=torch.float64)
+    for (device, _, replicas), shards in _local_grads(parameters, group).items():
+        norms = torch._foreach_norm(shards)
+        sq = sq.to(device) + torch.stack(norms).double().square().sum() / replicas
+    dist.all_reduce(sq, group=group)  # communication: one scalar
+    return sq.sqrt().float()
+
+
+def _local_grads(parameters, group) -> dict:
+    """{(device, dtype, replicas): [local gradient shards]} of the parameters that have a gradient."""
+    out = {}
     for p in parameters:
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        sq = sq.to(local.device) + local.double().square().sum() / _replicas(p.grad, group)
-    dist.all_reduce(sq, group=group)  # communication: one scalar
-    return sq.sqrt().float()
+        out.setdefault((local.device, local.dtype, _replicas(p.grad, group)), []).append(local)
+    return out
 
 
 def _replicas(grad: torch.Tensor, group) -> int:
@@ -114,11 +126,14 @@ def _replicas(grad: torch.Tensor, group) -> int:
 def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm (same rule as
     torch.nn.utils.clip_grad_norm_: factor min(1, max_norm / (norm + 1e-6))). Returns the norm
-    before clipping."""
+    before clipping. One `_foreach_mul_` per (device, dtype) group of local shards, in place: no
+    communication, no host sync."""
     parameters = [p for p in parameters if p.grad is not None]
     total_norm = grad_norm(parameters, group)
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in parameters:
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        local.mul_(scale.to(local.device))  # in place on the shard: no communication
+    by_device = {}
+    for (device, dtype, _), shards in _local_grads(parameters, group).items():
+        by_device.setdefault((device, dtype), []).extend(shards)
+    for (device, _), shards in by_device.items():
+        torch._foreach_mul_(shards, scale.to(device))
     return total_norm

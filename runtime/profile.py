@@ -1,21 +1,65 @@
-"""Optional `torch.profiler` trace of chosen steps (the `[profile]` section), written under the run dir."""
+"""The `[profile]` section: a `torch.profiler` trace and host-sync counts of chosen steps, under the run dir.
+
+For the steps `config.steps` (0-based, counted from the first step this process runs):
+  <run_dir>/<config.dir>/rank<R>.json        Chrome trace (CPU, and CUDA kernels on a GPU)
+  <run_dir>/<config.dir>/syncs_rank<R>.json  host syncs per step: total, by kind, by call site
+                                             (runtime/syncs.py), and rank 0 prints one line per step
+"""
 
 import contextlib
+import json
 import os
 
 import torch
+
+from runtime.syncs import count_syncs, mark_optimizer_host_state
 
 
 class _NoProfiler:
     def step(self) -> None:
         pass
 
+    @contextlib.contextmanager
+    def count_syncs(self):
+        yield None
+
+
+class _StepProfiler:
+    """Wraps the torch profiler; `count_syncs()` around a training step counts its host syncs when
+    the step is one of the profiled ones."""
+
+    def __init__(self, prof, config, trace_dir: str, rank: int, optimizer, device_type: str):
+        self.prof, self.steps, self.rank = prof, set(config.steps), rank
+        self.path = os.path.join(trace_dir, f"syncs_rank{rank}.json")
+        self.optimizer, self.device_type = optimizer, device_type
+        self.index, self.counts = 0, {}
+
+    def step(self) -> None:
+        self.prof.step()
+        self.index += 1
+
+    @contextlib.contextmanager
+    def count_syncs(self):
+        if self.index not in self.steps:
+            yield None
+            return
+        if self.optimizer is not None:
+            mark_optimizer_host_state(self.optimizer)  # AdamW step counters live on the host
+        with count_syncs(self.device_type) as counts:
+            yield counts
+        self.counts[self.index] = counts.as_dict()
+        if self.rank == 0:
+            kinds = ", ".join(f"{k} {v}" for k, v in counts.by_kind.items()) or "none"
+            print(f"profile: step {self.index}: {counts.total} host syncs ({kinds}); sites in {self.path}", flush=True)
+        with open(self.path, "w") as f:
+            json.dump({str(k): v for k, v in self.counts.items()}, f, indent=1)
+
 
 @contextlib.contextmanager
-def maybe_profile(config, run_dir: str, rank: int):
-    """Yield an object with `.step()`, called once per optimizer step. With `config.enabled`, steps
-    `config.steps` (0-based, counted from the first step this process runs) are traced to
-    `<run_dir>/<config.dir>/rank<R>.json` (Chrome trace format)."""
+def maybe_profile(config, run_dir: str, rank: int, optimizer=None, device_type: str = "cpu"):
+    """Yield an object with `.step()` (call once per optimizer step) and `.count_syncs()` (a context
+    around the step). With `config.enabled`, the steps `config.steps` are traced and their host
+    syncs counted (module docstring); `optimizer`'s CPU scalar state is declared host-resident."""
     if not config.enabled:
         yield _NoProfiler()
         return
@@ -31,4 +75,4 @@ def maybe_profile(config, run_dir: str, rank: int):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=first, warmup=0, active=count, repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=export) as prof:
-        yield prof
+        yield _StepProfiler(prof, config, trace_dir, rank, optimizer, device_type)

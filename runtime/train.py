@@ -92,9 +92,9 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
 def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) -> torch.Tensor:
     """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
     The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
-    inputs_BS, labels_BS, positions_S = micro_batch
-    logits_BSV = model(inputs_BS.to(device), positions_S.to(device))
-    return loss_fn(logits_BSV, labels_BS.to(device), global_tokens)
+    inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch)
+    logits_BSV = model(inputs_BS, positions_S)
+    return loss_fn(logits_BSV, labels_BS, global_tokens)
 
 
 def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device) -> torch.Tensor:
@@ -126,13 +126,26 @@ class NextToken:
         return {}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without a host sync: a blocking copy from pageable memory makes PyTorch
+    wait for the stream; from pinned memory with non_blocking the host only queues it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module) -> None:
-    """Aux-loss-free balancing: every router nudges its bias by the GLOBAL per-expert token counts."""
-    for router in model.routers():
-        counts_E = router.tokens_per_expert.clone()
-        if dist.is_initialized():
-            dist.all_reduce(counts_E)  # communication: E floats per MoE layer; each token is on one rank
+    """Aux-loss-free balancing: every router nudges its bias by the GLOBAL per-expert token counts.
+    Communication: one all-reduce of all routers' counts ([MoE layers, E] floats); each token is
+    routed on exactly one rank, so the sum is the global count."""
+    routers = model.routers()
+    if not routers:
+        return
+    counts_LE = torch.stack([router.tokens_per_expert for router in routers])
+    if dist.is_initialized():
+        dist.all_reduce(counts_LE)
+    for router, counts_E in zip(routers, counts_LE):
         router.update_expert_bias(counts_E)
 
 
@@ -151,7 +164,8 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
-    skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item()))
+    loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()  # the step's one host sync
+    skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
     qk = {}
     if skipped:
         reset_expert_counts(model)  # the step's routing statistics are discarded with its gradients
@@ -168,7 +182,7 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
     end = time.perf_counter()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": global_tokens,
+    return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": global_tokens,
             "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped, **qk, **extra}
 
 
@@ -286,10 +300,12 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
                         lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
 
-    with maybe_profile(config.profile, config.run.dir, rank) as profiler, Preemption(device) as preemption:
+    with maybe_profile(config.profile, config.run.dir, rank, optimizer, device.type) as profiler, \
+            Preemption(device) as preemption:
         try:
             for step in range(start, config.training.steps):
-                stats = train_step(model, optimizer, scheduler, loader, config, device, objective)
+                with profiler.count_syncs():
+                    stats = train_step(model, optimizer, scheduler, loader, config, device, objective)
                 if eval_loader is not None and config.eval.due(step + 1, config.training.steps):
                     stats["eval_loss"] = eval_loss()
                 log.log(step, **stats)
