@@ -1,0 +1,474 @@
+"""One command on one CUDA GPU: measured rates for the projections, and one real training step.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py --json gpu_check.json      # one GPU, < 8 minutes
+    python benchmarks/gpu_check.py --device cpu --small --json /tmp/x.json      # same code path, seconds
+
+Sections, in order; each is guarded (a failure is recorded under its name with the traceback and
+the next section runs), the JSON is rewritten after each, and a section that would start after
+the time budget (--budget-s) is recorded as skipped:
+  env          torch, CUDA, device name, memory
+  matmul       bf16 matmul TFLOP/s (square and Kimi K2 token x expert shapes)
+  ns           Newton-Schulz TFLOP/s (optim.newton_schulz.orthogonalize) per coefficient set (and
+               per method, where that module offers several) on every Muon block family of Kimi K2
+               (one dense and one MoE layer: experts 2048 x 7168 hold ~98% of the NS FLOPs)
+  grouped_mm   models.experts.grouped_linear TFLOP/s, Kimi K2 expert shapes (48 local experts, ep=8)
+               and the whole SwiGLU experts forward + backward
+  attention    SDPA TFLOP/s on MLA shapes (64 heads, q/k 192, v 128, causal), per SDPA backend
+               (which are eligible), and with v zero-padded to 192
+  train_step   the runtime's train_step (runtime/train.py) on moonlight_16b widths with as many
+               layers as the memory estimate allows (bf16 autocast, Muon): tokens/s, MFU, peak
+               memory against the estimated weight + gradient + optimizer-state bytes, host syncs
+  calibration  the keys the projections read: "kimi_blocks_gflops" {dtype: GFLOP/s} (what
+               benchmarks/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
+               matmul, attention, MFU: benchmarks/step_projection.py --calibration)
+Timing: CUDA events around `iters` back-to-back calls after warm-up (per-call mean); on the CPU,
+perf_counter. FLOPs are counted from the shapes (2 m n k per matmul), not from the kernels.
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_BUDGET_S = 450.0  # stop starting sections after this; the whole run stays under 8 minutes
+
+
+class Timer:
+    """Mean seconds per call of `fn` on `device`: warm-up, then enough calls to fill ~`target_s`."""
+
+    def __init__(self, device: torch.device, target_s: float = 0.3, max_iters: int = 50):
+        self.device, self.target_s, self.max_iters = device, target_s, max_iters
+
+    def __call__(self, fn) -> float:
+        fn()  # warm-up: allocations, kernel selection, autotuning
+        one = self._run(fn, 1)
+        iters = int(max(1, min(self.max_iters, math.ceil(self.target_s / max(one, 1e-6)))))
+        return self._run(fn, iters) / iters
+
+    def _run(self, fn, iters: int) -> float:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return time.perf_counter() - start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+
+def section_env(ctx) -> dict:
+    out = {"torch": torch.__version__, "device": str(ctx.device), "cuda": torch.version.cuda,
+           "small": ctx.small}
+    if ctx.device.type == "cuda":
+        props = torch.cuda.get_device_properties(ctx.device)
+        out.update(name=props.name, memory_gib=props.total_memory / 2**30,
+                   capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count)
+    else:
+        out["name"] = "cpu"
+    return out
+
+
+def section_matmul(ctx) -> dict:
+    """bf16 (and one fp32) matmul rates: [m, k] @ [k, n]."""
+    shapes = [(8192, 8192, 8192), (16384, 7168, 2048), (16384, 2048, 7168)] if not ctx.small else \
+        [(256, 256, 256), (128, 64, 32)]
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, k, n in shapes if dtype == torch.bfloat16 else shapes[:1]:
+            a = torch.randn(m, k, device=ctx.device, dtype=dtype)
+            b = torch.randn(k, n, device=ctx.device, dtype=dtype)
+            seconds = ctx.timer(lambda: a @ b)
+            out[f"{_name(dtype)} {m}x{k}x{n}"] = _rate(2 * m * k * n, seconds)
+            del a, b
+    return out
+
+
+def ns_block_families(small: bool) -> dict:
+    """{(rows, cols): number of blocks} of every Muon block family of Kimi K2 (debug preset with
+    --small), from one dense and one MoE layer: the planner's own splits (models/splits.py)."""
+    from benchmarks.matmul_rate import block_shape_counts
+    from models import Transformer, preset
+    from models.splits import muon_splits
+
+    config = preset("debug" if small else "kimi_k2_1t", n_layers=2, n_dense_layers=1)
+    with torch.device("meta"):
+        model = Transformer(config)
+    splits = muon_splits(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n in splits}
+    return dict(block_shape_counts(shapes, splits))
+
+
+def ns_variants() -> dict:
+    """{label: orthogonalize kwargs}: every coefficient set, and every method where
+    `optim.newton_schulz` offers more than one (a `METHODS` tuple and a `method` argument)."""
+    import inspect
+
+    from optim import newton_schulz as ns
+
+    sets = list(ns.COEFFICIENT_SETS)
+    methods = list(getattr(ns, "METHODS", ()) or getattr(ns, "NS_METHODS", ()))
+    if methods and "method" in inspect.signature(ns.orthogonalize).parameters:
+        return {f"{m}/{c}": {"method": m, "coefficients": c} for m in methods for c in sets}
+    return {c: {"coefficients": c} for c in sets}
+
+
+def section_ns(ctx) -> dict:
+    from optim.newton_schulz import ns_flops, orthogonalize
+
+    families = ns_block_families(ctx.small)
+    if ctx.small:  # the three families with the most NS FLOPs: same code path, seconds on a CPU
+        families = dict(sorted(families.items(), key=lambda kv: -kv[1] * ns_flops(*kv[0]))[:3])
+    cap_bytes = (64 << 20) if ctx.small else (1 << 30)  # one batch of blocks per family, at most this
+    out = {"families": {f"{r}x{c}": n for (r, c), n in families.items()}, "rates": {}}
+    dtypes = (torch.bfloat16, torch.float32)
+    for label, kwargs in ns_variants().items():
+        for dtype in dtypes:
+            rates, total_flops, total_s = {}, 0.0, 0.0
+            for (r, c), n in families.items():
+                if dtype == torch.float32 and (r, c) != max(families, key=lambda s: families[s] * s[0] * s[1]):
+                    continue  # fp32: only the dominant family (time)
+                batch = max(1, min(n, cap_bytes // (r * c * 2)))
+                x = torch.randn(batch, r, c, device=ctx.device, dtype=dtype)
+                seconds = ctx.timer(lambda: orthogonalize(x, **kwargs))
+                flops = batch * ns_flops(r, c)
+                rates[f"{r}x{c}"] = _rate(flops, seconds)
+                # weight each family by its share of a whole step's NS FLOPs
+                total_flops += n * ns_flops(r, c)
+                total_s += n * ns_flops(r, c) / (rates[f"{r}x{c}"] * 1e12)
+                del x
+            out["rates"][f"{label} {_name(dtype)}"] = {"per_family_tflops": rates,
+                                                        "step_weighted_tflops": total_flops / total_s / 1e12}
+    return out
+
+
+def section_grouped_mm(ctx) -> dict:
+    """grouped_linear on Kimi K2 expert shapes: L local experts, `rows` token copies each."""
+    from models.experts import grouped_linear, swiglu_experts
+
+    L, D, Fh, rows = (48, 7168, 2048, 512) if not ctx.small else (4, 64, 32, 16)
+    dtype = torch.bfloat16
+    counts_L = torch.full((L,), rows, dtype=torch.int64, device=ctx.device)
+    x_TD = torch.randn(L * rows, D, device=ctx.device, dtype=dtype)
+    w1 = torch.randn(L, Fh, D, device=ctx.device, dtype=dtype) * D**-0.5
+    w2 = torch.randn(L, D, Fh, device=ctx.device, dtype=dtype) * Fh**-0.5
+    w3 = torch.randn(L, Fh, D, device=ctx.device, dtype=dtype) * D**-0.5
+    h_TF = torch.randn(L * rows, Fh, device=ctx.device, dtype=dtype)
+    T = L * rows
+    out = {"shape": {"local_experts": L, "rows_per_expert": rows, "dim": D, "hidden": Fh}}
+    out["w1_forward_tflops"] = _rate(2 * T * D * Fh, ctx.timer(lambda: grouped_linear(x_TD, w1, counts_L)))
+    out["w2_forward_tflops"] = _rate(2 * T * D * Fh, ctx.timer(lambda: grouped_linear(h_TF, w2, counts_L)))
+    ws = [w.requires_grad_() for w in (w1, w2, w3)]
+    x_grad = x_TD.clone().requires_grad_()
+
+    def forward_backward():
+        swiglu_experts(x_grad, *ws, counts_L).float().square().mean().backward()
+
+    out["swiglu_forward_backward_tflops"] = _rate(3 * 3 * 2 * T * D * Fh, ctx.timer(forward_backward))
+    return out
+
+
+def section_attention(ctx) -> dict:
+    """SDPA on MLA shapes, causal; FLOPs counted for the causal half: S^2/2 keys x 2 (qk + v) per head."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, S, QK, V = (1, 64, 4096, 192, 128) if not ctx.small else (1, 2, 64, 24, 16)
+    dtype = torch.bfloat16
+    q, k = (torch.randn(B, H, S, QK, device=ctx.device, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, H, S, V, device=ctx.device, dtype=dtype)
+    v_padded = F.pad(v, (0, QK - V))
+    flops = B * H * S * S * (QK + V)  # 2 * (S^2 / 2) * (QK + V): causal half
+    out = {"shape": {"batch": B, "heads": H, "seq": S, "qk_head_dim": QK, "v_head_dim": V}}
+    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    for label, values in (("v128", v), ("v_padded_to_qk", v_padded)):
+        for name, backend in backends.items():
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext(), \
+                        warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "kernel not used because ...": recorded below instead
+                    seconds = ctx.timer(lambda: F.scaled_dot_product_attention(q, k, values, is_causal=True))
+                out[f"{label} {name} forward_tflops"] = _rate(flops, seconds)
+            except Exception as e:  # the backend refuses these shapes (not eligible)
+                out[f"{label} {name} forward_tflops"] = f"not eligible: {str(e).splitlines()[0][:200]}"
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def forward_backward():
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).float().square().mean().backward()
+
+    out["v128 default forward_backward_tflops"] = _rate(3.5 * flops, ctx.timer(forward_backward))  # bwd ~2.5x fwd
+    return out
+
+
+def section_train_step(ctx) -> dict:
+    """One real training step of the runtime on one device (a world of 1), largest that fits."""
+    import torch.distributed as dist
+
+    from runtime.metrics import flops_per_token, peak_flops
+
+    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    capacity = (torch.cuda.get_device_properties(ctx.device).total_memory if ctx.device.type == "cuda"
+                else 8 << 30)
+    argv = train_argv(ctx.small, ctx.device, capacity)
+    out = {"argv": argv}
+    steps = 1 if ctx.small else 3
+    try:
+        out.update(_train_steps(ctx, argv, steps))
+    except torch.cuda.OutOfMemoryError as e:  # the estimate was too optimistic: half the layers, once
+        out["first_attempt"] = f"out of memory: {str(e).splitlines()[0]}"
+    if "first_attempt" in out:  # retried outside the handler, so the failed attempt's frames are freed
+        gc.collect()
+        torch.cuda.empty_cache()
+        argv = train_argv(ctx.small, ctx.device, capacity, layer_fraction=0.5)
+        out.update(argv=argv, **_train_steps(ctx, argv, steps))
+    config = out.pop("_config")
+    seq = config.data.seq_len
+    fpt = flops_per_token(config.model, seq)
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
+    out["tokens_per_s"] = config.data.tokens_per_step() / out["step_time_s"]
+    out["model_tflops_per_s"] = fpt * out["tokens_per_s"] / 1e12
+    out["mfu"] = out["model_tflops_per_s"] * 1e12 / peak if peak else None
+    return out
+
+
+TRAIN_STATE_FRACTION = 0.45  # of device memory for weights, grads and optimizer state; the rest: activations
+
+
+def train_argv(small: bool, device: torch.device, capacity: int, layer_fraction: float = 1.0) -> list[str]:
+    """Overrides for the step: moonlight_16b widths, layers chosen by `state_bytes` (debug if small)."""
+    from models import preset
+
+    common = ["--data.source=synthetic", "--checkpoint.interval=0", "--training.steps=100",
+              "--training.warmup_steps=1", f"--training.device={device.type}", "--run.dir=/tmp/twinmesh_gpu_check"]
+    if small:
+        return common + ["--model.preset=debug", "--data.seq_len=32", "--data.batch_size=4"]
+    layers = 2
+    while layers < 27 and state_bytes(preset("moonlight_16b", n_layers=layers + 1)) <= TRAIN_STATE_FRACTION * capacity:
+        layers += 1
+    layers = max(2, int(layers * layer_fraction))
+    return common + ["--model.preset=moonlight_16b", f"--model.n_layers={layers}", "--data.seq_len=4096",
+                     "--data.batch_size=2", "--training.dtype=bfloat16"]
+
+
+def state_bytes(config) -> int:
+    """Estimated bytes of fp32 weights + fp32 gradients + optimizer state: Muon momentum (4 B) for
+    the declared matrices, AdamW moments (8 B) for the rest; activations are not estimated."""
+    from models import Transformer
+    from models.splits import muon_splits
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    muon = muon_splits(model)
+    total = 0
+    for name, p in model.named_parameters():
+        total += p.numel() * (4 + 4 + (4 if name in muon else 8))
+    return total
+
+
+def _train_steps(ctx, argv, steps: int = 3) -> dict:
+    from parallel.meshes import build_meshes
+    from runtime import train as T
+    from runtime.config import load_config
+    from runtime.syncs import count_syncs, mark_optimizer_host_state
+
+    config = load_config(argv)
+    layout = config.layout(1)
+    meshes = build_meshes(layout, ctx.device.type)
+    model = build_model_quick(config, meshes, layout, ctx.device)
+    optimizer = T.build_optimizer(model, config)
+    scheduler = T.build_scheduler(optimizer, config.training)
+    loader = T.build_loader(config, meshes, layout)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    ctx.progress(f"train_step: {config.model.n_layers} layers, {config.data.tokens_per_step()} tokens; warm-up step")
+    first = T.train_step(model, optimizer, scheduler, loader, config, ctx.device)
+    mark_optimizer_host_state(optimizer)
+    with count_syncs(ctx.device.type) as syncs:
+        counted = T.train_step(model, optimizer, scheduler, loader, config, ctx.device)
+    times = [T.train_step(model, optimizer, scheduler, loader, config, ctx.device) for _ in range(steps)]
+    step_times = sorted(s["step_time_s"] for s in times)
+    out = {"_config": config, "n_layers": config.model.n_layers, "tokens_per_step": config.data.tokens_per_step(),
+           "first_step_s": first["step_time_s"], "step_time_s": step_times[len(step_times) // 2],
+           "optimizer_time_s": sorted(s["optimizer_time_s"] for s in times)[len(times) // 2],
+           "losses": [first["loss"], counted["loss"]] + [s["loss"] for s in times],
+           "host_syncs": syncs.as_dict(), "state_bytes_estimate_gib": state_bytes(config.model) / 2**30}
+    if ctx.device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    del model, optimizer
+    return out
+
+
+def build_model_quick(config, meshes, layout, device):
+    """runtime.train.build_model, but random normal weights drawn on the device instead of the
+    seeded, layout-independent init (which draws on the CPU row by row: minutes for billions)."""
+    from models import Transformer
+    from parallel.parallelize import parallelize
+
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    parallelize(model, meshes, layout)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.dim() == 1:
+                local.fill_(1.0)  # norm weights
+            else:
+                local.normal_(0.0, config.model.init_std)
+        for b in model.buffers():
+            b.zero_()
+    for router in model.routers():
+        router.aux_loss_weight = 1.0 / config.training.grad_accum
+    return model
+
+
+def section_calibration(ctx) -> dict:
+    """The keys the projections read, from the sections above (missing ones are left out)."""
+    r = ctx.results
+    out = {}
+    ns = r.get("ns", {}).get("rates", {})
+    expert = {d: v["per_family_tflops"].get("2048x7168") for d in ("bfloat16", "float32")
+              for k, v in ns.items() if k == f"jordan {d}"}
+    kimi = {d: t * 1e3 for d, t in expert.items() if isinstance(t, float)}
+    if ctx.small:  # the debug preset has no 2048 x 7168 family: its step-weighted rate stands in
+        kimi = {d: ns[f"jordan {d}"]["step_weighted_tflops"] * 1e3 for d in ("bfloat16", "float32")
+                if f"jordan {d}" in ns}
+    if kimi:
+        out["kimi_blocks_gflops"] = kimi
+    rates = {}
+    matmul = r.get("matmul", {})
+    bf16 = [v for k, v in matmul.items() if k.startswith("bfloat16") and isinstance(v, float)]
+    if bf16:
+        rates["matmul_bf16"] = max(bf16)
+    gm = r.get("grouped_mm", {})
+    if isinstance(gm.get("swiglu_forward_backward_tflops"), float):
+        rates["grouped_mm_bf16"] = gm["swiglu_forward_backward_tflops"]
+    att = r.get("attention", {})
+    if isinstance(att.get("v128 default forward_backward_tflops"), float):
+        rates["attention_bf16"] = att["v128 default forward_backward_tflops"]
+    ts = r.get("train_step", {})
+    if isinstance(ts.get("mfu"), float):
+        rates["train_step_mfu"] = ts["mfu"]
+    out["rates_tflops"] = rates
+    return out
+
+
+SECTIONS = {"env": section_env, "matmul": section_matmul, "ns": section_ns, "grouped_mm": section_grouped_mm,
+            "attention": section_attention, "train_step": section_train_step, "calibration": section_calibration}
+
+
+def _rate(flops: float, seconds: float) -> float:
+    return flops / seconds / 1e12
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class Context:
+    def __init__(self, args):
+        self.device = torch.device(args.device)
+        self.small = args.small
+        self.timer = Timer(self.device, target_s=0.02 if args.small else 0.3, max_iters=5 if args.small else 50)
+        self.results = {}
+        self.start = time.perf_counter()
+        self.budget_s = args.budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def progress(self, message: str) -> None:
+        print(f"[gpu_check {self.elapsed():6.1f}s] {message}", flush=True)
+
+
+def run(args) -> dict:
+    ctx = Context(args)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    wanted = args.sections.split(",") if args.sections else list(SECTIONS)
+    for name in wanted:
+        if ctx.elapsed() > ctx.budget_s and name != "calibration":
+            ctx.results[name] = {"skipped": f"time budget of {ctx.budget_s:.0f} s spent"}
+            ctx.progress(f"{name}: skipped (budget)")
+        else:
+            ctx.progress(f"{name}: start")
+            t0 = time.perf_counter()
+            try:
+                ctx.results[name] = SECTIONS[name](ctx)
+                ctx.results[name]["seconds"] = time.perf_counter() - t0
+                ctx.progress(f"{name}: done in {time.perf_counter() - t0:.1f}s: {_summary(ctx.results[name])}")
+            except Exception as e:  # recorded, and the next section still runs
+                ctx.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                ctx.progress(f"{name}: FAILED: {type(e).__name__}: {str(e)[:300]}")
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        _write(args.json, ctx)
+    calibration = ctx.results.get("calibration", {})
+    for key in ("kimi_blocks_gflops", "rates_tflops"):  # top level: what device_model.calibrate reads
+        if key in calibration:
+            ctx.results[key] = calibration[key]
+    ctx.results["device"] = ctx.results.get("env", {}).get("name", str(ctx.device))
+    _write(args.json, ctx)
+    _teardown()
+    return ctx.results
+
+
+def _summary(result: dict) -> str:
+    flat = {k: v for k, v in result.items() if isinstance(v, float) and k != "seconds"}
+    return ", ".join(f"{k} {v:.3g}" for k, v in list(flat.items())[:6])
+
+
+def _write(path: str | None, ctx) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(ctx.results, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the results (and the calibration keys) here, after every section")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes and the debug preset (the CPU test)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="start no section (but the calibration) after this many seconds")
+    p.add_argument("--sections", default="", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: torch sees no CUDA device (use --device cpu --small for the CPU check)")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
