@@ -1,0 +1,413 @@
+"""Project one whole training step per layout: FLOPs, bytes per mesh and link, host syncs, time, MFU.
+
+    python benchmarks/step_projection.py --config PATH [--world N] [--json PATH] [--device h100|h200]
+        [--calibration gpu_check.json] [--act-dtype float32|bfloat16] [--compare]
+
+No process group, nothing allocated: the model is built on the meta device and every number comes
+from shapes, the layout and the runtime's own rules. Per rank and step (one rank stands for all;
+token loads are assumed uniform):
+  flops       model FLOPs (runtime.metrics.flops_per_token x tokens / world), split into dense
+              matmuls, routed experts and attention
+  fsdp        per FSDP unit (parallel/fsdp.py: each block's dense part on the dense mesh, each
+              GroupedExperts on the expert mesh, the embedding, norm + output head): all-gather in
+              forward and again in backward (reshard_after_forward), reduce-scatter of gradients,
+              every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
+              (every micro-batch: gradient sync is not deferred). Shards padded as FSDP2 pads them.
+  ep          dispatch + combine all-to-alls, forward and backward, per MoE layer and micro-batch:
+              t K D bytes, (ep - 1)/ep of it to peers under uniform routing (t local tokens)
+  cp          K/V all-gather (backward: reduce-scatter) and the positions' all-gather per layer and
+              micro-batch: the expanded K/V
+              (H (qk + v) values per token, what parallel/context_parallel.py gathers today) or the
+              MLA latent (kv_lora_rank + rope dim) with --cp-gather latent
+  optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
+              planner + device model)
+  host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches (runtime/syncs.py, measured by
+              benchmarks/host_syncs.py and tests/test_host_syncs.py)
+Bytes follow benchmarks/counters.py's convention (what leaves a rank, self excluded: all-gather
+shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
+peers); a peer on the same node (8 GPUs, rank-major meshes) is intra-node (NVLink), else inter.
+
+Time (device model: benchmarks/device_model.py links; compute rates below, or measured with
+--calibration from benchmarks/gpu_check.py):
+    step = max(compute + ep + cp, fsdp_nvlink, fsdp_network) + optimizer + host_syncs x SYNC_S
+FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max); the EP and
+CP collectives sit on the critical path (the runtime does not overlap them); a host sync is
+charged SYNC_S of idle device. MFU = model FLOPs / (step x peak).
+Memory per GPU: fp32 weights + gradients + optimizer state of the local shards, the two largest
+units unsharded (prefetch), and activations of one layer plus a t x D checkpoint per layer (that is,
+WITH activation checkpointing, which the runtime does not have yet: without it the K2/V3 presets
+need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+GPUS_PER_NODE = 8
+SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
+FIT_FRACTION = 0.9
+# Compute rates as fractions of the bf16 peak, until gpu_check measures them (assumptions):
+# large GEMMs reach ~70%, grouped expert GEMMs with a few hundred rows per expert ~55%,
+# causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
+DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes one rank sends per step over NVLink (intra) and the network (inter)."""
+    intra: float = 0.0
+    inter: float = 0.0
+
+    def __add__(self, other):
+        return Link(self.intra + other.intra, self.inter + other.inter)
+
+    def scale(self, k: float) -> "Link":
+        return Link(self.intra * k, self.inter * k)
+
+    @property
+    def total(self) -> float:
+        return self.intra + self.inter
+
+
+def peers(size: int, stride: int, gpus_per_node: int = GPUS_PER_NODE) -> tuple[int, int]:
+    """(peers on my node, peers elsewhere) in a group of `size` ranks spaced `stride` apart (rank 0's
+    group; mesh groups are translates of it)."""
+    same = sum(1 for i in range(1, size) if (i * stride) // gpus_per_node == 0)
+    return same, size - 1 - same
+
+
+def all_gather(shard_bytes: float, size: int, stride: int) -> Link:
+    same, other = peers(size, stride)
+    return Link(shard_bytes * same, shard_bytes * other)
+
+
+def all_reduce(nbytes: float, size: int, stride: int) -> Link:
+    same, other = peers(size, stride)
+    return Link(2 * nbytes * same / size, 2 * nbytes * other / size)
+
+
+# -- the layout's groups: (size, stride) of rank 0's group, rank-major meshes (parallel/meshes.py)
+
+def groups(layout) -> dict:
+    dense_inner = layout.dp_shard * layout.cp
+    return {"dp_shard_cp": (dense_inner, 1), "dp_replicate": (layout.dp_replicate, dense_inner),
+            "cp": (layout.cp, 1), "ep": (layout.ep, 1), "edp_shard": (layout.edp_shard, layout.ep),
+            "edp_replicate": (layout.edp_replicate, layout.edp_shard * layout.ep)}
+
+
+# -- FSDP units of the meta model, as parallel/fsdp.py wraps them
+
+def fsdp_units(model) -> list[tuple[str, list[torch.Size]]]:
+    """[(mesh "dense"|"expert", parameter shapes)] per FSDP unit, in forward order."""
+    from models.experts import GroupedExperts
+
+    units = [("dense", [p.shape for p in model.tok_embeddings.parameters()])]
+    for block in model.layers:
+        expert_ids = set()
+        for m in block.modules():
+            if isinstance(m, GroupedExperts):
+                units.append(("expert", [p.shape for p in m.parameters()]))
+                expert_ids |= {id(p) for p in m.parameters()}
+        units.append(("dense", [p.shape for p in block.parameters() if id(p) not in expert_ids]))
+    units.append(("dense", [p.shape for p in model.norm.parameters()] + [p.shape for p in model.output.parameters()]))
+    return units
+
+
+def _shard_numel(shape, shard_dim: int, size: int) -> int:
+    """Elements of one padded FSDP2 shard: ceil(dim / size) rows of the sharded dim."""
+    return math.ceil(shape[shard_dim] / size) * math.prod(shape) // max(1, shape[shard_dim])
+
+
+def unit_shard_numel(mesh: str, shapes, layout, n_experts: int) -> int:
+    """Elements of this rank's (padded) shard of one unit."""
+    if mesh == "dense":
+        return sum(_shard_numel(s, 0, layout.dp_shard * layout.cp) for s in shapes)
+    local = [(s[0] // layout.ep, *s[1:]) for s in shapes]  # the ep rank's experts
+    dim = layout.expert_shard_dim(n_experts)
+    return sum(_shard_numel(s, dim, layout.edp_shard) for s in local)
+
+
+def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, grad_bytes: int) -> dict:
+    """{"dense"|"expert": {"all_gather", "reduce_scatter", "all_reduce": Link}} per rank per step."""
+    g = groups(layout)
+    shard_axis = {"dense": g["dp_shard_cp"], "expert": g["edp_shard"]}
+    replicate_axis = {"dense": g["dp_replicate"], "expert": g["edp_replicate"]}
+    out = {m: {"all_gather": Link(), "reduce_scatter": Link(), "all_reduce": Link()} for m in ("dense", "expert")}
+    for mesh, shapes in units:
+        shard = unit_shard_numel(mesh, shapes, layout, config.n_routed_experts)
+        size, stride = shard_axis[mesh]
+        per_mb = {"all_gather": all_gather(shard * param_bytes, size, stride).scale(2),  # forward + backward
+                  "reduce_scatter": all_gather(shard * grad_bytes, size, stride),
+                  "all_reduce": all_reduce(shard * grad_bytes, *replicate_axis[mesh])}
+        for k, v in per_mb.items():
+            out[mesh][k] = out[mesh][k] + v.scale(micro_batches)
+    return out
+
+
+def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int) -> Link:
+    """Dispatch + combine, forward + backward, every MoE layer and micro-batch; uniform routing."""
+    size, stride = groups(layout)["ep"]
+    n_moe = config.n_layers - config.n_dense_layers
+    per_peer = local_tokens * config.n_activated_experts * config.dim * act_bytes / size
+    return all_gather(per_peer, size, stride).scale(4 * n_moe * micro_batches)
+
+
+def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
+               gather: str) -> dict:
+    """{"kv": K and V all-gather forward + reduce-scatter backward, "positions": their all-gather}
+    (Links), every layer and micro-batch."""
+    if layout.cp == 1:
+        return {"kv": Link(), "positions": Link()}
+    if gather == "latent":
+        values = config.kv_lora_rank + config.qk_rope_head_dim
+    elif config.attn == "mla":
+        values = config.n_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    else:
+        values = config.n_heads * 2 * config.head_dim
+    size, stride = groups(layout)["cp"]
+    per_step = config.n_layers * micro_batches
+    kv = all_gather(local_tokens * values * act_bytes, size, stride).scale(2 * per_step)  # K/V, their gradients
+    positions = all_gather(seq_len // layout.cp * 8, size, stride).scale(per_step)  # int64, one per local position
+    return {"kv": kv, "positions": positions}
+
+
+def flops_split(config, seq_len: int) -> dict:
+    """Training FLOPs per token: {"attention", "experts", "dense"} (sum = runtime.metrics.flops_per_token)."""
+    from runtime.metrics import flops_per_token
+
+    total = flops_per_token(config, seq_len)
+    if config.attn == "mla":
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    else:
+        qk = v = config.head_dim
+    attention = 3.0 * config.n_layers * config.n_heads * seq_len * (qk + v)
+    n_moe = config.n_layers - config.n_dense_layers
+    experts = 6.0 * n_moe * config.n_activated_experts * 3 * config.dim * config.moe_inter_dim
+    return {"attention": attention, "experts": experts, "dense": total - attention - experts}
+
+
+def sync_count(config, layout, micro_batches: int) -> int:
+    return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches
+
+
+def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int) -> dict:
+    """Per GPU (module docstring): states of the local shards, two unsharded units, activations."""
+    from models.splits import muon_splits
+
+    muon = muon_splits(model)
+    states = 0.0
+    for name, p in model.named_parameters():
+        expert = ".experts." in name
+        shards = layout.ep * layout.edp_shard if expert else layout.dp_shard * layout.cp
+        states += p.numel() / shards * (4 + 4 + (4 if name in muon else 8))
+    gathered = 2 * max(sum(math.prod(s) // (layout.ep if mesh == "expert" else 1) for s in shapes) * 4
+                       for mesh, shapes in units)
+    c = config
+    head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
+    per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
+    activations = local_tokens * act_bytes * (per_token_layer + c.n_layers * c.dim)
+    return {"states": states, "gathered_units": gathered, "activations": activations,
+            "total": states + gathered + activations}
+
+
+def project_layout(config_job, layout, device, rates: dict, args, optimizer=True) -> dict:
+    """Every number of one row of the table (module docstring), per rank and step."""
+    from models import Transformer
+
+    c = config_job.model
+    micro = config_job.training.grad_accum
+    seq = config_job.data.seq_len
+    tokens = config_job.data.tokens_per_step()
+    local_tokens = tokens // (layout.world_size * micro)  # per rank and micro-batch (dp x cp = world)
+    act_bytes = DTYPE_BYTES[args.act_dtype]
+    with torch.device("meta"):
+        model = Transformer(c)
+    units = fsdp_units(model)
+    fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4)
+    ep = ep_traffic(c, layout, local_tokens, micro, act_bytes)
+    cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
+    cp = cp_parts["kv"] + cp_parts["positions"]
+    split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
+    compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
+               + split["attention"] / rates["attention_bf16"])
+    fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
+    link_s = lambda link: (link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9))  # noqa: E731
+    ep_s, cp_s, (fsdp_nvlink_s, fsdp_network_s) = max(link_s(ep)), max(link_s(cp)), link_s(fsdp_total)
+    opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
+    syncs = sync_count(c, layout, micro)
+    step = max(compute + ep_s + cp_s, fsdp_nvlink_s, fsdp_network_s) + opt_s + syncs * SYNC_S
+    flops = sum(split.values())
+    memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes)
+    gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
+    return {
+        "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
+        "model_tflop_per_gpu": flops / 1e12, "flops_split_tflop": {k: v / 1e12 for k, v in split.items()},
+        "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
+        "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
+        "time_s": {"compute": compute, "ep": ep_s, "cp": cp_s, "fsdp_nvlink": fsdp_nvlink_s,
+                   "fsdp_network": fsdp_network_s, "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
+        "mfu": flops / (step * device.peak_tflops * 1e12),
+        "memory_gib": {k: v / 2**30 for k, v in memory.items()},
+        "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
+    }
+
+
+def optimizer_step_s(model_config, layout, device) -> float:
+    """The sharded Muon step of this layout: the optimizer projection's planner and device model."""
+    from benchmarks.device_model import project
+    from benchmarks.projection import NS_DTYPE, local_elements
+    from optim.plan import PlanOptions, make_plan
+    from optim.sharded_specs import model_specs
+
+    specs = model_specs(model_config, layout, dtype=torch.float32)
+    options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE,
+                          flops_per_s=device.sustained_tflops * 1e12,
+                          intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
+                          inter_node_bytes_per_s=device.network_gbs * 1e9)
+    plan = make_plan(specs, layout.world_size, options)
+    s = plan.stats
+    est = project(device, s.flops, s.sent_intra, s.recv_intra, s.sent_inter, s.recv_inter,
+                  local_elements(specs, layout.world_size), plan.num_buckets)
+    return est.step_s
+
+
+def describe(layout) -> str:
+    return (f"dense {layout.dp_replicate}x{layout.dp_shard}x{layout.cp} | experts "
+            f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}")
+
+
+def compute_rates(device, calibration: str | None) -> dict:
+    """FLOP/s per kind of compute: measured (gpu_check "rates_tflops") where given, else the defaults."""
+    rates = {k: f * device.peak_tflops * 1e12 for k, f in DEFAULT_EFFICIENCY.items()}
+    if calibration:
+        with open(calibration) as f:
+            measured = json.load(f).get("rates_tflops", {})
+        rates.update({k: v * 1e12 for k, v in measured.items() if k in rates})
+    return rates
+
+
+# -- candidate layouts and the command line
+
+def candidate_layouts(model_config, world: int, base) -> dict:
+    """{name: Layout} users would consider at `world` GPUs: dense FSDP inside a node (dp_shard=8)
+    replicated across nodes, and experts with ep inside a node (8) or across 4, 8, 16... nodes,
+    each with expert FSDP over the rest (edp_shard = world / ep), plus `base` (the config's own,
+    when it resolves at this world size)."""
+    from parallel.layout import ParallelConfig
+
+    E = model_config.n_routed_experts
+    out = {}
+    if base is not None:
+        out["config"] = base
+    for ep in (8, 32, 64, 128, 256):
+        if E % ep or world % ep or ep > world or (base is not None and (base.ep, base.edp_shard) == (ep, world // ep)
+                                                  and base.dp_shard == 8 and base.cp == 1):
+            continue  # not a layout, or the config's own
+        out[f"ep{ep}"] = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
+                                        edp_shard=world // ep).resolve(world)
+    return out
+
+
+def scaled_job(job, world: int, config_world: int):
+    """The job with the same tokens per GPU and micro-batches at `world` GPUs (weak scaling)."""
+    import dataclasses
+
+    batch = job.data.batch_size * world // config_world
+    return dataclasses.replace(job, data=dataclasses.replace(job.data, batch_size=batch))
+
+
+def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
+    rows = []
+    for world in worlds:
+        scaled = scaled_job(job, world, config_world)
+        base = job.parallel.resolve(world) if world == config_world else None
+        for name, layout in candidate_layouts(job.model, world, base).items():
+            row = project_layout(scaled, layout, device, rates, args)
+            row["name"] = name
+            rows.append(row)
+            print(format_row(row), flush=True)
+        fitting = [r for r in rows if r["world"] == world and r["fits"]]
+        best = min(fitting or [r for r in rows if r["world"] == world], key=lambda r: r["time_s"]["step"])
+        best["recommended"] = True
+        print(f"  recommended at {world} GPUs: {best['layout']} ({best['time_s']['step']:.2f} s, "
+              f"MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})", flush=True)
+    return rows
+
+
+HEADER = ("world layout                               step s  compute  ep s  cp s fsdpNVL fsdpNET   opt s syncs"
+          "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
+
+
+def format_row(r: dict) -> str:
+    t = r["time_s"]
+    fsdp_intra = sum(v["intra_gb"] for m in r["fsdp"].values() for v in m.values())
+    fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
+    return (f"{r['world']:5d} {r['layout']:36s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
+            f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
+            f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} {r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
+            f"{r['memory_gib']['total']:8.0f} {'yes' if r['fits'] else 'no':>4s}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="a job TOML (configs/*.toml): model, batch, micro-batches, layout")
+    p.add_argument("--world", type=int, help="GPUs (default: the config layout's own world size)")
+    p.add_argument("--json", help="write {'rows': [...]} here")
+    p.add_argument("--device", default="h200", help="h100 | h200 (benchmarks/device_model.py)")
+    p.add_argument("--calibration", help="JSON written by benchmarks/gpu_check.py (measured rates)")
+    p.add_argument("--act-dtype", default="float32", choices=sorted(DTYPE_BYTES),
+                   help="dtype of dispatched tokens and gathered K/V (float32: the runtime today)")
+    p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPE_BYTES),
+                   help="dtype FSDP all-gathers weights in (float32: no mixed-precision policy today)")
+    p.add_argument("--cp-gather", default="expanded", choices=("expanded", "latent"))
+    p.add_argument("--compare", default="", help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
+    p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
+    return p.parse_args(argv)
+
+
+def config_world(job) -> int:
+    degrees = [job.parallel.dp_replicate, job.parallel.dp_shard, job.parallel.cp]
+    if any(d < 1 for d in degrees):
+        raise ValueError(f"{job.parallel}: --world is needed when the config infers degrees (-1)")
+    return math.prod(degrees)
+
+
+def main(argv=None) -> dict:
+    from benchmarks.device_model import device_model
+    from runtime.config import load_config
+
+    args = parse_args(argv)
+    job = load_config(["--config", args.config])
+    device = device_model(args.device, args.calibration)
+    rates = compute_rates(device, args.calibration)
+    world = args.world or config_world(job)
+    print(f"{job.model_preset}: {job.data.tokens_per_step()} tokens per step at {config_world(job) if not args.world else world} "
+          f"GPUs, {job.training.grad_accum} micro-batches; {device.name}; compute "
+          + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rates.items()) + " TFLOP/s")
+    print(HEADER)
+    if args.compare:
+        rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
+    else:
+        row = project_layout(job, job.parallel.resolve(world), device, rates, args)
+        row["name"] = "config"
+        rows = [row]
+        print(format_row(row))
+    out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
+           "act_dtype": args.act_dtype, "param_dtype": args.param_dtype, "cp_gather": args.cp_gather, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
