@@ -70,6 +70,8 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1  # lr at the last step, as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: fraction of all steps spent decaying, at the end
     grad_accum: int = 1  # micro-batches per optimizer step (data.batch_size is split into them)
+    grad_sync: Literal["every", "replicas_last", "last"] = "every"  # gradient reduction with grad_accum: every micro-batch; HSDP all-reduce only after the last; all reduction after the last (parallel/overlap.py)
+    fsdp_prefetch: int = 0  # FSDP units all-gathered ahead, forward and backward, on both meshes (0 = FSDP2's implicit prefetch)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) if available, else cpu (gloo)
     log_interval: int = 1  # print a log line every N steps (metrics.jsonl gets every step)
     max_nonfinite_steps: int = 10  # stop (exit 3) after this many consecutive non-finite steps (0 = never)
@@ -80,7 +82,8 @@ class TrainingConfig:
                   "warmup_steps": (self.warmup_steps >= 0, ">= 0"),  # > steps is fine: a short run only warms up
                   "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
                   "decay_fraction": (0 <= self.decay_fraction <= 1, "in [0, 1]"),
-                  "grad_accum": (self.grad_accum >= 1, ">= 1"), "log_interval": (self.log_interval >= 1, ">= 1"),
+                  "grad_accum": (self.grad_accum >= 1, ">= 1"), "fsdp_prefetch": (self.fsdp_prefetch >= 0, ">= 0"),
+                  "log_interval": (self.log_interval >= 1, ">= 1"),
                   "max_nonfinite_steps": (self.max_nonfinite_steps >= 0, ">= 0")}
         for key, (ok, expected) in checks.items():
             if not ok:

@@ -32,6 +32,7 @@ from optim.sharded_muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import Layout
 from parallel.meshes import Meshes
+from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.parallelize import parallelize
 from runtime import checkpoint
 from runtime.config import JobConfig
@@ -58,6 +59,7 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     t = config.training
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
                 activation_checkpoint=t.activation_checkpoint)
+    set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
     if not init_from_pretrained(config, model, dist.get_rank() if dist.is_initialized() else 0):
         model.init_weights(seed=config.training.seed)
@@ -97,10 +99,15 @@ def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) 
     return loss_fn(logits_BSV, labels_BS, global_tokens)
 
 
-def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device) -> torch.Tensor:
-    """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss."""
+def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device,
+                     grad_sync: str = "every") -> torch.Tensor:
+    """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss.
+    `grad_sync`: when FSDP reduces the gradients (parallel/overlap.py)."""
     local_loss = torch.zeros((), device=device)
-    for micro_batch in micro_batches:
+    micro_batches = list(micro_batches)
+    for i, micro_batch in enumerate(micro_batches):
+        if grad_sync != "every":
+            set_gradient_sync(model, grad_sync, last_micro_batch=i == len(micro_batches) - 1)
         loss = micro_batch_loss(model, micro_batch, global_tokens, device)
         loss.backward()
         local_loss += loss.detach()
@@ -115,9 +122,11 @@ class NextToken:
 
     def __init__(self, config: JobConfig):
         self.global_tokens = config.data.tokens_per_step()
+        self.grad_sync = config.training.grad_sync
 
     def forward_backward(self, model, micro_batches, device) -> tuple[torch.Tensor, int, dict]:
-        return forward_backward(model, micro_batches, self.global_tokens, device), self.global_tokens, {}
+        return (forward_backward(model, micro_batches, self.global_tokens, device, self.grad_sync),
+                self.global_tokens, {})
 
     def after_step(self, model) -> None:
         pass
