@@ -12,7 +12,8 @@ token loads are assumed uniform):
               GroupedExperts on the expert mesh, the embedding, norm + output head): all-gather in
               forward and again in backward (reshard_after_forward), reduce-scatter of gradients,
               every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
-              (every micro-batch: gradient sync is not deferred). Shards padded as FSDP2 pads them.
+              (every micro-batch; fewer with --grad-sync, parallel/overlap.py). Shards padded as
+              FSDP2 pads them.
   ep          dispatch + combine all-to-alls, forward and backward, per MoE layer and micro-batch:
               t K D bytes, (ep - 1)/ep of it to peers under uniform routing (t local tokens)
   cp          K/V all-gather (backward: reduce-scatter) and the positions' all-gather per layer and
@@ -136,8 +137,13 @@ def unit_shard_numel(mesh: str, shapes, layout, n_experts: int) -> int:
     return sum(_shard_numel(s, dim, layout.edp_shard) for s in local)
 
 
-def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, grad_bytes: int) -> dict:
-    """{"dense"|"expert": {"all_gather", "reduce_scatter", "all_reduce": Link}} per rank per step."""
+def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, grad_bytes: int,
+                 grad_sync: str = "every") -> dict:
+    """{"dense"|"expert": {"all_gather", "reduce_scatter", "all_reduce": Link}} per rank per step.
+    grad_sync (parallel/overlap.py): reduce-scatter every micro-batch unless "last"; the HSDP
+    all-reduce every micro-batch only with "every"."""
+    times = {"all_gather": micro_batches, "reduce_scatter": 1 if grad_sync == "last" else micro_batches,
+             "all_reduce": micro_batches if grad_sync == "every" else 1}
     g = groups(layout)
     shard_axis = {"dense": g["dp_shard_cp"], "expert": g["edp_shard"]}
     replicate_axis = {"dense": g["dp_replicate"], "expert": g["edp_replicate"]}
@@ -149,7 +155,7 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
                   "reduce_scatter": all_gather(shard * grad_bytes, size, stride),
                   "all_reduce": all_reduce(shard * grad_bytes, *replicate_axis[mesh])}
         for k, v in per_mb.items():
-            out[mesh][k] = out[mesh][k] + v.scale(micro_batches)
+            out[mesh][k] = out[mesh][k] + v.scale(times[k])
     return out
 
 
@@ -199,8 +205,9 @@ def sync_count(config, layout, micro_batches: int) -> int:
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches
 
 
-def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int) -> dict:
-    """Per GPU (module docstring): states of the local shards, two unsharded units, activations."""
+def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every") -> dict:
+    """Per GPU (module docstring): states of the local shards, two unsharded units, activations,
+    and with grad_sync="last" the unsharded fp32 gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -215,8 +222,12 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
     per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
     activations = local_tokens * act_bytes * (per_token_layer + c.n_layers * c.dim)
+    unsharded_grads = 0.0
+    if grad_sync == "last":
+        unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
+                                    for mesh, shapes in units for s in shapes)
     return {"states": states, "gathered_units": gathered, "activations": activations,
-            "total": states + gathered + activations}
+            "unsharded_grads": unsharded_grads, "total": states + gathered + activations + unsharded_grads}
 
 
 def project_layout(config_job, layout, device, rates: dict, args, optimizer=True) -> dict:
@@ -225,6 +236,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
 
     c = config_job.model
     micro = config_job.training.grad_accum
+    grad_sync = args.grad_sync or config_job.training.grad_sync
     seq = config_job.data.seq_len
     tokens = config_job.data.tokens_per_step()
     local_tokens = tokens // (layout.world_size * micro)  # per rank and micro-batch (dp x cp = world)
@@ -232,7 +244,8 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     with torch.device("meta"):
         model = Transformer(c)
     units = fsdp_units(model)
-    fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4)
+    fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4,
+                        grad_sync=grad_sync)
     ep = ep_traffic(c, layout, local_tokens, micro, act_bytes)
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
@@ -246,10 +259,11 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     syncs = sync_count(c, layout, micro)
     step = max(compute + ep_s + cp_s, fsdp_nvlink_s, fsdp_network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
-    memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes)
+    memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
+        "grad_sync": grad_sync,
         "model_tflop_per_gpu": flops / 1e12, "flops_split_tflop": {k: v / 1e12 for k, v in split.items()},
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
@@ -369,6 +383,8 @@ def parse_args(argv=None):
     p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="dtype FSDP all-gathers weights in (float32: no mixed-precision policy today)")
     p.add_argument("--cp-gather", default="expanded", choices=("expanded", "latent"))
+    p.add_argument("--grad-sync", default=None, choices=("every", "replicas_last", "last"),
+                   help="override the config's training.grad_sync (parallel/overlap.py)")
     p.add_argument("--compare", default="", help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
     return p.parse_args(argv)

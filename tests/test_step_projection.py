@@ -27,6 +27,8 @@ CASES = {  # dp_replicate, dp_shard, cp | edp_replicate, edp_shard, ep, and othe
     "cp2_ep8": ((1, 4, 2), (1, 1, 8), []),
     "fsdp8_ep2_accum2": ((1, 8, 1), (1, 4, 2), ["--training.grad_accum=2", "--data.batch_size=16"]),
     "experts_on_a_matrix_dim": ((1, 8, 1), (1, 4, 2), ["--model.n_routed_experts=4"]),
+    "hsdp_replicas_last_accum2": ((2, 4, 1), (2, 2, 2), ["--training.grad_accum=2", "--data.batch_size=16",
+                                                         "--training.grad_sync=replicas_last"]),
 }
 KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
          "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce", "alltoall_base_": "all_to_all"}
@@ -56,7 +58,8 @@ def _count(job, world):
     loader = T.build_loader(job, meshes, layout)
     counter = _ByKind()
     with counter:
-        T.forward_backward(model, loader.next_step(), job.data.tokens_per_step(), torch.device("cpu"), torch.float32)
+        T.forward_backward(model, loader.next_step(), job.data.tokens_per_step(), torch.device("cpu"), torch.float32,
+                           job.training.grad_sync)
     return dict(counter.sent), counter.counts.uncounted
 
 
