@@ -253,8 +253,8 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
                + split["attention"] / rates["attention_bf16"])
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
-    link_s = lambda link: (link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9))  # noqa: E731
-    ep_s, cp_s, (fsdp_nvlink_s, fsdp_network_s) = max(link_s(ep)), max(link_s(cp)), link_s(fsdp_total)
+    ep_s, cp_s = max(_link_seconds(ep, device)), max(_link_seconds(cp, device))
+    fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro)
     step = max(compute + ep_s + cp_s, fsdp_nvlink_s, fsdp_network_s) + opt_s + syncs * SYNC_S
@@ -273,6 +273,11 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
     }
+
+
+def _link_seconds(link: Link, device) -> tuple[float, float]:
+    """(NVLink seconds, network seconds) of one rank's bytes."""
+    return link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9)
 
 
 def optimizer_step_s(model_config, layout, device) -> float:
@@ -343,7 +348,7 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     rows = []
     for world in worlds:
         scaled = scaled_job(job, world, config_world)
-        base = job.parallel.resolve(world) if world == config_world else None
+        base = job.layout(world) if world == config_world else None
         for name, layout in candidate_layouts(job.model, world, base).items():
             row = project_layout(scaled, layout, device, rates, args)
             row["name"] = name
@@ -367,7 +372,8 @@ def format_row(r: dict) -> str:
     fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
     return (f"{r['world']:5d} {r['layout']:36s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
             f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
-            f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} {r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
+            f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} "
+            f"{r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
             f"{r['memory_gib']['total']:8.0f} {'yes' if r['fits'] else 'no':>4s}")
 
 
@@ -385,7 +391,8 @@ def parse_args(argv=None):
     p.add_argument("--cp-gather", default="expanded", choices=("expanded", "latent"))
     p.add_argument("--grad-sync", default=None, choices=("every", "replicas_last", "last"),
                    help="override the config's training.grad_sync (parallel/overlap.py)")
-    p.add_argument("--compare", default="", help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
+    p.add_argument("--compare", default="",
+                   help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
     return p.parse_args(argv)
 
@@ -393,7 +400,8 @@ def parse_args(argv=None):
 def config_world(job) -> int:
     degrees = [job.parallel.dp_replicate, job.parallel.dp_shard, job.parallel.cp]
     if any(d < 1 for d in degrees):
-        raise ValueError(f"{job.parallel}: --world is needed when the config infers degrees (-1)")
+        raise ValueError(f"parallel.dp_replicate x dp_shard x cp = {' x '.join(map(str, degrees))} infers a "
+                         f"degree (-1): pass --world")
     return math.prod(degrees)
 
 
@@ -406,14 +414,14 @@ def main(argv=None) -> dict:
     device = device_model(args.device, args.calibration)
     rates = compute_rates(device, args.calibration)
     world = args.world or config_world(job)
-    print(f"{job.model_preset}: {job.data.tokens_per_step()} tokens per step at {config_world(job) if not args.world else world} "
+    print(f"{job.model_preset}: {job.data.tokens_per_step()} tokens per step at {world} "
           f"GPUs, {job.training.grad_accum} micro-batches; {device.name}; compute "
           + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rates.items()) + " TFLOP/s")
     print(HEADER)
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
     else:
-        row = project_layout(job, job.parallel.resolve(world), device, rates, args)
+        row = project_layout(job, job.layout(world), device, rates, args)
         row["name"] = "config"
         rows = [row]
         print(format_row(row))

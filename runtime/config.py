@@ -70,8 +70,8 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1  # lr at the last step, as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: fraction of all steps spent decaying, at the end
     grad_accum: int = 1  # micro-batches per optimizer step (data.batch_size is split into them)
-    grad_sync: Literal["every", "replicas_last", "last"] = "every"  # gradient reduction with grad_accum: every micro-batch; HSDP all-reduce only after the last; all reduction after the last (parallel/overlap.py)
-    fsdp_prefetch: int = 0  # FSDP units all-gathered ahead, forward and backward, on both meshes (0 = FSDP2's implicit prefetch)
+    grad_sync: Literal["every", "replicas_last", "last"] = "every"  # when grad_accum reduces grads (parallel/overlap.py)
+    fsdp_prefetch: int = 0  # FSDP units all-gathered ahead on both meshes (0 = FSDP2's implicit prefetch)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) if available, else cpu (gloo)
     log_interval: int = 1  # print a log line every N steps (metrics.jsonl gets every step)
     max_nonfinite_steps: int = 10  # stop (exit 3) after this many consecutive non-finite steps (0 = never)

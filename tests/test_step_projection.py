@@ -107,3 +107,13 @@ def test_peers_against_an_explicit_rank_map():
         same = sum(1 for r in ranks[1:] if r // 8 == 0)
         assert peers(size, stride) == (same, size - 1 - same)
     assert peers(32, 8) == (0, 31) and peers(16, 1) == (7, 8)
+
+
+def test_command_line_on_the_debug_config(tmp_path):
+    from benchmarks.step_projection import main
+
+    out = main(["--config", "configs/debug.toml", "--world", "8", "--json", str(tmp_path / "p.json")])
+    (row,) = out["rows"]
+    assert row["layout"] == "dense 1x4x2 | experts 1x1x8"
+    assert row["host_syncs"] == 1 + 2  # the step's readback + 2 MoE layers x 1 micro-batch under ep=8
+    assert row["time_s"]["step"] > 0 and 0 < row["mfu"] < 1 and row["fits"]
