@@ -129,6 +129,18 @@ def ns_variants() -> dict:
     return {c: {"coefficients": c} for c in sets}
 
 
+def default_ns_variant(labels: list[str]) -> str:
+    """The variant the optimizer runs by default (optim/config.py), which the calibration reports."""
+    from optim.config import OptimConfig
+
+    config = OptimConfig()
+    method = getattr(config, "ns_method", None) or getattr(config, "method", None)
+    for label in labels:
+        if label in (config.coefficients, f"{method}/{config.coefficients}"):
+            return label
+    return next((label for label in labels if label.endswith(config.coefficients)), labels[0])
+
+
 def section_ns(ctx) -> dict:
     from optim.newton_schulz import ns_flops, orthogonalize
 
@@ -345,14 +357,19 @@ def section_calibration(ctx) -> dict:
     r = ctx.results
     out = {}
     ns = r.get("ns", {}).get("rates", {})
-    expert = {d: v["per_family_tflops"].get("2048x7168") for d in ("bfloat16", "float32")
-              for k, v in ns.items() if k == f"jordan {d}"}
-    kimi = {d: t * 1e3 for d, t in expert.items() if isinstance(t, float)}
-    if ctx.small:  # the debug preset has no 2048 x 7168 family: its step-weighted rate stands in
-        kimi = {d: ns[f"jordan {d}"]["step_weighted_tflops"] * 1e3 for d in ("bfloat16", "float32")
-                if f"jordan {d}" in ns}
+    label = default_ns_variant(list(ns_variants()))
+    kimi = {}
+    for d in ("bfloat16", "float32"):
+        rates = ns.get(f"{label} {d}")
+        if rates is None:
+            continue
+        # the debug preset (--small) has no 2048 x 7168 family: its step-weighted rate stands in
+        tflops = rates["step_weighted_tflops"] if ctx.small else rates["per_family_tflops"].get("2048x7168")
+        if isinstance(tflops, float):
+            kimi[d] = tflops * 1e3
     if kimi:
         out["kimi_blocks_gflops"] = kimi
+        out["kimi_blocks_variant"] = label
     rates = {}
     matmul = r.get("matmul", {})
     bf16 = [v for k, v in matmul.items() if k.startswith("bfloat16") and isinstance(v, float)]
