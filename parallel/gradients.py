@@ -91,11 +91,14 @@ def grad_norm(parameters, group=None) -> torch.Tensor:
     mesh axes of total size n is held by n ranks, so it is counted 1/n times. One `_foreach_norm`
     per (device, dtype, replica count) group of local shards (fp32 per-shard norms, as
     torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64, then one
-    all-reduce of one scalar (communication). No host sync."""
-    sq = torch.zeros((), dtype=torch.float64)
+    all-reduce of one scalar (communication). No host sync. `torch._foreach_norm`/`_foreach_mul_`
+    are private (checked on torch 2.13.0); torch.nn.utils.clip_grad_norm_ uses them too."""
+    sq = None  # created on the gradients' device: a CPU scalar copied over would be a blocking copy
     for (device, _, replicas), shards in _local_grads(parameters, group).items():
-        norms = torch._foreach_norm(shards)
-        sq = sq.to(device) + torch.stack(norms).double().square().sum() / replicas
+        part = torch.stack(torch._foreach_norm(shards)).double().square().sum() / replicas
+        sq = part if sq is None else sq + part.to(sq.device)
+    if sq is None:
+        sq = torch.zeros((), dtype=torch.float64)
     dist.all_reduce(sq, group=group)  # communication: one scalar
     return sq.sqrt().float()
 
