@@ -65,10 +65,14 @@ def main(argv=None) -> dict:
         json_path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
+    backend = "gloo"
+    if load_config(SMALL + argv).training.device_type() == "cuda":
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         result = measure(argv)
     finally:
