@@ -316,14 +316,16 @@ def compute_rates(device, calibration: str | None) -> dict:
 
 # -- candidate layouts and the command line
 
-def candidate_layouts(model_config, world: int, base) -> dict:
+def candidate_layouts(job, world: int, base) -> dict:
     """{name: Layout} users would consider at `world` GPUs: dense FSDP inside a node (dp_shard=8)
     replicated across nodes, and experts with ep inside a node (8) or across 4, 8, 16... nodes,
     each with expert FSDP over the rest (edp_shard = world / ep), plus `base` (the config's own,
     when it resolves at this world size)."""
+    import dataclasses
+
     from parallel.layout import ParallelConfig
 
-    E = model_config.n_routed_experts
+    E = job.model.n_routed_experts
     out = {}
     if base is not None:
         out["config"] = base
@@ -331,8 +333,10 @@ def candidate_layouts(model_config, world: int, base) -> dict:
         if E % ep or world % ep or ep > world or (base is not None and (base.ep, base.edp_shard) == (ep, world // ep)
                                                   and base.dp_shard == 8 and base.cp == 1):
             continue  # not a layout, or the config's own
-        out[f"ep{ep}"] = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
-                                        edp_shard=world // ep).resolve(world)
+        parallel = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
+                                  edp_shard=world // ep)
+        # the runtime's own checks (model, batch, micro-batches): a layout it would refuse is not a candidate
+        out[f"ep{ep}"] = dataclasses.replace(job, parallel=parallel).layout(world)
     return out
 
 
@@ -349,7 +353,7 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     for world in worlds:
         scaled = scaled_job(job, world, config_world)
         base = job.layout(world) if world == config_world else None
-        for name, layout in candidate_layouts(job.model, world, base).items():
+        for name, layout in candidate_layouts(scaled, world, base).items():
             row = project_layout(scaled, layout, device, rates, args)
             row["name"] = name
             rows.append(row)
