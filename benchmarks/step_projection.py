@@ -30,10 +30,13 @@ peers); a peer on the same node (8 GPUs, rank-major meshes) is intra-node (NVLin
 
 Time (device model: benchmarks/device_model.py links; compute rates below, or measured with
 --calibration from benchmarks/gpu_check.py):
-    step = max(compute + ep + cp, fsdp_nvlink, fsdp_network) + optimizer + host_syncs x SYNC_S
-FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max); the EP and
-CP collectives sit on the critical path (the runtime does not overlap them); a host sync is
-charged SYNC_S of idle device. MFU = model FLOPs / (step x peak).
+    step = max(compute + ep + cp, all bytes over NVLink, all bytes over the network) + optimizer
+           + host_syncs x SYNC_S
+FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
+the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
+CP collectives sit on the critical path (the runtime does not overlap them; --overlap-ep shows the
+what-if max(compute, ep + cp) instead); a host sync is charged SYNC_S of idle device.
+MFU = model FLOPs / (step x peak).
 Memory per GPU: fp32 weights + gradients + optimizer state of the local shards, the two largest
 units unsharded (prefetch), and activations of one layer plus a t x D checkpoint per layer (that is,
 WITH activation checkpointing, which the runtime does not have yet: without it the K2/V3 presets
@@ -255,9 +258,11 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
     ep_s, cp_s = max(_link_seconds(ep, device)), max(_link_seconds(cp, device))
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
+    nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro)
-    step = max(compute + ep_s + cp_s, fsdp_nvlink_s, fsdp_network_s) + opt_s + syncs * SYNC_S
+    exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
+    step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
@@ -268,7 +273,8 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
         "time_s": {"compute": compute, "ep": ep_s, "cp": cp_s, "fsdp_nvlink": fsdp_nvlink_s,
-                   "fsdp_network": fsdp_network_s, "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
+                   "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s, "all_network": network_s,
+                   "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
         "mfu": flops / (step * device.peak_tflops * 1e12),
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
@@ -395,6 +401,8 @@ def parse_args(argv=None):
     p.add_argument("--cp-gather", default="expanded", choices=("expanded", "latent"))
     p.add_argument("--grad-sync", default=None, choices=("every", "replicas_last", "last"),
                    help="override the config's training.grad_sync (parallel/overlap.py)")
+    p.add_argument("--overlap-ep", action="store_true",
+                   help="what-if: EP/CP collectives hidden behind compute (the runtime does not do this yet)")
     p.add_argument("--compare", default="",
                    help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
