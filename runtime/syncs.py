@@ -39,7 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HOST_SIDE = [0]  # depth of `host_side()` blocks
-_HOST_TENSORS = weakref.WeakSet()  # tensors declared host-resident (`mark_host`)
+# id -> weak reference of the tensors declared host-resident (`mark_host`); by identity, because a
+# WeakSet compares tensors with `==`, which is itself a tensor op
+_HOST_TENSORS: dict[int, weakref.ref] = {}
 
 # Data-dependent output shapes (the host reads a size from the device).
 _SHAPE_OPS = {
@@ -80,7 +82,7 @@ def mark_host(tensors) -> None:
     """Declare CPU tensors that stay on the host in a GPU run too: reading them is not a sync."""
     for t in tensors:
         if t.device.type == "cpu":
-            _HOST_TENSORS.add(t)
+            _HOST_TENSORS[id(t)] = weakref.ref(t, lambda _, key=id(t): _HOST_TENSORS.pop(key, None))
 
 
 def mark_optimizer_host_state(optimizer) -> None:
@@ -101,7 +103,8 @@ def _call_site() -> str:
 def _on_device(t, device_type: str) -> bool:
     if not isinstance(t, torch.Tensor) or t.device.type != device_type:
         return False
-    return not ((_HOST_SIDE[0] and t.device.type == "cpu") or t in _HOST_TENSORS)
+    marked = _HOST_TENSORS.get(id(t))
+    return not ((_HOST_SIDE[0] and t.device.type == "cpu") or (marked is not None and marked() is t))
 
 
 class _DispatchCounter(TorchDispatchMode):
