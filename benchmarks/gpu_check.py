@@ -10,13 +10,15 @@ the time budget (--budget-s) is recorded as skipped:
   matmul       bf16 matmul TFLOP/s (square and Kimi K2 token x expert shapes)
   ns           Newton-Schulz TFLOP/s (optim.newton_schulz.orthogonalize) per coefficient set (and
                per method, where that module offers several) on every Muon block family of Kimi K2
-               (one dense and one MoE layer: experts 2048 x 7168 hold ~98% of the NS FLOPs)
+               (one dense and one MoE layer: experts 2048 x 7168 hold ~98% of the NS FLOPs);
+               every method's rate counts standard NS FLOPs (`ns_flops` of "standard"), so rates
+               compare methods by time (Gram NS does fewer FLOPs for the same result)
   grouped_mm   models.experts.grouped_linear TFLOP/s, Kimi K2 expert shapes (48 local experts, ep=8)
                and the whole SwiGLU experts forward + backward
   attention    SDPA TFLOP/s on MLA shapes (64 heads, q/k 192, v 128, causal), per SDPA backend
                (which are eligible), and with v zero-padded to 192
   train_step   the runtime's train_step (runtime/train.py) on moonlight_16b widths with as many
-               layers as the memory estimate allows (bf16 autocast, Muon): tokens/s, MFU, peak
+               layers as the memory estimate allows (bf16 FSDP mixed precision, Muon): tokens/s, MFU, peak
                memory against the estimated weight + gradient + optimizer-state bytes, host syncs
   calibration  the keys the projections read: "kimi_blocks_gflops" {dtype: GFLOP/s} (what
                benchmarks/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
@@ -277,7 +279,7 @@ def train_argv(small: bool, device: torch.device, capacity: int, layer_fraction:
         layers += 1
     layers = max(2, int(layers * layer_fraction))
     return common + ["--model.preset=moonlight_16b", f"--model.n_layers={layers}", "--data.seq_len=4096",
-                     "--data.batch_size=2", "--training.dtype=bfloat16"]
+                     "--data.batch_size=2", "--training.param_dtype=bfloat16"]
 
 
 def state_bytes(config) -> int:

@@ -39,8 +39,9 @@ what-if max(compute, ep + cp) instead); a host sync is charged SYNC_S of idle de
 MFU = model FLOPs / (step x peak).
 Memory per GPU: fp32 weights + gradients + optimizer state of the local shards, the two largest
 units unsharded (prefetch), and activations of one layer plus a t x D checkpoint per layer (that is,
-WITH activation checkpointing, which the runtime does not have yet: without it the K2/V3 presets
-need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
+with full activation checkpointing, training.activation_checkpoint = "full": without it the K2/V3
+presets need ~1 MB per token and layer and fit no layout; launch/estimate_memory.py is the
+runtime's detailed estimate). A layout "fits" below FIT_FRACTION of memory.
 """
 
 import argparse
@@ -204,8 +205,11 @@ def flops_split(config, seq_len: int) -> dict:
     return {"attention": attention, "experts": experts, "dense": total - attention - experts}
 
 
-def sync_count(config, layout, micro_batches: int) -> int:
-    return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches
+def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
+    """1 per step + under EP 1 per MoE layer and micro-batch, twice when "full" checkpointing reruns
+    the whole MoE layer (a "selective" recompute of the experts reuses the split sizes)."""
+    per_layer = 2 if activation_checkpoint == "full" else 1
+    return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every") -> dict:
@@ -260,7 +264,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
-    syncs = sync_count(c, layout, micro)
+    syncs = sync_count(c, layout, micro, getattr(config_job.training, "activation_checkpoint", "none"))
     exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())

@@ -59,12 +59,16 @@ class ExchangedCounts:
     splits_2P: torch.Tensor  # host tensor: [send splits, recv splits]; valid once `ready` completed
     ready: object  # torch.cuda.Event recorded after the copy, or None (copy already complete)
 
+    sizes: tuple | None = None  # the Python ints, once read (a recomputed forward reuses them)
+
     def split_sizes(self) -> tuple[list[int], list[int]]:
-        """(send_splits, recv_splits) as Python ints: waits for the copy (the host sync)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        send, recv = self.splits_2P.tolist()  # a host tensor: no further device work
-        return send, recv
+        """(send_splits, recv_splits) as Python ints: waits for the copy (the host sync), once."""
+        if self.sizes is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            send, recv = self.splits_2P.tolist()  # a host tensor: no further device work
+            self.sizes = (send, recv)
+        return self.sizes
 
 
 def expert_parallel_exchange_counts(self: GroupedExperts, counts_E: torch.Tensor):

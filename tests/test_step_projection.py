@@ -57,7 +57,7 @@ def _count(job, world):
     loader = T.build_loader(job, meshes, layout)
     counter = _ByKind()
     with counter:
-        T.forward_backward(model, loader.next_step(), job.data.tokens_per_step(), torch.device("cpu"), torch.float32,
+        T.forward_backward(model, loader.next_step(), job.data.tokens_per_step(), torch.device("cpu"),
                            job.training.grad_sync)
     return dict(counter.sent), counter.counts.uncounted
 
