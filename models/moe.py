@@ -151,10 +151,11 @@ class _AddAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts.
 
-    Order of issue: the routed experts' count exchange (`exchange_counts`, an all-to-all under
-    expert parallelism) is queued first, then the shared experts, and only then do the routed
-    experts read the split sizes back to the host (the one host sync of the layer under EP): the
-    device computes the shared experts while the host waits for the counts."""
+    Under expert parallelism the count exchange (`exchange_counts`: an all-to-all and a
+    non-blocking copy of the split sizes to the host) is queued before the routed experts' FSDP
+    all-gather is issued; their forward then waits for the copy only (the layer's one host sync)
+    while the all-gather proceeds. (Issuing the shared experts in between would hide more, but
+    changes the order in which bf16 gradients of the layer input accumulate.)"""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -172,12 +173,11 @@ class MoE(nn.Module):
         # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
         order_N = torch.argsort(experts_TK.flatten(), stable=True)
         counts = self.experts.exchange_counts(expert_counts(experts_TK, self.router.n_experts))
-        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         y_sorted_ND = self.experts(x_TD[order_N // K], counts)
         y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
         # Combine in the compute dtype (the fp32 router weights are rounded to it; the sum over K
         # accumulates in fp32 inside torch's reduction): no fp32 copy of the N x D expert outputs.
         out_TD = (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)
-        if shared_TD is not None:
-            out_TD = out_TD + shared_TD
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(B, S, D)

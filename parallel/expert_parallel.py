@@ -4,8 +4,8 @@ After `apply_expert_parallel`, each GroupedExperts weight (w1 [E, F, D], w2 [E, 
 is a DTensor Shard(0) over the ep mesh: ep rank p owns experts [p*L, (p+1)*L), L = E/ep. Its
 `exchange_counts` and `forward` are swapped (same parameters, same names) for ones that
   1. exchange token counts per expert (all-to-all of ints) and queue ONE device-to-host copy of
-     both split-size vectors (pinned memory, non-blocking), then return; the MoE layer issues its
-     shared experts meanwhile;
+     both split-size vectors (pinned memory, non-blocking), then return; FSDP's all-gather of the
+     experts is issued meanwhile (the experts' pre-forward hook);
   1b. forward waits for that copy: the layer's only host sync, inherent to EP because NCCL's
      all-to-all takes its split sizes (and the receive buffer's size) as host integers,
   2. dispatches the expert-sorted token copies to the owning ranks (all-to-all, uneven splits),

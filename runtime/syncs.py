@@ -21,6 +21,9 @@ so the count is what the same code would do on a GPU, except copies between host
 live on the host in every run are declared so: `mark_host(tensors)` (e.g. AdamW's step counters,
 CPU scalars by torch's convention and ours), and code that deliberately works on host data runs
 under `host_side()`. Collectives are not syncs: NCCL orders them on the stream.
+Blind spot (torch 2.13.0): torch-function modes are not active while autograd recomputes an
+activation-checkpointed region, so a CPU run misses `.tolist()` there (dispatch-level syncs such
+as `.item()` are still counted; on a GPU the tolist is a device-to-host copy and is counted).
 
 Private torch API (checked on torch 2.13.0): `torch.utils._python_dispatch.TorchDispatchMode`, the
 documented way to intercept dispatcher calls (no public alias), as in benchmarks/counters.py.
