@@ -6,7 +6,8 @@ Modes (`training.activation_checkpoint`):
              (norms, attention, router, expert dispatch, experts, combine, shared experts) reruns.
   selective  in every block, the attention (`block.attention`: projections, RoPE, SDPA, and under
              cp the K/V all-gather) and the routed experts (every GroupedExperts: under ep the
-             count exchange, dispatch all-to-all, grouped matmuls and combine all-to-all). Saved as
+             dispatch all-to-all, grouped matmuls and combine all-to-all; the count exchange runs
+             in the MoE layer before the experts' forward, so it is not repeated). Saved as
              usual: block inputs, norm outputs, router outputs and the sort order, the shared
              experts and dense FFNs. `launch/estimate_memory.py` measures what each mode keeps.
 
@@ -17,8 +18,8 @@ unshards the unit before the recompute reads the weights. Counted on 2 ranks (de
 and selective issue the same FSDP all-gathers as none (each unit, nested expert units included,
 twice per micro-batch), so recomputing costs compute, not weight traffic.
 
-Communication inside a recomputed region runs again in backward: ep all-to-alls (and the one host
-sync for their split sizes) and the cp K/V all-gather. Every rank recomputes the same regions in
+Communication inside a recomputed region runs again in backward: the ep dispatch and combine
+all-to-alls (under `full`, also the count exchange and its one host sync) and the cp K/V all-gather. Every rank recomputes the same regions in
 the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
