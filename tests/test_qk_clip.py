@@ -15,6 +15,7 @@ from optim.qk_clip import enable_recording, gqa_row_scales, qk_clip_, step_max_l
 
 def plain_max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale):
     """The definition, one (head, query, key) at a time."""
+    q_BHSE, k_BHSE = q_BHSE.detach(), k_BHSE.detach()
     B, H, Sq, _ = q_BHSE.shape
     best = [-float("inf")] * H
     for h in range(H):
