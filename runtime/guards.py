@@ -1,9 +1,10 @@
 """What the training loop checks once per step to stop cleanly: preemption and divergence.
 
 Preemption: SLURM (and most schedulers) send SIGTERM, then SIGKILL after a grace period. The handler
-only sets a flag; at the end of the step every rank learns whether ANY rank got the signal (one MAX
-all-reduce of an int), so all ranks save the same checkpoint and stop together, even though the
-signal reaches them at slightly different times.
+only sets a flag; the training step sums it over ranks together with the loss (the step's existing
+all-reduce and host readback, runtime/train.py), so every rank learns whether ANY rank got the signal
+and all save the same checkpoint and stop together, although the signal reaches them at slightly
+different times.
 
 Divergence: a step with a non-finite loss or gradient norm is skipped (no update); after
 `limit` consecutive such steps the run stops instead of burning compute on a dead model.
@@ -12,17 +13,14 @@ Divergence: a step with a non-finite loss or gradient norm is skipped (no update
 import signal
 import threading
 
-import torch
-import torch.distributed as dist
-
 from runtime.errors import Diverged
 
 
 class Preemption:
-    """Context manager: SIGTERM sets a flag while inside; `requested()` is the flag agreed over ranks."""
+    """Context manager: SIGTERM sets `signalled` while inside (this rank's view; the step agrees it)."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.signalled, self._previous = device, False, None
+    def __init__(self):
+        self.signalled, self._previous = False, None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
@@ -35,13 +33,6 @@ class Preemption:
 
     def _on_sigterm(self, signum, frame):
         self.signalled = True
-
-    def requested(self) -> bool:
-        """Whether any rank got SIGTERM; collective (communication: one int, MAX over all ranks)."""
-        flag = torch.tensor([int(self.signalled)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 class DivergenceGuard:

@@ -163,17 +163,21 @@ def reset_expert_counts(model: nn.Module) -> None:
         router.tokens_per_expert.zero_()
 
 
-def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, objective=None) -> dict:
-    """One optimizer step; returns the step's metrics (global values, identical on every rank)."""
+def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, objective=None,
+               preemption: Preemption | None = None) -> dict:
+    """One optimizer step; returns the step's metrics (global values, identical on every rank), and
+    "preempted": whether any rank got SIGTERM (summed with the loss: no extra collective)."""
     start = time.perf_counter()
     objective = objective or NextToken(config)
     local_loss, global_tokens, extra = objective.forward_backward(model, loader.next_step(), device)
-    loss = global_loss(local_loss) if dist.is_initialized() else local_loss
+    signalled = torch.tensor(float(preemption is not None and preemption.signalled), device=local_loss.device)
+    local = torch.stack([local_loss.float(), signalled])
+    loss, sigterms = global_loss(local) if dist.is_initialized() else local
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
-    loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()  # the step's one host sync
+    loss_value, norm_value, sigterm_count = torch.stack([loss, grad_norm.float(), sigterms]).tolist()  # one host sync
     skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
     qk = {}
     if skipped:
@@ -192,7 +196,8 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
         torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
     end = time.perf_counter()
     return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": global_tokens,
-            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped, **qk, **extra}
+            "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped,
+            "preempted": sigterm_count > 0, **qk, **extra}
 
 
 def run_meta(config: JobConfig) -> dict:
@@ -269,11 +274,10 @@ def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsL
                     meta=run_meta(config))
 
 
-def checkpoint_or_stop(done: int, skipped: bool, preemption: Preemption, config: JobConfig, app_state: dict,
+def checkpoint_or_stop(done: int, skipped: bool, preempted: bool, config: JobConfig, app_state: dict,
                        log: MetricsLogger) -> None:
     """After `done` steps: save when due (not right after a skipped step, which would rotate out a good
     checkpoint during a divergence), after the last step, and on preemption, which then stops the run."""
-    preempted = preemption.requested()
     if preempted or done == config.training.steps or (config.checkpoint.due(done) and not skipped):
         save_checkpoint(done, config, app_state, log)
     if preempted:
@@ -310,16 +314,17 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
 
     with maybe_profile(config.profile, config.run.dir, rank, optimizer, device.type) as profiler, \
-            Preemption(device) as preemption:
+            Preemption() as preemption:
         try:
             for step in range(start, config.training.steps):
                 with profiler.count_syncs():
-                    stats = train_step(model, optimizer, scheduler, loader, config, device, objective)
+                    stats = train_step(model, optimizer, scheduler, loader, config, device, objective, preemption)
+                preempted = stats.pop("preempted")
                 if eval_loader is not None and config.eval.due(step + 1, config.training.steps):
                     stats["eval_loss"] = eval_loss()
                 log.log(step, **stats)
                 profiler.step()
                 divergence.record(step, finite=not stats["skipped"])
-                checkpoint_or_stop(step + 1, stats["skipped"], preemption, config, app_state, log)
+                checkpoint_or_stop(step + 1, stats["skipped"], preempted, config, app_state, log)
         finally:
             log.close()
