@@ -1,28 +1,36 @@
 """A small multi-turn tool-use environment over the byte-level tokenizer (token id = byte), where a
 model can call a tool that is not available, and a hint can tell it which ones are.
 
-Protocol, one line per turn, a role tag first (the line is the turn's tokens, tag and newline included):
+Protocol, one line per turn, a role tag first. The assistant's tag "A: " is the chat template's role
+header: the environment writes it and the model generates the rest of the line (so a model never
+writes another role's line, such as a reminder, in its own turn).
 
-    S: tools: forecast now calc feed     system: this episode's tools, one per goal kind, shuffled
-    U: task: weather math                user: the goals to reach, in order
-    A: call forecast                     assistant: a call, or "A: done"
+    S: tools: storm hours adder press    system: this episode's tools, one per goal kind, shuffled
+    U: task: wthr math news              user: the goals to reach, in order
+    A: call storm                        assistant: a call, or "A: done"
     T: ok                                tool: "ok", "wrong tool" or "Tool not found"
-    A: call calc
+    A: call tally
+    T: Tool not found
+    A: call adder
+    T: ok
+    A: call press
     T: ok
     A: done
 
 Every goal kind has several tools (synonyms); an episode makes exactly one of each kind available.
 A call to the available tool of the next goal reaches it ("ok"); another available tool answers
 "wrong tool"; a tool not in the episode's list answers "Tool not found". The reward is task success:
-1 if the assistant says "done" after reaching every goal in order, within MAX_ASSISTANT_TURNS turns.
+1 if the assistant says "done" after reaching every goal in order, within MAX_ASSISTANT_TURNS turns: one
+wrong call costs nothing, a second one fails the episode, so the reward moves only a little with the
+mistake that the feedback targets.
 
 Feedback rule: every assistant turn that called an unavailable tool gets the hint
 "R: Reminder: available tools: ..." (the episode's list), inserted just before that turn.
 
 `transcript()` writes the pretraining data that makes the behaviour to fix exist: the first call for a
-goal goes to an unavailable synonym with probability `p_invalid` (then the right one follows), and a
-turn preceded by a reminder line always calls an available tool (so a hint-conditioned teacher knows
-better than the student).
+goal goes to an unavailable synonym with probability `p_invalid` (then the right one follows, unless the
+turn limit ended the episode), and a turn preceded by a reminder line always calls an available tool (so
+a hint-conditioned teacher knows better than the student).
 """
 
 import dataclasses
@@ -33,9 +41,14 @@ import torch
 
 from runtime.generate import generate
 
-GOALS = {"weather": ("forecast", "meteo", "weather"), "math": ("calc", "math", "eval"),
-         "time": ("clock", "now", "time"), "news": ("news", "feed", "headlines")}
-MAX_ASSISTANT_TURNS = 6
+# Goal kinds and their tools. Names have equal lengths (4 and 5 bytes) so that episodes that behave alike
+# have equal-length contexts and are generated as one batch; every tool starts with its own letter, so
+# the first byte of a call decides it.
+GOALS = {"wthr": ("cloud", "storm", "rainy"), "math": ("adder", "tally", "euler"),
+         "time": ("watch", "hours", "dials"), "news": ("press", "blogs", "flash")}
+N_GOALS = 3
+MAX_ASSISTANT_TURNS = 5  # N_GOALS calls + "done" leaves room for one wrong call
+HEADER = "A: "  # the assistant's role header, written by the environment
 NOT_FOUND, WRONG, OK = "Tool not found", "wrong tool", "ok"
 
 
@@ -61,7 +74,7 @@ class Episode:
         return sum(role == "assistant" for role, _ in self.turns)
 
 
-def new_episode(rng: random.Random, n_goals: int = 2) -> Episode:
+def new_episode(rng: random.Random, n_goals: int = N_GOALS) -> Episode:
     tools = [rng.choice(synonyms) for synonyms in GOALS.values()]
     rng.shuffle(tools)
     goals = tuple(rng.sample(sorted(GOALS), n_goals))
@@ -98,7 +111,7 @@ def _answer(episode: Episode, tool: str, turn: int) -> str:
     return WRONG
 
 
-def transcript(rng: random.Random, p_invalid: float, p_reminder: float, n_goals: int = 2) -> str:
+def transcript(rng: random.Random, p_invalid: float, p_reminder: float, n_goals: int = N_GOALS) -> str:
     """A demonstration episode for pretraining (see the module docstring)."""
     episode = new_episode(rng, n_goals)
     for goal in episode.goals:
@@ -108,38 +121,43 @@ def transcript(rng: random.Random, p_invalid: float, p_reminder: float, n_goals:
             step(episode, f"A: call {rng.choice([t for t in GOALS[goal] if t != right])}\n")
         if reminded:
             episode.turns.append(("system", episode.hint()))
-        step(episode, f"A: call {right}\n")
-    step(episode, "A: done\n")
-    assert episode.success, episode.text()
+        if not episode.done:
+            step(episode, f"A: call {right}\n")
+    if not episode.done:
+        step(episode, "A: done\n")
     return episode.text()
 
 
 def rollout_record(episode: Episode, logprobs: dict[int, list[float]] | None = None, advantage: float = 0.0,
                    with_feedback: bool = True) -> dict:
     """The episode as a rollout line for `data.source = "rollouts"` (runtime/rollouts.py): byte tokens,
-    turn ranges, advantage, the behaviour log-probs of assistant tokens (`logprobs[turn index]`, one per
-    byte of that turn's line; 0 elsewhere) and the hint on every turn that called an unavailable tool."""
-    tokens, turns, token_logprobs = [], [], []
+    turn ranges, advantage, the behaviour log-probs of the generated tokens (`logprobs[turn index]`, one
+    per byte of the turn's line after the header; 0 elsewhere) and the hint on every turn that called an
+    unavailable tool. An assistant turn's range holds the generated tokens only; its header belongs to
+    no turn (template tokens, never trained), and the hint goes before the header (`at`)."""
+    tokens, turns, token_logprobs, header_at = [], [], [], {}
     for i, (role, line) in enumerate(episode.turns):
         data = list(line.encode("latin-1"))
-        turns.append({"role": role, "start": len(tokens), "end": len(tokens) + len(data)})
+        skip = len(HEADER) if role == "assistant" else 0
+        header_at[i] = len(tokens)
+        turns.append({"role": role, "start": len(tokens) + skip, "end": len(tokens) + len(data)})
         tokens += data
-        token_logprobs += (logprobs or {}).get(i, [0.0] * len(data))
+        token_logprobs += [0.0] * skip + (logprobs or {}).get(i, [0.0] * (len(data) - skip))
     record = {"tokens": tokens, "turns": turns, "advantage": advantage}
     if logprobs is not None:
         record["logprobs"] = token_logprobs
     if with_feedback:
         hint = list(episode.hint().encode("latin-1"))
-        record["feedback"] = [{"turn": t, "hint": hint} for t in episode.invalid_turns]
+        record["feedback"] = [{"turn": t, "hint": hint, "at": header_at[t]} for t in episode.invalid_turns]
     return record
 
 
 def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int = 0) -> list[dict[int, list[float]]]:
     """Let the model play `episodes` to the end (in place); returns each episode's behaviour log-probs per
-    assistant turn (for `rollout_record`).
+    assistant turn (of the generated tokens after the header, for `rollout_record`).
 
-    Each round, every unfinished episode needs one assistant line: episodes whose contexts have the same
-    length are generated as one batch (runtime/generate.py needs equal-length prompts), stopping at a
+    Each round, every unfinished episode needs one assistant line: the context plus the header is the
+    prompt, and episodes whose prompts have the same length are generated as one batch (runtime/generate.py needs equal-length prompts), stopping at a
     newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
     distinct and independent of the batching. On a sharded model every rank must pass the same
     episodes: the number of generate calls (each collective) depends on them."""
@@ -149,14 +167,14 @@ def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int =
         active = [i for i, e in enumerate(episodes) if not e.done]
         by_length: dict[int, list[int]] = {}
         for i in active:
-            by_length.setdefault(len(episodes[i].text().encode("latin-1")), []).append(i)
+            by_length.setdefault(len(episodes[i].text()), []).append(i)
         for group in by_length.values():
-            prompts = torch.tensor([list(episodes[i].text().encode("latin-1")) for i in group])
+            prompts = torch.tensor([list((episodes[i].text() + HEADER).encode("latin-1")) for i in group])
             ids = [(first_id + i) * MAX_ASSISTANT_TURNS + round_ for i in group]
             out = generate(model, prompts, sampling, seed=seed, sequence_ids=ids)
             for row, i in enumerate(group):
                 n = int(out.lengths_B[row])
                 line = bytes(out.tokens_BN[row, :n].tolist()).decode("latin-1")
                 logprobs[i][len(episodes[i].turns)] = out.logprobs_BN[row, :n].tolist()
-                step(episodes[i], line)
+                step(episodes[i], HEADER + line)
     return logprobs

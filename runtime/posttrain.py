@@ -5,7 +5,7 @@
 L_rl is the clipped policy gradient over every assistant token, divided by the step's assistant-token
 count; L_feedback is KL(student || stopgrad teacher) over the feedback turns' tokens only, divided by
 the step's target-token count (runtime/feedback.py has the per-token losses). The student is the
-policy on the trajectory; the teacher is the model on tokens[:start] + hint + tokens[start:end], with
+policy on the trajectory; the teacher is the model on tokens[:at] + hint + tokens[at:end], with
 the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
 
 Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forward_backward` runs:

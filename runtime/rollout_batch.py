@@ -5,7 +5,7 @@ A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   student rows  [B, S]: one trajectory per row, padded at the end to L = a multiple of 2*cp, padded up
                 to the step's largest slot with empty rows (every rank runs the same forwards); cp rank
                 i holds the load-balanced chunks i and 2*cp-1-i (parallel/context_parallel.py).
-  teacher rows  [Bt, St]: tokens[:start] + hint + tokens[start:end] per feedback item, split the same
+  teacher rows  [Bt, St]: tokens[:at] + hint + tokens[at:end] per feedback item, split the same
                 way (Bt = 0 on every rank when the step has no feedback).
   trained       flat indices into the local B*S positions of assistant tokens, with label, advantage
                 and behaviour log-prob.

@@ -2,11 +2,12 @@
 
 File format (JSON lines, one trajectory per line; blank lines are skipped):
   {"tokens": [int], "turns": [{"role": "system"|"user"|"assistant"|"tool", "start": int, "end": int}],
-   "advantage": float, "logprobs": [float], "feedback": [{"turn": int, "hint": [int]}]}
+   "advantage": float, "logprobs": [float], "feedback": [{"turn": int, "hint": [int], "at": int}]}
 `turns` are disjoint token ranges [start, end); only assistant tokens are trained. `advantage`
 defaults to 0. `logprobs[j]` (optional) is the behaviour policy's log-prob of tokens[j]. Each
-feedback item names an assistant turn (index into `turns`) and hint tokens inserted before the
-turn's first token in the teacher's context: teacher = tokens[:start] + hint + tokens[start:end].
+feedback item names an assistant turn (index into `turns`) and hint tokens inserted at token `at`
+(default: the turn's start; earlier, e.g. before a chat template's role header that is not part of the
+generated turn) in the teacher's context: teacher = tokens[:at] + hint + tokens[at:end].
 
 Which trajectories make up step t (a pure function of the file, the seed and t, never of the layout):
 the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
@@ -45,6 +46,7 @@ class Turn(NamedTuple):
 class Feedback(NamedTuple):
     turn: int
     hint: np.ndarray  # int64 token ids
+    at: int  # the hint goes before token `at` (<= the turn's start)
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class Trajectory:
     feedback: tuple[Feedback, ...]
 
     def teacher_tokens(self, item: Feedback) -> np.ndarray:
-        start, end = self.turns[item.turn].start, self.turns[item.turn].end
-        return np.concatenate([self.tokens[:start], item.hint, self.tokens[start:end]])
+        end = self.turns[item.turn].end
+        return np.concatenate([self.tokens[:item.at], item.hint, self.tokens[item.at:end]])
 
     def cost(self) -> int:
         """Tokens forwarded for this trajectory: the student row and one teacher row per feedback item."""
@@ -163,7 +165,7 @@ def _logprobs(value, n_tokens: int) -> np.ndarray | None:
 
 def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int) -> tuple[Feedback, ...]:
     if not isinstance(value, list):
-        raise ValueError("feedback: expected a list of {turn, hint}")
+        raise ValueError("feedback: expected a list of {turn, hint[, at]}")
     out, seen = [], set()
     for i, item in enumerate(value):
         turn = item.get("turn") if isinstance(item, dict) else None
@@ -180,7 +182,10 @@ def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int)
         if length > max_seq_len:
             raise ValueError(f"feedback[{i}]: the teacher sequence (turn end {turns[turn].end} + hint {len(hint)} "
                              f"= {length} tokens) is longer than model.max_seq_len={max_seq_len}")
-        out.append(Feedback(turn, hint))
+        at = item.get("at", turns[turn].start)
+        if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= turns[turn].start:
+            raise ValueError(f"feedback[{i}].at={at!r} must be a token index in [0, turn start {turns[turn].start}]")
+        out.append(Feedback(turn, hint, at))
     return tuple(out)
 
 

@@ -45,6 +45,8 @@ BAD = {  # name: (lines of the file, expected text in the one-line error)
                               "line 1: feedback[0].turn=1 is a user turn"),
     "teacher_too_long": ([_traj(n=250, feedback=[{"turn": 4, "hint": [9] * 7}])],
                          "teacher sequence (turn end 250 + hint 7 = 257 tokens) is longer than model.max_seq_len=256"),
+    "hint_after_turn_start": ([_traj(feedback=[{"turn": 2, "hint": [5], "at": 21}])],
+                              "line 1: feedback[0].at=21 must be a token index in [0, turn start 20]"),
     "logprobs_wrong_length": ([_traj(), _traj(), _traj(logprobs=[-1.0] * 39)],
                               "line 3: logprobs: expected one per token (40), got 39"),
     "empty_file": ([], "holds no trajectory"),

@@ -15,11 +15,12 @@ HINT = [82, 101, 109, 105, 110, 100, 58, 32]  # "Remind: "
 
 
 def _records() -> list[dict]:
-    """Two trajectories; feedback on one assistant turn of each (the second one's starts at token 0)."""
+    """Two trajectories; feedback on one assistant turn of each (the second one's starts at token 0); the
+    first hint goes 3 tokens before its turn (`at`, as before a role header)."""
     t1 = {"tokens": [(11 * j + 3) % 256 for j in range(60)],
           "turns": [{"role": "system", "start": 0, "end": 12}, {"role": "assistant", "start": 12, "end": 25},
                     {"role": "tool", "start": 25, "end": 31}, {"role": "assistant", "start": 31, "end": 60}],
-          "advantage": 1.0, "feedback": [{"turn": 3, "hint": HINT}]}
+          "advantage": 1.0, "feedback": [{"turn": 3, "hint": HINT, "at": 28}]}
     t2 = {"tokens": [(5 * j + 1) % 256 for j in range(33)],
           "turns": [{"role": "assistant", "start": 0, "end": 9}, {"role": "user", "start": 9, "end": 20},
                     {"role": "assistant", "start": 20, "end": 33}],
@@ -70,7 +71,7 @@ def test_feedback_gradient_is_zero_outside_target_turns(setup):
 
 def _plain_feedback_loss(model, records, sampled=False) -> torch.Tensor:
     """Mean over target tokens of KL(student || teacher), written out: one sequence per forward, no
-    padding, teacher = tokens[:start] + hint + tokens[start:end], token j at positions j-1 / j+H-1.
+    padding, teacher = tokens[:at] + hint + tokens[at:end], token j at positions j-1 / j+H-1.
     sampled: the on-policy distillation loss instead, r * log p_s(y) with r = stopgrad(log p_s(y) -
     log p_t(y)) and y = tokens[j] (gradient r * grad log p_s(y)); its value is returned as the mean r."""
     terms = []
@@ -78,7 +79,8 @@ def _plain_feedback_loss(model, records, sampled=False) -> torch.Tensor:
         student = model(torch.tensor([r["tokens"]]))[0]
         for item in r["feedback"]:
             turn, hint = r["turns"][item["turn"]], item["hint"]
-            teacher_seq = r["tokens"][:turn["start"]] + hint + r["tokens"][turn["start"]:turn["end"]]
+            at = item.get("at", turn["start"])
+            teacher_seq = r["tokens"][:at] + hint + r["tokens"][at:turn["end"]]
             with torch.no_grad():
                 teacher = model(torch.tensor([teacher_seq]))[0]
             for j in range(max(turn["start"], 1), turn["end"]):

@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-from examples.tool_env import (GOALS, MAX_ASSISTANT_TURNS, new_episode, play, rollout_record, step, transcript)
+from examples.tool_env import (GOALS, HEADER, MAX_ASSISTANT_TURNS, new_episode, play, rollout_record, step,
+                               transcript)
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
+from runtime.rollouts import trajectory_from_record
 
 
 def _episode():
@@ -18,33 +20,35 @@ def _episode():
 
 def test_rules_reward_and_invalid_turns():
     episode, right = _episode()
-    first, second = episode.goals
+    first, second, third = episode.goals
     missing = next(t for t in GOALS[first] if t not in episode.tools)
-    other = next(t for t in episode.tools if t not in (right[first], right[second]))
-    for line in (f"A: call {missing}\n", f"A: call {other}\n", f"A: call {right[first]}\n", f"A: call {right[second]}\n",
-                 "A: done\n"):
+    for line in (f"A: call {missing}\n", f"A: call {right[first]}\n", f"A: call {right[second]}\n",
+                 f"A: call {right[third]}\n", "A: done\n"):
         step(episode, line)
     answers = [line for role, line in episode.turns if role == "tool"]
-    assert answers == ["T: Tool not found\n", "T: wrong tool\n", "T: ok\n", "T: ok\n"]
+    assert answers == ["T: Tool not found\n", "T: ok\n", "T: ok\n", "T: ok\n"]
     assert episode.success and episode.done and episode.invalid_turns == [2]
 
 
-def test_done_too_early_fails_and_turns_are_limited():
+def test_a_tool_of_another_goal_is_the_wrong_tool_and_a_second_mistake_fails():
     episode, right = _episode()
-    step(episode, f"A: call {right[episode.goals[0]]}\n")
-    step(episode, "A: done\n")
-    assert episode.done and not episode.success
-    episode, _ = _episode()
-    for _ in range(MAX_ASSISTANT_TURNS):
-        step(episode, "A: call nothing")  # cut line: a bad call, the newline goes to the tool turn
-    assert episode.done and not episode.success and episode.turns[-1] == ("tool", "\nT: bad call\n")
+    spare = next(kind for kind in GOALS if kind not in episode.goals)  # the listed tool no goal needs
+    step(episode, f"A: call {right[spare]}\n")
+    assert episode.turns[-1] == ("tool", "T: wrong tool\n") and episode.invalid_turns == []
+    episode, right = _episode()
+    first, second, third = episode.goals
+    missing = [t for t in GOALS[first] if t not in episode.tools]
+    for line in (f"A: call {missing[0]}\n", f"A: call {missing[1]}\n", f"A: call {right[first]}\n",
+                 f"A: call {right[second]}\n", f"A: call {right[third]}\n"):
+        step(episode, line)
+    assert episode.done and not episode.success and episode.invalid_turns == [2, 4]
 
 
-def test_transcripts_succeed_and_hold_the_behaviour_to_fix():
+def test_transcripts_hold_the_behaviour_to_fix():
     rng = random.Random(0)
     texts = [transcript(rng, p_invalid=0.3, p_reminder=0.2) for _ in range(400)]
     not_found = sum(text.count("Tool not found") for text in texts)
-    first_calls = 2 * len(texts)
+    first_calls = 3 * len(texts)
     assert 0.15 < not_found / first_calls < 0.35  # 0.3 of the un-reminded first calls (0.8 of them)
     for text in texts:
         lines = text.splitlines()
@@ -57,12 +61,19 @@ def test_rollout_record_has_the_hint_on_invalid_turns():
     episode, right = _episode()
     missing = next(t for t in GOALS[episode.goals[0]] if t not in episode.tools)
     step(episode, f"A: call {missing}\n")
-    record = rollout_record(episode, logprobs={2: [-0.5] * len(f"A: call {missing}\n")}, advantage=-1.0)
+    record = rollout_record(episode, logprobs={2: [-0.5] * len(f"call {missing}\n")}, advantage=-1.0)
     turn = record["turns"][2]
     assert turn["role"] == "assistant" and bytes(record["tokens"][turn["start"]:turn["end"]]).decode() == \
-        f"A: call {missing}\n"
-    assert record["feedback"] == [{"turn": 2, "hint": list(episode.hint().encode())}]
+        f"call {missing}\n"  # the generated tokens; the header "A: " before them belongs to no turn
+    header = turn["start"] - len(HEADER)
+    assert bytes(record["tokens"][header:turn["start"]]).decode() == HEADER == "A: "
+    assert record["turns"][1]["end"] == header
+    assert record["feedback"] == [{"turn": 2, "hint": list(episode.hint().encode()), "at": header}]
     assert len(record["logprobs"]) == len(record["tokens"]) and record["logprobs"][turn["start"]] == -0.5
+    assert record["logprobs"][header:turn["start"]] == [0.0] * 3
+    traj = trajectory_from_record(record, 256, 512)  # the teacher reads the hint line, then "A: call ..."
+    assert bytes(traj.teacher_tokens(traj.feedback[0]).tolist()).decode() == \
+        episode.turns[0][1] + episode.turns[1][1] + episode.hint() + f"A: call {missing}\n"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -78,4 +89,5 @@ def test_a_model_plays_episodes_to_the_end(temperature):
         assert len(record["logprobs"]) == len(record["tokens"])
         for i, (role, line) in enumerate(episode.turns):
             if role == "assistant":  # generated tokens only, each with its behaviour log-prob
-                assert len(per_turn[i]) == len(line.encode("latin-1")) and all(lp <= 0 for lp in per_turn[i])
+                assert line.startswith(HEADER)
+                assert len(per_turn[i]) == len(line) - len(HEADER) and all(lp <= 0 for lp in per_turn[i])
