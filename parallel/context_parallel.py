@@ -88,13 +88,14 @@ class GatheredKV(nn.Module):
 
     def forward(self, *tensors_BS: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
         B, S = tensors_BS[0].shape[:2]
+        L = S * dist.get_world_size(self.group)
+        kv_pos_L = self._key_positions(positions_S, L)  # before the collective: a bad layout raises on every rank
         widths = [t[0, 0].numel() for t in tensors_BS]
         x_BSX = torch.cat([t.reshape(B, S, -1) for t in tensors_BS], dim=-1)
         x_LBX = _AllGatherChunks.apply(x_BSX.transpose(0, 1), self.group)
         parts = x_LBX.transpose(0, 1).split(widths, dim=-1)
-        L = x_LBX.shape[0]
         gathered = [p.reshape(B, L, *t.shape[2:]) for p, t in zip(parts, tensors_BS)]
-        return (*gathered, self._key_positions(positions_S, L))
+        return (*gathered, kv_pos_L)
 
     def _key_positions(self, positions_S: torch.Tensor, L: int) -> torch.Tensor:
         """First position of global chunk 0 plus 0..L-1, after checking that the local positions
