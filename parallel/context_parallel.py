@@ -123,15 +123,22 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, scale: float):
         self.local_sdpa.record(q_BHSE, k_BHLE, q_pos_S, kv_pos_L, scale)
-        P, r = dist.get_world_size(self.group), dist.get_rank(self.group)
-        c, v_width = q_BHSE.shape[2] // 2, v_BHLE.shape[-1]
-        v_BHLE = pad_values(v_BHLE, q_BHSE.shape[-1])
-        outs = []
-        for half, k in enumerate((r, 2 * P - 1 - r)):
-            keys = slice(0, (k + 1) * c)  # chunks [0, k) visible, chunk k causal
-            outs.append(prefix_causal_attention(q_BHSE[:, :, half * c:(half + 1) * c], k_BHLE[:, :, keys],
-                                                v_BHLE[:, :, keys], scale))
-        return torch.cat(outs, dim=2)[..., :v_width]
+        cp, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return balanced_chunk_attention(q_BHSE, k_BHLE, v_BHLE, cp_rank, cp, scale)
+
+
+def balanced_chunk_attention(q_BHSE, k_BHLE, v_BHLE, cp_rank: int, cp: int, scale: float) -> torch.Tensor:
+    """Exact causal attention of cp rank `cp_rank`'s queries (global chunks r and 2P-1-r) over the whole
+    sequence's keys in global order: chunk k sees chunks [0, k) fully and chunk k causally. Local, no
+    communication; values narrower than q/k are padded for the flash kernel and the output sliced."""
+    c, v_width = q_BHSE.shape[2] // 2, v_BHLE.shape[-1]
+    v_BHLE = pad_values(v_BHLE, q_BHSE.shape[-1])
+    outs = []
+    for half, k in enumerate((cp_rank, 2 * cp - 1 - cp_rank)):
+        keys = slice(0, (k + 1) * c)
+        outs.append(prefix_causal_attention(q_BHSE[:, :, half * c:(half + 1) * c], k_BHLE[:, :, keys],
+                                            v_BHLE[:, :, keys], scale))
+    return torch.cat(outs, dim=2)[..., :v_width]
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
