@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models import Transformer, preset
 from models.block_attention import lower_right_mask, prefix_causal_attention
 from multirank import run_ranks
-from parallel.context_parallel import apply_context_parallel, load_balanced_positions
+from parallel.context_parallel import apply_context_parallel, balanced_chunk_attention, load_balanced_positions
 from parallel.gradients import loss_fn
 
 FLASH, MATH = "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._safe_softmax.default"
@@ -114,6 +114,22 @@ def test_prefix_causal_attention_float64_takes_the_masked_call():
     assert max(errors) < 1e-12
 
 
+@pytest.mark.parametrize("cp", [1, 3])
+def test_balanced_chunks_of_every_rank_equal_the_plain_loop(cp):
+    """Each cp rank's queries (chunks r and 2P-1-r) against the keys in global order, values
+    narrower than q/k as in MLA; no process group."""
+    L, scale = 6 * cp, 0.3
+    q_all, k, v = _qkv(torch.float32, L, L)
+    v = v[..., :16].detach()  # MLA: v narrower than q/k
+    reference = plain_attention(q_all, k, v, torch.arange(L), torch.arange(L), scale)
+    for rank in range(cp):
+        positions = load_balanced_positions(L, cp, rank)
+        out = balanced_chunk_attention(q_all[:, :, positions], k, v, rank, cp, scale)
+        assert out.shape[-1] == 16
+        # 2e-6: the fp32 yardstick of the module docstring (single fused call: up to 1e-6)
+        torch.testing.assert_close(out.double(), reference[:, :, positions], rtol=0, atol=2e-6)
+
+
 def _debug_model(name):
     torch.manual_seed(0)
     model = Transformer(preset(name))
@@ -193,3 +209,14 @@ def test_context_parallel_equals_the_plain_single_process_loop(cp_results, name)
         assert max(_grad_errors(got["grads"], ref_grads).values()) < 2e-5, rank
         assert FLASH in got["ops"] and MATH not in got["ops"], rank
         assert "load_balanced_positions" in got["bad_layout"], rank
+
+
+def test_benchmark_small_runs_and_sees_the_kernels():
+    """benchmarks/attention_kernels.py --small: the same code path as the README's table, so it cannot rot."""
+    from benchmarks.attention_kernels import main
+
+    rows = main(["--small", "--repeats", "1", "--dtypes", "float32"])["rows"]
+    kernels = {(r["group"], r["variant"]): r["kernels"] for r in rows}
+    assert kernels[("causal", "unpadded")] == ["math"] and kernels[("causal", "padded")] == ["flash"]
+    assert kernels[("cp", "dense_mask")] == ["math"] and kernels[("cp", "chunked")] == ["flash"]
+    assert all(r["max_abs_diff_vs_first"] < 2e-6 for r in rows)  # the same attention (fp32 yardstick above)
