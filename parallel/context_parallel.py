@@ -26,6 +26,8 @@ layout, `load_balanced_positions` (plus any constant shift), which `GatheredKV` 
 Shape letters: B batch, S local sequence (2 chunks), L whole sequence (P S), X values per token, P cp ranks.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -90,7 +92,7 @@ class GatheredKV(nn.Module):
         B, S = tensors_BS[0].shape[:2]
         L = S * dist.get_world_size(self.group)
         kv_pos_L = self._key_positions(positions_S, L)  # before the collective: a bad layout raises on every rank
-        widths = [t[0, 0].numel() for t in tensors_BS]
+        widths = [math.prod(t.shape[2:]) for t in tensors_BS]
         x_BSX = torch.cat([t.reshape(B, S, -1) for t in tensors_BS], dim=-1)
         x_LBX = _AllGatherChunks.apply(x_BSX.transpose(0, 1), self.group)
         parts = x_LBX.transpose(0, 1).split(widths, dim=-1)
