@@ -16,7 +16,9 @@ random gradient); `ratio` = the variant's median / the first variant's of its gr
           chunked     per local chunk: visible prefix + causal diagonal, log-sum-exp merge, v padded
                       (parallel/context_parallel.py now: `balanced_chunk_attention`)
 Each row records the kernels the dispatcher ran (`flash` = `_scaled_dot_product_flash_attention_for_cpu`,
-`math` = the math fallback, seen as `_safe_softmax`). `cp_bytes` lists, for the DeepSeek-V3 and
+`math` = the math fallback, seen as `_safe_softmax`); cp rows also give `logits_per_head`, the
+query-key pairs each variant evaluates (the flash kernel skips tiles above the diagonal, in whole
+tiles, so slightly more than counted). `cp_bytes` lists, for the DeepSeek-V3 and
 Kimi K2 presets, the values gathered per token (expanded K/V vs latent + rotary key) and the FLOPs of
 the up-projection that every rank then runs on the gathered tokens. CPU timings say how the kernels
 compare on this machine; GPU rates come from benchmarks/gpu_check.py.
@@ -100,6 +102,14 @@ def cp_variants(B, H, S, cp, dtype) -> dict:
     }, grad
 
 
+def cp_logits(S: int, cp: int, rank: int = 0) -> dict:
+    """Query-key pairs whose logit each cp variant evaluates per head (a FLOP proxy): the dense mask
+    evaluates every local query against every key; the chunked path the visible ones only."""
+    c = S // (2 * cp)
+    return {"dense_mask": 2 * c * S,
+            "chunked": sum(k * c * c + c * (c + 1) // 2 for k in (rank, 2 * cp - 1 - rank))}
+
+
 def _time(variants: dict, grad, repeats: int) -> dict:
     def run(fn):
         fn().backward(grad)
@@ -124,7 +134,7 @@ def _time(variants: dict, grad, repeats: int) -> dict:
             for name, s in samples.items()}
 
 
-def _check_equal(variants: dict, grad) -> float:
+def _check_equal(variants: dict) -> float:
     """Max |difference| of every variant's output from the first's (they compute the same attention)."""
     outs = [fn().detach().float() for fn in variants.values()]
     return max(float((o - outs[0]).abs().max()) for o in outs)
@@ -162,16 +172,17 @@ def main(argv=None) -> dict:
     for dtype in dtypes:
         for B, H, S in causal_shapes:
             variants, grad = causal_variants(B, H, S, dtype)
-            diff = _check_equal(variants, grad)
+            diff = _check_equal(variants)
             for name, r in _time(variants, grad, args.repeats).items():
                 rows.append({"group": "causal", "dtype": str(dtype).split(".")[1], "shape": [B, H, S],
                              "variant": name, **r, "max_abs_diff_vs_first": diff})
         for B, H, S, cp in cp_shapes:
             variants, grad = cp_variants(B, H, S, cp, dtype)
-            diff = _check_equal(variants, grad)
+            diff = _check_equal(variants)
+            logits = cp_logits(S, cp)
             for name, r in _time(variants, grad, args.repeats).items():
                 rows.append({"group": "cp", "dtype": str(dtype).split(".")[1], "shape": [B, H, S], "cp": cp,
-                             "variant": name, **r, "max_abs_diff_vs_first": diff})
+                             "variant": name, **r, "max_abs_diff_vs_first": diff, "logits_per_head": logits[name]})
     out = {"threads": args.threads, "repeats": args.repeats, "qk_head_dim": QK, "v_head_dim": V, "rows": rows,
            "cp_bytes": cp_bytes()}
     for r in rows:

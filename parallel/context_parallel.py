@@ -103,7 +103,8 @@ class GatheredKV(nn.Module):
         """First position of global chunk 0 plus 0..L-1, after checking that the local positions
         follow `load_balanced_positions` (a device-side assert: the host does not wait on CUDA)."""
         P, r = dist.get_world_size(self.group), dist.get_rank(self.group)
-        expected_S = load_balanced_positions(L, P, r).to(positions_S.device)
+        c, index_S = L // (2 * P), torch.arange(positions_S.shape[0], device=positions_S.device)
+        expected_S = torch.where(index_S < c, r * c + index_S, (2 * P - 2 - r) * c + index_S)  # no host copy
         shift = positions_S[:1] - expected_S[:1]
         message = "context parallelism needs each rank's positions to be load_balanced_positions (+ a constant)"
         try:
