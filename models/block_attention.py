@@ -68,7 +68,7 @@ def _flash_backward(grad_out, q, k, v, out, lse, aux, causal: bool, scale: float
 
 def merge_by_lse(out_p, lse_p, out_d, lse_d) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the union of two key sets from each set's (out, lse); fp32 math, out in out_p's dtype."""
-    lse = torch.logaddexp(lse_p, lse_d)
+    lse = torch.logaddexp(lse_p, lse_d).contiguous()  # contiguous for the flash backward, as torch ring attention does
     w_p, w_d = torch.exp(lse_p - lse).unsqueeze(-1), torch.exp(lse_d - lse).unsqueeze(-1)
     return (w_p * out_p.float() + w_d * out_d.float()).to(out_p.dtype), lse
 
