@@ -16,10 +16,10 @@ token loads are assumed uniform):
               FSDP2 pads them.
   ep          dispatch + combine all-to-alls, forward and backward, per MoE layer and micro-batch:
               t K D bytes, (ep - 1)/ep of it to peers under uniform routing (t local tokens)
-  cp          K/V all-gather (backward: reduce-scatter) and the positions' all-gather per layer and
-              micro-batch: the expanded K/V
-              (H (qk + v) values per token, what parallel/context_parallel.py gathers today) or the
-              MLA latent (kv_lora_rank + rope dim) with --cp-gather latent
+  cp          the keys' all-gather (backward: reduce-scatter) per layer and micro-batch, what
+              parallel/context_parallel.py gathers: MLA's latent + rotary key (kv_lora_rank + rope
+              dim values per token), GQA's kv heads (2 G E); --cp-gather expanded: the expanded K/V
+              (H (qk + v), or 2 H E), as it gathered before, plus that version's positions all-gather
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches (runtime/syncs.py, measured by
@@ -173,20 +173,22 @@ def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes:
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
                gather: str) -> dict:
-    """{"kv": K and V all-gather forward + reduce-scatter backward, "positions": their all-gather}
-    (Links), every layer and micro-batch."""
+    """{"kv": the keys' all-gather forward + reduce-scatter backward, "positions": their all-gather
+    (only --cp-gather expanded; the latent version derives key positions locally)} (Links), every
+    layer and micro-batch."""
     if layout.cp == 1:
         return {"kv": Link(), "positions": Link()}
+    mla = config.attn == "mla"
     if gather == "latent":
-        values = config.kv_lora_rank + config.qk_rope_head_dim
-    elif config.attn == "mla":
+        values = config.kv_lora_rank + config.qk_rope_head_dim if mla else 2 * config.n_kv_heads * config.head_dim
+    elif mla:
         values = config.n_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
     else:
         values = config.n_heads * 2 * config.head_dim
     size, stride = groups(layout)["cp"]
     per_step = config.n_layers * micro_batches
-    kv = all_gather(local_tokens * values * act_bytes, size, stride).scale(2 * per_step)  # K/V, their gradients
-    positions = all_gather(seq_len // layout.cp * 8, size, stride).scale(per_step)  # int64, one per local position
+    kv = all_gather(local_tokens * values * act_bytes, size, stride).scale(2 * per_step)  # keys, their gradients
+    positions = Link() if gather == "latent" else all_gather(seq_len // layout.cp * 8, size, stride).scale(per_step)
     return {"kv": kv, "positions": positions}
 
 
@@ -402,7 +404,9 @@ def parse_args(argv=None):
                    help="dtype of dispatched tokens and gathered K/V (float32: the runtime today)")
     p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="dtype FSDP all-gathers weights in (float32: no mixed-precision policy today)")
-    p.add_argument("--cp-gather", default="expanded", choices=("expanded", "latent"))
+    p.add_argument("--cp-gather", default="latent", choices=("latent", "expanded"),
+                   help="latent: what the runtime gathers (MLA latent + rotary key, GQA kv heads); "
+                        "expanded: the expanded K/V, as it gathered before")
     p.add_argument("--grad-sync", default=None, choices=("every", "replicas_last", "last"),
                    help="override the config's training.grad_sync (parallel/overlap.py)")
     p.add_argument("--overlap-ep", action="store_true",

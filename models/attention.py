@@ -1,22 +1,34 @@
 """Attention: multi-head latent attention (MLA, DeepSeek-V2/V3) and grouped-query attention (GQA).
 
 Both project to per-head q/k/v, apply RoPE at the given global positions, and call
-`self.sdpa(q_BHSD, k_BHSD, v_BHSD, q_pos_S, kv_pos_S, scale)`. `sdpa` is a parameter-free
-submodule; context parallelism replaces it (e.g. with ring attention over the cp axis) without
-touching the projections.
+`self.sdpa(q_BHSE, k_BHSE, v_BHSE, q_pos_S, kv_pos_S, scale)`. The keys' compact form (MLA: the
+latent and the shared rotary key; GQA: keys and values per kv head) passes through
+`self.kv_source(*tensors, positions_S=...)` before it is expanded to H heads: the identity here, a
+KV cache when decoding, an all-gather over the cp ranks under context parallelism. `sdpa` and
+`kv_source` are parameter-free submodules; context parallelism replaces both without touching the
+projections (parallel/context_parallel.py).
 
 Shape letters: B batch, S sequence, D model dim, H query heads, G kv heads (GQA), E head width
-(qk or v, as named), R rotary width, C compressed (latent) width, T keys (S, or cached + S when decoding).
+(qk or v, as named), R rotary width, C compressed (latent) width, T keys (S, or cached + S when
+decoding, or the whole sequence under context parallelism).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.block_attention import pad_values
 from models.config import ModelConfig
 from models.kv_cache import LayerCache
 from models.layers import RMSNorm, apply_rope, rope_cos_sin
 from models.splits import WHOLE, MatrixSplit, per_head_cols, per_head_rows
+
+
+class LocalKV(nn.Module):
+    """`kv_source` without a cache or context parallelism: the keys are this chunk's own tokens."""
+
+    def forward(self, *tensors_BS: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (*tensors_BS, positions_S)
 
 
 class CausalAttention(nn.Module):
@@ -24,12 +36,15 @@ class CausalAttention(nn.Module):
 
     When `q_pos_S is kv_pos_S` (self-attention over one chunk), the positions are strictly
     increasing (Transformer.forward checks this), so the mask equals the plain lower-triangular
-    one and the fused `is_causal` kernel is exact. Otherwise an explicit boolean [Sq, Skv] mask is
-    built. Every query must see at least one key, or its row is undefined.
+    one and SDPA runs with `is_causal=True` and no mask. Otherwise (decoding with a cache) an
+    explicit boolean [Sq, Skv] mask is built. Every query must see at least one key, or its row is
+    undefined. Values narrower than q/k (MLA) are zero-padded to the q/k width and the output sliced,
+    so the fused flash kernel is eligible (models/block_attention.py; benchmarks/attention_kernels.py
+    measures it).
 
     With `record_max_logits` set (QK-clip, optim/qk_clip.py), training-mode forwards also keep the
     largest pre-softmax logit per head seen since the last reset in `max_logit_H` (fp32 [H]). Under
-    context parallelism this module is called with the gathered keys, so each rank records its own
+    context parallelism `record` is called with the gathered keys, so each rank records its own
     queries against every key they see; the step's MAX over ranks is taken by the clip.
     """
 
@@ -37,14 +52,22 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.record_max_logits, self.max_logit_H = False, None
 
-    def forward(self, q_BHSE, k_BHSE, v_BHSE, q_pos_S, kv_pos_S, scale: float):
+    def forward(self, q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, scale: float):
+        self.record(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale)
+        v_width = v_BHTE.shape[-1]
+        v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
+        if q_pos_S is kv_pos_T:
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHTE, v_BHTE, is_causal=True, scale=scale)
+        else:
+            mask_ST = kv_pos_T[None, :] <= q_pos_S[:, None]
+            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHTE, v_BHTE, attn_mask=mask_ST, scale=scale)
+        return out_BHSE[..., :v_width]
+
+    def record(self, q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale: float) -> None:
+        """Fold these logits' per-head maxima into `max_logit_H` (training-mode forwards, when enabled)."""
         if self.record_max_logits and self.training:
-            seen_H = max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale)
+            seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale)
             self.max_logit_H = seen_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, seen_H)
-        if q_pos_S is kv_pos_S:
-            return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, is_causal=True, scale=scale)
-        mask_SS = kv_pos_S[None, :] <= q_pos_S[:, None]
-        return F.scaled_dot_product_attention(q_BHSE, k_BHSE, v_BHSE, attn_mask=mask_SS, scale=scale)
 
 
 @torch.no_grad()
@@ -87,7 +110,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.mla_latent_norm_eps)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
-        self.sdpa = CausalAttention()
+        self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended."""
@@ -99,17 +122,17 @@ class MLA(nn.Module):
 
         c_kv_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), cos_SR, sin_SR)
-        kv_pos_S = positions_S
-        if cache is not None:  # K = every cached token plus these (T = all of them)
-            c_kv_BSC, k_rope_BS1R, kv_pos_S = cache.extend(c_kv_BSC, k_rope_BS1R, positions_S=positions_S)
-        T = c_kv_BSC.shape[1]
-        kv_BTHE = self.wkv_b(self.kv_norm(c_kv_BSC)).view(B, T, self.n_heads, self.nope + self.v_dim)
+        # T = these tokens, or every cached token plus these, or (cp) the whole sequence's
+        kv_source = self.kv_source if cache is None else cache.extend
+        c_kv_BTC, k_rope_BT1R, kv_pos_T = kv_source(c_kv_BSC, k_rope_BS1R, positions_S=positions_S)
+        T = c_kv_BTC.shape[1]
+        kv_BTHE = self.wkv_b(self.kv_norm(c_kv_BTC)).view(B, T, self.n_heads, self.nope + self.v_dim)
         k_nope_BTHE, v_BTHE = kv_BTHE.split([self.nope, self.v_dim], dim=-1)
-        k_BTHE = torch.cat([k_nope_BTHE, k_rope_BS1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k_BTHE = torch.cat([k_nope_BTHE, k_rope_BT1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
 
         out_BHSE = self.sdpa(
             q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
-            positions_S, kv_pos_S, self.scale,
+            positions_S, kv_pos_T, self.scale,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
 
@@ -141,25 +164,25 @@ class GQA(nn.Module):
         self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
-        self.sdpa = CausalAttention()
+        self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended."""
         B, S, _ = x_BSD.shape
         cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope)
         q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)
-        k_BTGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
-        v_BTGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        kv_pos_S = positions_S
-        if cache is not None:  # T = every cached token plus these
-            k_BTGE, v_BTGE, kv_pos_S = cache.extend(k_BTGE, v_BTGE, positions_S=positions_S)
+        k_BSGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
+        v_BSGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        # T = these tokens, or every cached token plus these, or (cp) the whole sequence's
+        kv_source = self.kv_source if cache is None else cache.extend
+        k_BTGE, v_BTGE, kv_pos_T = kv_source(k_BSGE, v_BSGE, positions_S=positions_S)
         # kv head g serves query heads [g * H/G, (g+1) * H/G)
         group = self.n_heads // self.n_kv_heads
         k_BTHE = k_BTGE.repeat_interleave(group, dim=2)
         v_BTHE = v_BTGE.repeat_interleave(group, dim=2)
         out_BHSE = self.sdpa(
             q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
-            positions_S, kv_pos_S, self.scale,
+            positions_S, kv_pos_T, self.scale,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 

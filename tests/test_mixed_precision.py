@@ -11,8 +11,12 @@ batch). The 8-rank bf16 run rounds the same fp32 values to bf16 in other places 
 partial weight gradients, cp attention over gathered keys, grouped matmuls over other token groups,
 fp32 reduce-scatter sums), so it is a second, independent bf16 rounding of the same computation:
 its distance to the bf16 reference is at most the sum of both distances to fp32, about 2x the
-yardstick. Measured: loss 1.8e-5 apart against a 7.5e-4 yardstick. A wrong cast, a missed reduction
-or a wrong scale is far outside that. Per-parameter gradients are not compared: bf16 rounding
+yardstick. Measured: loss 3.9e-4 apart against a 4.5e-4 yardstick. A wrong cast, a missed reduction
+or a wrong scale is far outside that. The gradient norm's yardstick is the distance of the gradient
+vectors, ||g_bf16 - g_fp32|| (0.054, norm 4.9), not the difference of their norms, which cancels
+(3.7e-4 with the flash attention kernel, 7.9e-4 with the math one) and bounds nothing; the triangle
+inequality gives | ||g_8|| - ||g_bf16|| | <= ||g_8 - g_fp32|| + ||g_bf16 - g_fp32|| (measured: 2.0e-3
+apart). Per-parameter gradients are not compared: bf16 rounding
 flips some tokens' top-k choice (the bf16 reference itself routes differently from fp32 in the
 last layer), which moves single experts' gradients by 10-20% in either bf16 run; the global
 gradient norm averages that out and is compared instead.
@@ -51,7 +55,8 @@ def _step_single(bf16: bool) -> dict:
     inputs, labels = _batch(model.config.vocab_size)
     loss = loss_fn(model(inputs), labels, BATCH * SEQ)
     loss.backward()
-    return {"loss": loss.item(), "norm": _norm(p.grad.float() for p in model.parameters())}
+    return {"loss": loss.item(), "norm": _norm(p.grad.float() for p in model.parameters()),
+            "grads": [p.grad.float() for p in model.parameters()]}
 
 
 def _norm(tensors) -> float:
@@ -90,8 +95,9 @@ def runs():
 
 def test_bf16_headline_matches_single_process_bf16_within_the_bf16_yardstick(runs):
     fp32, bf16, per_rank = runs
-    for key in ("loss", "norm"):
-        yardstick = abs(bf16[key] - fp32[key])
+    yardsticks = {"loss": abs(bf16["loss"] - fp32["loss"]),
+                  "norm": _norm(a - b for a, b in zip(bf16["grads"], fp32["grads"]))}
+    for key, yardstick in yardsticks.items():
         assert yardstick > 0  # bf16 really ran in the reference
         for rank, got in enumerate(per_rank):
             assert abs(got[key] - bf16[key]) <= 2 * yardstick, (key, rank, got[key], bf16[key], fp32[key])

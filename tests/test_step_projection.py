@@ -25,6 +25,7 @@ ARGS = ["--data.seq_len=32", "--data.batch_size=8", "--checkpoint.interval=0"]
 CASES = {  # dp_replicate, dp_shard, cp | edp_replicate, edp_shard, ep, and other overrides
     "hsdp2x4_experts2x2x2": ((2, 4, 1), (2, 2, 2), []),
     "cp2_ep8": ((1, 4, 2), (1, 1, 8), []),
+    "cp4_gqa": ((1, 2, 4), (1, 1, 8), ["--model.preset=debug_gqa"]),  # CP gathers the kv heads
     "experts_on_a_matrix_dim": ((1, 8, 1), (1, 4, 2), ["--model.n_routed_experts=4"]),
     "hsdp_replicas_last_accum2": ((2, 4, 1), (2, 2, 2), ["--training.grad_accum=2", "--data.batch_size=16",
                                                          "--training.grad_sync=replicas_last"]),
