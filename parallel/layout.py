@@ -12,14 +12,23 @@ split one sequence by cp (cp=2 and ep=8 fit on 8 ranks).
 it against the model and the batch. Both raise ValueError with every number involved and touch no
 process group, so every rank fails the same way before any collective can hang.
 
+Rank numbering (parallel/meshes.py): the dense mesh numbers ranks with cp innermost; the expert mesh
+numbers them with `expert_inner` innermost (consecutive ranks, inside a node) and edp_replicate
+outermost. "ep" (the default) keeps the all-to-all inside a node and strides the expert FSDP group
+across nodes; "edp_shard" keeps the expert all-gathers and reduce-scatters inside a node and sends
+the ep all-to-all across nodes (the layout benchmarks/step_projection.py recommends at scale).
+
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Literal
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
+EXPERT_INNER = ("ep", "edp_shard")  # the expert axis numbered innermost (consecutive ranks)
+DEGREES = DENSE_AXES + EXPERT_AXES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,18 +41,25 @@ class ParallelConfig:
     ep: int = 1  # expert: expert parallel degree (routed experts split on the expert dim)
     edp_replicate: int = 1  # expert: HSDP replicas of the routed-expert weights
     edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
+    expert_inner: Literal["ep", "edp_shard"] = "ep"  # expert axis on consecutive ranks (inside a node): ep = all-to-all in a node, expert FSDP across nodes; edp_shard = expert FSDP in a node, ep across nodes
 
     def resolve(self, world_size: int) -> "Layout":
         """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
         if world_size < 1:
             raise ValueError(f"world size must be positive, got {world_size}")
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in DEGREES:
+            value = getattr(self, name)
             if value == 0 or value < -1:
-                raise ValueError(f"parallel.{f.name}={value}: degrees must be positive or -1 (infer)")
+                raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
+        _check_expert_inner(self.expert_inner)
         dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
         expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
-        return Layout(world_size=world_size, **dense, **expert)
+        return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner)
+
+
+def _check_expert_inner(value) -> None:
+    if value not in EXPERT_INNER:
+        raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -78,6 +94,13 @@ class Layout:
     ep: int
     edp_replicate: int
     edp_shard: int
+    expert_inner: str = "ep"  # see ParallelConfig.expert_inner
+
+    @property
+    def expert_numbering(self) -> tuple[str, ...]:
+        """EXPERT_AXES in rank-numbering order, outermost first (the last one is on consecutive ranks)."""
+        inner = self.expert_inner
+        return ("edp_replicate", *(a for a in EXPERT_AXES[1:] if a != inner), inner)
 
     @property
     def dp(self) -> int:
@@ -141,9 +164,10 @@ class Layout:
 
 
 def _check_positive(layout: Layout) -> None:
-    for f in fields(layout):
-        if getattr(layout, f.name) < 1:
-            raise ValueError(f"parallel.{f.name}={getattr(layout, f.name)}: degrees must be positive")
+    for name in ("world_size",) + DEGREES:
+        if getattr(layout, name) < 1:
+            raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
+    _check_expert_inner(layout.expert_inner)
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep
     for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):

@@ -1,9 +1,15 @@
 """The two device meshes: dense and expert layouts as views of one world mesh.
 
-Rank -> coordinate mapping (innermost axis fastest, so cp and ep stay inside a node):
+Rank -> coordinate mapping (innermost axis fastest, so cp and the inner expert axis stay inside a node):
 
     dense  (dp_replicate, dp_shard, cp):     rank = (r * dp_shard + s) * cp + c
-    expert (edp_replicate, edp_shard, ep):   rank = (r * edp_shard + s) * ep + e
+    expert (edp_replicate, edp_shard, ep):   rank = (r * edp_shard + s) * ep + e    parallel.expert_inner = "ep"
+                                             rank = (r * ep + e) * edp_shard + s    parallel.expert_inner = "edp_shard"
+
+The expert mesh keeps its axis order (edp_replicate, edp_shard, ep) either way, so placements, FSDP
+and the optimizer see the same mesh shape; only which ranks sit at each coordinate changes. With
+expert_inner = "edp_shard", 64 ranks, edp_shard=8 x ep=8: edp_shard groups [0..7] [8..15] ... (one
+node each, expert all-gathers and reduce-scatters on NVLink), ep groups [0 8 16 ... 56] (across nodes).
 
 Example, 8 ranks, dense dp_shard=4 x cp=2, expert ep=8 (the headline layout):
     cp groups  [0 1] [2 3] [4 5] [6 7]   (one sequence per pair of ranks)
@@ -21,6 +27,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -28,22 +35,36 @@ from parallel import _torch_private
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout
 
 
+def numbering(layout: Layout, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """`axes` (DENSE_AXES or EXPERT_AXES) in rank-numbering order, outermost first."""
+    return layout.expert_numbering if axes == EXPERT_AXES else axes
+
+
+def strides(layout: Layout, axes: tuple[str, ...]) -> dict[str, int]:
+    """{axis: rank distance between neighbouring coordinates on it}."""
+    order = numbering(layout, axes)
+    return {a: math.prod(getattr(layout, b) for b in order[i + 1:]) for i, a in enumerate(order)}
+
+
 def coordinates(layout: Layout, axes: tuple[str, ...], rank: int) -> tuple[int, ...]:
-    """Coordinates of `rank` on the mesh of `axes` (DENSE_AXES or EXPERT_AXES), innermost fastest."""
-    coords = []
-    for axis in reversed(axes):
-        size = getattr(layout, axis)
-        coords.append(rank % size)
-        rank //= size
-    return tuple(reversed(coords))
+    """Coordinates of `rank` on the mesh of `axes` (DENSE_AXES or EXPERT_AXES), in `axes` order."""
+    step = strides(layout, axes)
+    return tuple(rank // step[a] % getattr(layout, a) for a in axes)
 
 
 def group_ranks(layout: Layout, axes: tuple[str, ...], group_axes: tuple[str, ...], rank: int) -> list[int]:
     """Ranks that share every coordinate with `rank` except those on `group_axes` (sorted)."""
-    sizes = [getattr(layout, a) for a in axes]
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(axes))]
-    ranges = [range(n) if a in group_axes else [c] for a, n, c in zip(axes, sizes, coordinates(layout, axes, rank))]
-    return sorted(sum(c * st for c, st in zip(combo, strides)) for combo in itertools.product(*ranges))
+    step = strides(layout, axes)
+    ranges = [range(getattr(layout, a)) if a in group_axes else [c]
+              for a, c in zip(axes, coordinates(layout, axes, rank))]
+    return sorted(sum(c * step[a] for a, c in zip(axes, combo)) for combo in itertools.product(*ranges))
+
+
+def rank_mesh(layout: Layout, axes: tuple[str, ...]) -> np.ndarray:
+    """Int array of shape [degree of each of `axes`]: the rank at each coordinate (a DeviceMesh's `.mesh`)."""
+    order = numbering(layout, axes)
+    ranks = np.arange(layout.world_size).reshape([getattr(layout, a) for a in order])
+    return ranks.transpose([order.index(a) for a in axes])
 
 
 def describe(layout: Layout, model_config=None) -> str:
@@ -53,7 +74,7 @@ def describe(layout: Layout, model_config=None) -> str:
         f"dense  mesh dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp}"
         f"  (rank = (r*{layout.dp_shard} + s)*{layout.cp} + c)",
         f"expert mesh edp_replicate={layout.edp_replicate} x edp_shard={layout.edp_shard} x ep={layout.ep}"
-        f"  (rank = (r*{layout.edp_shard} + s)*{layout.ep} + e)",
+        f"  ({_expert_formula(layout)}, expert_inner={layout.expert_inner})",
         "rank 0's groups:",
     ]
     for name, axes, group_axes in (
@@ -75,6 +96,12 @@ def describe(layout: Layout, model_config=None) -> str:
             f"FSDP-sharded on tensor dim {dim} over edp_shard={layout.edp_shard} ({why})"
         )
     return "\n".join(lines)
+
+
+def _expert_formula(layout: Layout) -> str:
+    if layout.expert_inner == "ep":
+        return f"rank = (r*{layout.edp_shard} + s)*{layout.ep} + e"
+    return f"rank = (r*{layout.ep} + e)*{layout.edp_shard} + s"
 
 
 def _short(ranks: list[int]) -> str:
@@ -108,15 +135,18 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
         raise ValueError(f"layout is for {layout.world_size} ranks but {dist.get_world_size()} are running")
     world = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
     dense = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in DENSE_AXES), DENSE_AXES)
-    expert = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in EXPERT_AXES), EXPERT_AXES)
     # dp_shard and cp shard the dense weights together (cp ranks hold the same weights).
     shard_cp = _torch_private.flatten(dense["dp_shard", "cp"], "dp_shard_cp")
+    # The expert axes are unflattened in numbering order and restacked in EXPERT_AXES order.
+    order = layout.expert_numbering
+    numbered = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in order), order)
+    expert = _torch_private.concatenate([numbered[a] for a in EXPERT_AXES])
     return Meshes(
         world=world,
         dense=dense,
         expert=expert,
         dense_fsdp=_torch_private.concatenate([dense["dp_replicate"], shard_cp]),
-        expert_fsdp=expert["edp_replicate", "edp_shard"],
-        ep=expert["ep"],
+        expert_fsdp=_torch_private.concatenate([numbered["edp_replicate"], numbered["edp_shard"]]),
+        ep=numbered["ep"],
         cp=dense["cp"],
     )

@@ -6,7 +6,7 @@ import torch
 from models import preset
 from parallel.context_parallel import load_balanced_positions
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
-from parallel.meshes import coordinates, describe, group_ranks
+from parallel.meshes import coordinates, describe, group_ranks, rank_mesh
 
 DEBUG = preset("debug")  # 8 routed experts, dim 64, moe_inter_dim 32, max_seq_len 256
 
@@ -37,6 +37,7 @@ def test_resolve_infers_one_degree_per_layout():
         (ParallelConfig(cp=3), 8, r"dense layout .*cp=3: world size 8 is not divisible by 3, cannot infer dp_shard"),
         (ParallelConfig(ep=3), 8, r"expert layout .*ep=3: world size 8 is not divisible by 3, cannot infer edp_shard"),
         (ParallelConfig(), 0, r"world size must be positive, got 0"),
+        (ParallelConfig(expert_inner="cp"), 8, r"parallel.expert_inner='cp': must be one of 'ep', 'edp_shard'"),
     ],
 )
 def test_resolve_errors_name_fields_and_numbers(config, world, message):
@@ -65,6 +66,9 @@ def _layout(world=8, **degrees) -> Layout:
          r"dense layout dp_replicate=1 x dp_shard=4 x cp=1 = 4 ranks, but the world size is 8"),
         (Layout(world_size=8, dp_replicate=1, dp_shard=8, cp=1, ep=0, edp_replicate=1, edp_shard=8), DEBUG, 64, 8,
          r"parallel.ep=0: degrees must be positive"),
+        (Layout(world_size=8, dp_replicate=1, dp_shard=8, cp=1, ep=2, edp_replicate=1, edp_shard=4,
+                expert_inner="edp_replicate"), DEBUG, 64, 8,
+         r"parallel.expert_inner='edp_replicate': must be one of 'ep', 'edp_shard'"),
     ],
 )
 def test_validate_errors_name_fields_and_numbers(layout, model, seq_len, batch, message):
@@ -99,6 +103,27 @@ def test_rank_mapping_is_innermost_fastest():
     assert group_ranks(layout, EXPERT_AXES, ("edp_shard",), 1) == [1, 17]
 
 
+def test_edp_shard_inner_numbers_the_expert_fsdp_group_on_consecutive_ranks():
+    """256 ranks (32 nodes of 8), the recommended Kimi K2 expert layout edp_shard=2 x ep=128: the
+    expert FSDP pair sits on one node, the ep group takes every second rank across all nodes."""
+    layout = _layout(world=256, dp_replicate=32, dp_shard=8, edp_shard=2, ep=128, expert_inner="edp_shard")
+    for rank in range(256):
+        r, s, e = coordinates(layout, EXPERT_AXES, rank)
+        assert rank == (r * 128 + e) * 2 + s
+        assert rank_mesh(layout, EXPERT_AXES)[r, s, e] == rank
+        assert coordinates(layout, DENSE_AXES, rank) == coordinates(_layout(world=256, dp_replicate=32, dp_shard=8,
+                                                                            ep=128), DENSE_AXES, rank)
+    assert group_ranks(layout, EXPERT_AXES, ("edp_shard",), 5) == [4, 5]
+    assert group_ranks(layout, EXPERT_AXES, ("ep",), 5) == list(range(1, 256, 2))
+    wide = _layout(world=256, dp_replicate=32, dp_shard=8, edp_shard=2, ep=128)
+    assert group_ranks(wide, EXPERT_AXES, ("edp_shard",), 5) == [5, 133]  # the default strides across nodes
+    hsdp = _layout(world=16, edp_replicate=2, edp_shard=2, ep=4, expert_inner="edp_shard")
+    assert group_ranks(hsdp, EXPERT_AXES, ("edp_replicate",), 3) == [3, 11]  # edp_replicate stays outermost
+    assert group_ranks(hsdp, EXPERT_AXES, ("ep",), 3) == [1, 3, 5, 7]
+    assert rank_mesh(hsdp, EXPERT_AXES).tolist() == [[[0, 2, 4, 6], [1, 3, 5, 7]], [[8, 10, 12, 14], [9, 11, 13, 15]]]
+    assert rank_mesh(wide, EXPERT_AXES).tolist() == torch.arange(256).reshape(1, 2, 128).tolist()
+
+
 def test_describe_shows_both_layouts():
     text = describe(_layout(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4), DEBUG)
     assert "dense  mesh dp_replicate=2 x dp_shard=2 x cp=2" in text
@@ -106,6 +131,11 @@ def test_describe_shows_both_layouts():
     assert "cp                                 [0, 1]" in text
     assert "ep                                 [0, 1, 2, 3]" in text
     assert "8 / ep=4 = 2 per ep rank, FSDP-sharded on tensor dim 0" in text
+    assert "(rank = (r*2 + s)*4 + e, expert_inner=ep)" in text
+    text = describe(_layout(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), DEBUG)
+    assert "(rank = (r*4 + e)*2 + s, expert_inner=edp_shard)" in text
+    assert "ep                                 [0, 2, 4, 6]" in text
+    assert "expert FSDP shard (edp_shard)      [0, 1]" in text
 
 
 @pytest.mark.parametrize("seq_len, cp", [(16, 1), (16, 2), (48, 4)])

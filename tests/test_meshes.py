@@ -5,16 +5,22 @@ parallel/meshes.py (`coordinates`, `group_ranks`) are the documented mapping, al
 by `describe`. Here every process group of every axis is checked against them, on every rank.
 """
 
+import shutil
+
+import pytest
 import torch.distributed as dist
 
+from entry_point import run_ok
 from multirank import run_ranks
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
-from parallel.meshes import build_meshes, coordinates, group_ranks
+from parallel.meshes import build_meshes, coordinates, group_ranks, rank_mesh
 
 LAYOUTS = [
     ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1),
     ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_replicate=2, edp_shard=2, ep=2),
     ParallelConfig(dp_replicate=2, dp_shard=4, ep=4, edp_shard=2),
+    ParallelConfig(dp_replicate=2, dp_shard=4, ep=4, edp_shard=2, expert_inner="edp_shard"),
+    ParallelConfig(dp_shard=4, cp=2, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"),
 ]
 
 
@@ -30,6 +36,8 @@ def _mesh_facts(rank, world_size):
         groups["dp_shard_cp"] = _ranks(meshes.dense_fsdp, "dp_shard_cp")
         groups["dense_fsdp.dp_replicate"] = _ranks(meshes.dense_fsdp, "dp_replicate")
         groups["expert_fsdp.edp_shard"] = _ranks(meshes.expert_fsdp, "edp_shard")
+        groups["expert_fsdp.edp_replicate"] = _ranks(meshes.expert_fsdp, "edp_replicate")
+        groups["expert_mesh"] = meshes.expert.mesh.tolist()
         groups["ep_mesh"] = _ranks(meshes.ep)
         groups["cp_mesh"] = _ranks(meshes.cp)
         coords = (tuple(meshes.dense.get_coordinate()), tuple(meshes.expert.get_coordinate()))
@@ -48,9 +56,58 @@ def test_meshes_follow_the_documented_rank_mapping():
             expect["dp_shard_cp"] = group_ranks(layout, DENSE_AXES, ("dp_shard", "cp"), rank)
             expect["dense_fsdp.dp_replicate"] = expect["dp_replicate"]
             expect["expert_fsdp.edp_shard"] = expect["edp_shard"]
+            expect["expert_fsdp.edp_replicate"] = expect["edp_replicate"]
+            expect["expert_mesh"] = rank_mesh(layout, EXPERT_AXES).tolist()
             expect["ep_mesh"], expect["cp_mesh"] = expect["ep"], expect["cp"]
             assert groups == expect, f"{config} rank {rank}"
             assert dense_coord == coordinates(layout, DENSE_AXES, rank)
             assert expert_coord == coordinates(layout, EXPERT_AXES, rank)
             r, s, c = dense_coord
             assert (dp_rank, cp_rank) == (r * layout.dp_shard + s, c)
+
+
+# -- the whole runtime on the expert mesh numbered with edp_shard innermost
+
+STEPS = ["--training.steps=4", "--training.warmup_steps=1", "--data.seq_len=32", "--data.batch_size=8",
+         "--checkpoint.interval=1", "--checkpoint.keep=0"]  # debug model, Muon, the bundled corpus
+LAYOUT = ["--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=4", "--parallel.edp_shard=2"]
+ORDER = {inner: f"--parallel.expert_inner={inner}" for inner in ("ep", "edp_shard")}
+
+
+def _losses(records, steps):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records if r["step"] in steps]
+
+
+def _assert_close(got, want):
+    for (step, loss, norm), (step_want, loss_want, norm_want) in zip(got, want, strict=True):
+        # fp32, the same math in another reduction order (tests/test_pretrain.py: ~1e-6 per step, amplified by
+        # Newton-Schulz and the optimizer steps to ~1e-5 at most); a wrong expert or group is off by > 1e-2.
+        assert step == step_want and loss == pytest.approx(loss_want, rel=1e-4), (got, want)
+        assert norm == pytest.approx(norm_want, rel=1e-3), (got, want)
+
+
+def _resumed_from(capfd) -> list[str]:
+    """Rank 0's resume lines since the last call (a checkpoint that fails to load would say so and fall
+    back to an older one, whose losses would match just as well: the line names the one loaded)."""
+    return [line for line in capfd.readouterr().out.splitlines() if "resumed from" in line or "does not load" in line]
+
+
+def test_edp_shard_inner_trains_like_one_process_and_resumes_under_either_order(tmp_path, capfd):
+    """8 ranks, dense dp_shard=4 x cp=2, experts edp_shard=2 x ep=4 numbered with edp_shard innermost
+    (edp_shard groups [0 1] [2 3] ..., ep groups [0 2 4 6] [1 3 5 7]): the losses and gradient norms of
+    4 Muon steps equal the single-process run's. Its step_2 checkpoint resumes with ep innermost, and
+    that run's step_3 checkpoint resumes with edp_shard innermost again: DCP reshards between the orders."""
+    single = run_ok(tmp_path / "single", 1, STEPS)
+    run = tmp_path / "run"
+    inner = run_ok(run, 8, STEPS + LAYOUT + [ORDER["edp_shard"]])
+    _assert_close(_losses(inner, range(4)), _losses(single, range(4)))
+    for step in (3, 4):
+        shutil.rmtree(run / "checkpoints" / f"step_{step}")
+    _resumed_from(capfd)
+    resumed = run_ok(run, 8, STEPS + LAYOUT + [ORDER["ep"]])  # from step_2, written with edp_shard inner
+    assert _resumed_from(capfd) == [f"resumed from {run / 'checkpoints' / 'step_2'}"]
+    _assert_close(_losses(resumed, (2, 3)), _losses(inner, (2, 3)))
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    again = run_ok(run, 8, STEPS + LAYOUT + [ORDER["edp_shard"]])  # from step_3, written with ep inner
+    assert _resumed_from(capfd) == [f"resumed from {run / 'checkpoints' / 'step_3'}"]
+    _assert_close(_losses(again, (3,)), _losses(inner, (3,)))

@@ -29,7 +29,7 @@ from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
-from parallel.meshes import build_meshes
+from parallel.meshes import build_meshes, rank_mesh
 from parallel.parallelize import parallelize
 
 WORLD, BATCH, SEQ = 8, 8, 32
@@ -46,6 +46,13 @@ CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 
     "fsdp8_ehsdp_ep2": ("debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2), False),
     # 4 experts / ep=2 = 2 local experts < edp_shard=4: experts sharded on a matrix dim (Shard(1)).
     "few_local_experts": ("debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4), False),
+    # expert FSDP on consecutive ranks, ep strided (parallel.expert_inner="edp_shard"): whole experts, then a matrix dim
+    "hsdp_cp2_ep4_edp_shard_inner": (
+        "debug", {}, ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), False,
+    ),
+    "few_local_experts_edp_shard_inner": (
+        "debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"), False,
+    ),
     # every token goes to experts 0 and 1: six experts and six of eight ep ranks get no tokens.
     "empty_experts_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), True),
 }
@@ -142,6 +149,7 @@ def _run_case(name, reference):
         "no_grad": [k for k, p in named if p.grad is None],
         "tokens_per_expert": sum(r.tokens_per_expert for r in model.routers()),
         "placements": {k: (p.device_mesh.mesh_dim_names, p.placements) for k, p in named},
+        "mesh_ranks": {k: p.device_mesh.mesh.tolist() for k, p in named},
         "groups": _groups(meshes),
     }
     if result["no_grad"]:
@@ -210,6 +218,20 @@ def test_expert_and_dense_placements(results):
     assert repr(place["fsdp8"]["placements"][w1][1][1]) == "Shard(dim=0)"
     # ep=2 splits the experts first, then edp_shard splits each ep rank's experts: whole experts per rank
     assert repr(place["fsdp8_ehsdp_ep2"]["placements"][w1][1][1]) == "_StridedShard(dim=0, sf=2)"
+
+
+def test_expert_weights_live_on_the_numbered_expert_mesh(results):
+    """The expert DTensors' rank tensor is the layout's documented numbering (parallel/meshes.py), for
+    both values of parallel.expert_inner; the dense weights' mesh does not depend on it."""
+    _, per_rank = results
+    w1, wo = "layers.1.feed_forward.experts.w1", "layers.1.attention.wo.weight"
+    for name, (_, _, config, _) in CASES.items():
+        layout = config.resolve(WORLD)
+        got = per_rank[0][name]["mesh_ranks"]
+        assert got[w1] == rank_mesh(layout, EXPERT_AXES).tolist(), name
+        assert got[wo] == torch.arange(WORLD).reshape(layout.dp_replicate, layout.dense_shard).tolist(), name
+    assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["edp_shard"] == [0, 1]
+    assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["ep"] == [0, 2, 4, 6]
 
 
 def test_unrouted_experts_still_get_gradients(results):
