@@ -26,7 +26,10 @@ token loads are assumed uniform):
               benchmarks/host_syncs.py and tests/test_host_syncs.py)
 Bytes follow benchmarks/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
-peers); a peer on the same node (8 GPUs, rank-major meshes) is intra-node (NVLink), else inter.
+peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
+Groups follow the runtime's rank numbering (parallel/meshes.py): the dense mesh numbers cp innermost,
+the expert mesh numbers `parallel.expert_inner` innermost, ep (the default: expert FSDP groups stride
+across nodes) or edp_shard (expert FSDP inside a node, ep across nodes); --compare projects both.
 
 Time (device model: benchmarks/device_model.py links; compute rates below, or measured with
 --calibration from benchmarks/gpu_check.py):
@@ -45,6 +48,7 @@ runtime's detailed estimate). A layout "fits" below FIT_FRACTION of memory.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -83,9 +87,10 @@ class Link:
         return self.intra + self.inter
 
 
-def peers(size: int, stride: int, gpus_per_node: int = GPUS_PER_NODE) -> tuple[int, int]:
+def peers(size: int, stride: int, gpus_per_node: int | None = None) -> tuple[int, int]:
     """(peers on my node, peers elsewhere) in a group of `size` ranks spaced `stride` apart (rank 0's
-    group; mesh groups are translates of it)."""
+    group; mesh groups are translates of it). Nodes of GPUS_PER_NODE ranks unless given."""
+    gpus_per_node = gpus_per_node or GPUS_PER_NODE
     same = sum(1 for i in range(1, size) if (i * stride) // gpus_per_node == 0)
     return same, size - 1 - same
 
@@ -100,13 +105,16 @@ def all_reduce(nbytes: float, size: int, stride: int) -> Link:
     return Link(2 * nbytes * same / size, 2 * nbytes * other / size)
 
 
-# -- the layout's groups: (size, stride) of rank 0's group, rank-major meshes (parallel/meshes.py)
+# -- the layout's groups: (size, stride) of rank 0's group, in the runtime's numbering (parallel/meshes.py)
 
 def groups(layout) -> dict:
-    dense_inner = layout.dp_shard * layout.cp
-    return {"dp_shard_cp": (dense_inner, 1), "dp_replicate": (layout.dp_replicate, dense_inner),
-            "cp": (layout.cp, 1), "ep": (layout.ep, 1), "edp_shard": (layout.edp_shard, layout.ep),
-            "edp_replicate": (layout.edp_replicate, layout.edp_shard * layout.ep)}
+    from parallel.layout import DENSE_AXES, EXPERT_AXES
+    from parallel.meshes import strides
+
+    dense, expert = strides(layout, DENSE_AXES), strides(layout, EXPERT_AXES)
+    out = {a: (getattr(layout, a), dense[a]) for a in DENSE_AXES} | {a: (getattr(layout, a), expert[a]) for a in EXPERT_AXES}
+    out["dp_shard_cp"] = (layout.dp_shard * layout.cp, 1)  # dp_shard and cp flattened: consecutive ranks
+    return out
 
 
 # -- FSDP units of the meta model, as parallel/fsdp.py wraps them
@@ -297,9 +305,13 @@ def optimizer_step_s(model_config, layout, device) -> float:
     from benchmarks.device_model import project
     from benchmarks.projection import NS_DTYPE, local_elements
     from optim.plan import PlanOptions, make_plan
-    from optim.sharded_specs import model_specs
+    from optim.sharded_specs import EXPERT_NAMES, model_specs
+    from parallel.layout import EXPERT_AXES
+    from parallel.meshes import rank_mesh
 
-    specs = model_specs(model_config, layout, dtype=torch.float32)
+    expert_ranks = rank_mesh(layout, EXPERT_AXES)  # model_specs numbers ep innermost; follow parallel.expert_inner
+    specs = [dataclasses.replace(s, mesh_ranks=expert_ranks) if s.mesh_dim_names == EXPERT_NAMES else s
+             for s in model_specs(model_config, layout, dtype=torch.float32)]
     options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE,
                           flops_per_s=device.sustained_tflops * 1e12,
                           intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
@@ -312,8 +324,9 @@ def optimizer_step_s(model_config, layout, device) -> float:
 
 
 def describe(layout) -> str:
+    inner = "" if layout.expert_inner == "ep" or min(layout.ep, layout.edp_shard) == 1 else " (edp_shard inner)"
     return (f"dense {layout.dp_replicate}x{layout.dp_shard}x{layout.cp} | experts "
-            f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}")
+            f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}{inner}")
 
 
 def compute_rates(device, calibration: str | None) -> dict:
@@ -331,10 +344,9 @@ def compute_rates(device, calibration: str | None) -> dict:
 def candidate_layouts(job, world: int, base) -> dict:
     """{name: Layout} users would consider at `world` GPUs: dense FSDP inside a node (dp_shard=8)
     replicated across nodes, and experts with ep inside a node (8) or across 4, 8, 16... nodes,
-    each with expert FSDP over the rest (edp_shard = world / ep), plus `base` (the config's own,
-    when it resolves at this world size)."""
-    import dataclasses
-
+    each with expert FSDP over the rest (edp_shard = world / ep), numbered with ep innermost (name
+    "ep<N>") and with edp_shard innermost ("ep<N>_shard_inner", when both degrees exceed 1), plus
+    `base` (the config's own, when it resolves at this world size)."""
     from parallel.layout import ParallelConfig
 
     E = job.model.n_routed_experts
@@ -342,20 +354,20 @@ def candidate_layouts(job, world: int, base) -> dict:
     if base is not None:
         out["config"] = base
     for ep in (8, 32, 64, 128, 256):
-        if E % ep or world % ep or ep > world or (base is not None and (base.ep, base.edp_shard) == (ep, world // ep)
-                                                  and base.dp_shard == 8 and base.cp == 1):
-            continue  # not a layout, or the config's own
-        parallel = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
-                                  edp_shard=world // ep)
-        # the runtime's own checks (model, batch, micro-batches): a layout it would refuse is not a candidate
-        out[f"ep{ep}"] = dataclasses.replace(job, parallel=parallel).layout(world)
+        if E % ep or world % ep or ep > world:
+            continue
+        for inner in ("ep", "edp_shard") if 1 < ep < world else ("ep",):
+            parallel = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
+                                      edp_shard=world // ep, expert_inner=inner)
+            # the runtime's own checks (model, batch, micro-batches): a layout it would refuse is not a candidate
+            layout = dataclasses.replace(job, parallel=parallel).layout(world)
+            if layout != base:  # the config's own is listed once, as "config"
+                out[f"ep{ep}" + ("_shard_inner" if inner == "edp_shard" else "")] = layout
     return out
 
 
 def scaled_job(job, world: int, config_world: int):
     """The job with the same tokens per GPU and micro-batches at `world` GPUs (weak scaling)."""
-    import dataclasses
-
     batch = job.data.batch_size * world // config_world
     return dataclasses.replace(job, data=dataclasses.replace(job.data, batch_size=batch))
 
@@ -378,7 +390,7 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     return rows
 
 
-HEADER = ("world layout                               step s  compute  ep s  cp s fsdpNVL fsdpNET   opt s syncs"
+HEADER = ("world layout                                           step s  compute  ep s  cp s fsdpNVL fsdpNET   opt s syncs"
           "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
 
 
@@ -386,7 +398,7 @@ def format_row(r: dict) -> str:
     t = r["time_s"]
     fsdp_intra = sum(v["intra_gb"] for m in r["fsdp"].values() for v in m.values())
     fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
-    return (f"{r['world']:5d} {r['layout']:36s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
+    return (f"{r['world']:5d} {r['layout']:48s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
             f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
             f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} "
             f"{r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "

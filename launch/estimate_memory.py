@@ -54,9 +54,11 @@ from models.moe import Router  # noqa: E402
 from models.splits import muon_splits  # noqa: E402
 from optim.plan import PlanOptions, make_plan  # noqa: E402
 from optim.sharded_boxes import local_box  # noqa: E402
-from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
+from optim.sharded_specs import EXPERT_NAMES, _expert_placements, model_specs  # noqa: E402
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
 from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
+from parallel.layout import EXPERT_AXES  # noqa: E402
+from parallel.meshes import rank_mesh  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 
 GIB = 2**30
@@ -91,14 +93,15 @@ def rank_boxes(model_config, layout, rank: int):
     with torch.device("meta"):
         model = Transformer(model_config)
     experts = {f"{p}.{n}" for p, m in model.named_modules() if isinstance(m, GroupedExperts) for n in ("w1", "w2", "w3")}
-    meshes = {False: ((layout.dp_replicate, layout.dp_shard * layout.cp), (Replicate(), Shard(0))),
-              True: ((layout.edp_replicate, layout.edp_shard, layout.ep),
+    meshes = {False: (torch.arange(layout.world_size).view(layout.dp_replicate, layout.dp_shard * layout.cp),
+                      (Replicate(), Shard(0))),
+              True: (torch.from_numpy(rank_mesh(layout, EXPERT_AXES)),  # parallel.expert_inner's numbering
                      _expert_placements(model_config.n_routed_experts, layout))}
     out = []
     for fqn, p in model.named_parameters():
-        mesh, placements = meshes[fqn in experts]
-        coordinate = [int(c) for c in torch.arange(layout.world_size).view(mesh).eq(rank).nonzero()[0]]
-        box = local_box(tuple(p.shape), mesh, placements, coordinate)
+        ranks, placements = meshes[fqn in experts]
+        coordinate = [int(c) for c in ranks.eq(rank).nonzero()[0]]
+        box = local_box(tuple(p.shape), tuple(ranks.shape), placements, coordinate)
         out.append((fqn, tuple(p.shape), tuple(b - a for a, b in box), tuple(a for a, _ in box), fqn in experts))
     return out
 
@@ -271,7 +274,9 @@ def muon_step(job: Job, muon_elements: int) -> int:
     if job.config.optim.name != "muon":
         return 0
     o = job.config.optim
-    specs = model_specs(job.config.model, job.layout)
+    expert_ranks = rank_mesh(job.layout, EXPERT_AXES)  # model_specs numbers ep innermost; follow parallel.expert_inner
+    specs = [dataclasses.replace(s, mesh_ranks=expert_ranks) if s.mesh_dim_names == EXPERT_NAMES else s
+             for s in model_specs(job.config.model, job.layout)]
     plan = make_plan(specs, job.layout.world_size, PlanOptions(bucket_mb=o.bucket_mb, replica_split=o.replica_split,
                                                                ranks_per_node=o.ranks_per_node))
     inst = plan.inst
