@@ -49,6 +49,7 @@ runtime's detailed estimate). A layout "fits" below FIT_FRACTION of memory.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -300,6 +301,7 @@ def _link_seconds(link: Link, device) -> tuple[float, float]:
     return link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9)
 
 
+@functools.lru_cache(maxsize=None)  # the same layout recurs across dtypes and what-ifs; planning K2 takes seconds
 def optimizer_step_s(model_config, layout, device) -> float:
     """The sharded Muon step of this layout: the optimizer projection's planner and device model."""
     from benchmarks.device_model import project

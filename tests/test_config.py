@@ -118,14 +118,33 @@ def test_explicit_degrees_are_kept_and_one_unknown_left_to_infer():
     assert (layout.dp_shard, layout.cp, layout.ep, layout.edp_shard) == (2, 4, 2, 4)
 
 
-@pytest.mark.parametrize("name, world_sizes", [("kimi_k2_256gpu", [256]), ("deepseek_v3_256gpu", [256]),
-                                               ("moonlight_16b", [8, 64])])
-def test_large_configs_load_and_fit_their_world_size(name, world_sizes):
+@pytest.mark.parametrize("name, world_sizes, experts", [
+    ("kimi_k2_256gpu", [256], (1, 2, 128, "ep")), ("deepseek_v3_256gpu", [256], (1, 4, 64, "ep")),
+    ("moonlight_16b", [8, 64], (None, None, 8, "ep")),
+])
+def test_large_configs_load_and_fit_their_world_size(name, world_sizes, experts):
     config = load_config(["--config", os.path.join(CONFIGS, f"{name}.toml")])
     assert config.training.param_dtype == "bfloat16" and config.data.source == "bin"
     for world_size in world_sizes:
         layout = config.layout(world_size)
-        assert layout.dp_shard == 8 and layout.ep == 8, layout  # dense FSDP and EP inside one 8-GPU node
+        assert layout.dp_shard == 8, layout  # dense FSDP inside one 8-GPU node
+        got = (layout.edp_replicate, layout.edp_shard, layout.ep, layout.expert_inner)
+        assert all(want in (None, g) for want, g in zip(experts, got)), got
+
+
+@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
+def test_large_configs_follow_the_whole_step_projection(model):
+    """The configs' layout is the one benchmarks/step_projection.py recommends at 256 GPUs for the
+    runtime's bf16 data path (its committed JSON, rerun with the README's command), and it fits."""
+    import json
+
+    from benchmarks.step_projection import describe
+
+    config = load_config(["--config", os.path.join(CONFIGS, f"{model}_256gpu.toml")])
+    with open(os.path.join(REPO, "benchmarks", "results", f"step_projection_{model}_bf16.json")) as f:
+        rows = json.load(f)["rows"]
+    (best,) = [r for r in rows if r["world"] == 256 and r.get("recommended")]
+    assert best["layout"] == describe(config.layout(256)) and best["fits"]
 
 
 def test_help_lists_every_key_with_its_default_and_a_meaning():
