@@ -50,6 +50,7 @@ def test_toml_then_command_line_overrides(tmp_path):
     (["--optim.lr=fast"], None, "optim.lr: expected a finite float, got 'fast'"),
     (["--optim.nesterov=yes"], None, "optim.nesterov: expected bool, got 'yes'"),
     (["--training.schedule=linear"], None, "training.schedule: expected one of 'cosine', 'wsd', got 'linear'"),
+    (["--parallel.expert_inner=cp"], None, "parallel.expert_inner: expected one of 'ep', 'edp_shard', got 'cp'"),
     (["--profile.steps=1,x"], None, "profile.steps: expected int, got 'x'"),
     (["--training.stepz=1"], None, "training.stepz: unknown key"),
     ([], "[trainin]\nsteps = 1\n", "trainin: unknown section"),
