@@ -50,6 +50,9 @@ CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 
     "hsdp_cp2_ep4_edp_shard_inner": (
         "debug", {}, ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), False,
     ),
+    "fsdp8_ehsdp_ep2_edp_shard_inner": (
+        "debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"), False,
+    ),
     "few_local_experts_edp_shard_inner": (
         "debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"), False,
     ),
