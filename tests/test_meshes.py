@@ -9,9 +9,14 @@ import shutil
 
 import pytest
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
+import test_sharded_muon as sm
 from entry_point import run_ok
 from multirank import run_ranks
+from optim.sharded_muon import ShardedMuon
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
 from parallel.meshes import build_meshes, coordinates, group_ranks, rank_mesh
 
@@ -111,3 +116,43 @@ def test_edp_shard_inner_trains_like_one_process_and_resumes_under_either_order(
     again = run_ok(run, 8, STEPS + LAYOUT + [ORDER["edp_shard"]])  # from step_3, written with ep inner
     assert _resumed_from(capfd) == [f"resumed from {run / 'checkpoints' / 'step_3'}"]
     _assert_close(_losses(again, (3,)), _losses(inner, (3,)))
+
+
+# -- the sharded Muon on the expert mesh numbered with edp_shard innermost
+
+MUON_LAYOUTS = {  # name: (layout, experts of the toy model)
+    "whole_experts": (ParallelConfig(dp_replicate=2, dp_shard=4, edp_shard=2, ep=4, expert_inner="edp_shard"), 8),
+    "matrix_dim": (ParallelConfig(dp_shard=8, edp_shard=4, ep=2, expert_inner="edp_shard"), 6),  # 3 local < 4
+}
+
+
+def _muon_steps(rank, world_size):
+    """tests/test_sharded_muon.py's toy (per-head dense blocks, per-expert blocks, an AdamW norm) sharded on
+    build_meshes' meshes, as parallel/fsdp.py shards a Transformer, then STEPS ShardedMuon steps."""
+    out = {}
+    for name, (config, n_experts) in MUON_LAYOUTS.items():
+        layout = config.resolve(world_size)
+        meshes = build_meshes(layout, "cpu")
+        model = sm.Toy(n_experts)
+        model.load_state_dict({n: sm.toy_full(n, p.shape, "init") for n, p in model.named_parameters()})
+        model.experts.w1 = nn.Parameter(distribute_tensor(model.experts.w1.data, meshes.ep, [Shard(0)]))
+        matrix_dim = layout.expert_shard_dim(n_experts) == 1
+        fully_shard(model.experts, mesh=meshes.expert_fsdp, shard_placement_fn=(lambda p: Shard(1)) if matrix_dim else None)
+        fully_shard(model, mesh=meshes.dense_fsdp)
+        optimizer = ShardedMuon(model.named_parameters(), model.splits(), sm.CONFIG, bucket_mb=0.002)
+        for step in range(sm.STEPS):
+            sm.set_toy_grads(model, step)
+            optimizer.step()
+        shards = {n: (sm.box_of(p), p.to_local().clone()) for n, p in model.named_parameters()}
+        out[name] = shards, model.experts.w1.device_mesh.mesh.tolist()
+    return out
+
+
+def test_sharded_muon_on_the_edp_shard_inner_expert_mesh_equals_the_reference():
+    """The planner takes the experts' rank mesh from their DTensors: with edp_shard innermost the same
+    blocks have other holders, and the update still equals ReferenceMuon on full tensors (fp32, 1e-5:
+    tests/test_sharded_muon.py's tolerance, observed <= 1.4e-7)."""
+    results = run_ranks(_muon_steps, 8)
+    for name, (config, n_experts) in MUON_LAYOUTS.items():
+        assert results[0][name][1] == rank_mesh(config.resolve(8), EXPERT_AXES).tolist()
+        sm.assert_matches_reference([r[name][0] for r in results], sm.toy_reference(n_experts), name)
