@@ -113,7 +113,8 @@ def groups(layout) -> dict:
     from parallel.meshes import strides
 
     dense, expert = strides(layout, DENSE_AXES), strides(layout, EXPERT_AXES)
-    out = {a: (getattr(layout, a), dense[a]) for a in DENSE_AXES} | {a: (getattr(layout, a), expert[a]) for a in EXPERT_AXES}
+    out = {a: (getattr(layout, a), dense[a]) for a in DENSE_AXES}
+    out |= {a: (getattr(layout, a), expert[a]) for a in EXPERT_AXES}
     out["dp_shard_cp"] = (layout.dp_shard * layout.cp, 1)  # dp_shard and cp flattened: consecutive ranks
     return out
 
@@ -392,7 +393,8 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     return rows
 
 
-HEADER = ("world layout                                           step s  compute  ep s  cp s fsdpNVL fsdpNET   opt s syncs"
+HEADER = ("world layout                                           step s  compute  ep s  cp s fsdpNVL fsdpNET"
+          "   opt s syncs"
           "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
 
 

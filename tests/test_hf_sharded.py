@@ -62,7 +62,8 @@ def hf_dirs(tmp_path_factory):
 def test_every_layout_loads_the_single_process_weights_and_step(hf_dirs, tmp_path):
     cases = {"headline_cp2_ep8": (hf_dirs["e8"], HEADLINE), "experts_on_matrix_dim": (hf_dirs["e4"], MATRIX_DIM),
              "hsdp_ehsdp_ep2": (hf_dirs["e8"], HSDP),
-             "experts_on_matrix_dim_edp_shard_inner": (hf_dirs["e4"], MATRIX_DIM + ["--parallel.expert_inner=edp_shard"])}
+             "experts_on_matrix_dim_edp_shard_inner": (hf_dirs["e4"],
+                                                       MATRIX_DIM + ["--parallel.expert_inner=edp_shard"])}
     eight = run_ranks(_first_step, 8, cases, str(tmp_path / "run8"), timeout=300)
     one = run_ranks(_first_step, 1, {k: (p, ONE) for k, (p, _) in cases.items()}, str(tmp_path / "run1"))[0]
     for name, (path, _) in cases.items():

@@ -137,7 +137,8 @@ def _muon_steps(rank, world_size):
         model.load_state_dict({n: sm.toy_full(n, p.shape, "init") for n, p in model.named_parameters()})
         model.experts.w1 = nn.Parameter(distribute_tensor(model.experts.w1.data, meshes.ep, [Shard(0)]))
         matrix_dim = layout.expert_shard_dim(n_experts) == 1
-        fully_shard(model.experts, mesh=meshes.expert_fsdp, shard_placement_fn=(lambda p: Shard(1)) if matrix_dim else None)
+        placement_fn = (lambda p: Shard(1)) if matrix_dim else None
+        fully_shard(model.experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn)
         fully_shard(model, mesh=meshes.dense_fsdp)
         optimizer = ShardedMuon(model.named_parameters(), model.splits(), sm.CONFIG, bucket_mb=0.002)
         for step in range(sm.STEPS):

@@ -48,13 +48,16 @@ CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 
     "few_local_experts": ("debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4), False),
     # expert FSDP on consecutive ranks, ep strided (parallel.expert_inner="edp_shard"): whole experts, then a matrix dim
     "hsdp_cp2_ep4_edp_shard_inner": (
-        "debug", {}, ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), False,
+        "debug", {},
+        ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), False,
     ),
     "fsdp8_ehsdp_ep2_edp_shard_inner": (
-        "debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"), False,
+        "debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"),
+        False,
     ),
     "few_local_experts_edp_shard_inner": (
-        "debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"), False,
+        "debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"),
+        False,
     ),
     # every token goes to experts 0 and 1: six experts and six of eight ep ranks get no tokens.
     "empty_experts_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), True),
