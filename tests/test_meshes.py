@@ -2,7 +2,11 @@
 
 `build_meshes` views one world mesh twice (dense and expert); the pure functions in
 parallel/meshes.py (`coordinates`, `group_ranks`) are the documented mapping, also used at start-up
-by `describe`. Here every process group of every axis is checked against them, on every rank.
+by `describe`. Here every process group of every axis is checked against them, on every rank, for
+both expert numberings (`parallel.expert_inner`). With edp_shard innermost, the rest of the runtime
+must follow: training through the entry point against one process and resuming across numberings
+(DCP), the sharded Muon against ReferenceMuon, and launch/estimate_memory.py's per-rank boxes against
+the real shards.
 """
 
 import shutil
@@ -15,8 +19,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import test_sharded_muon as sm
 from entry_point import run_ok
+from models import Transformer, preset
 from multirank import run_ranks
 from optim.sharded_muon import ShardedMuon
+from parallel.boxes import dtensor_box
+from parallel.parallelize import parallelize
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
 from parallel.meshes import build_meshes, coordinates, group_ranks, rank_mesh
 
@@ -157,3 +164,36 @@ def test_sharded_muon_on_the_edp_shard_inner_expert_mesh_equals_the_reference():
     for name, (config, n_experts) in MUON_LAYOUTS.items():
         assert results[0][name][1] == rank_mesh(config.resolve(8), EXPERT_AXES).tolist()
         sm.assert_matches_reference([r[name][0] for r in results], sm.toy_reference(n_experts), name)
+
+
+# -- launch/estimate_memory.py's per-rank boxes (no process group) against the real shards
+
+BOX_LAYOUTS = [
+    ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"),  # experts on a matrix dim
+    ParallelConfig(dp_replicate=2, dp_shard=4, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"),
+    ParallelConfig(dp_replicate=2, dp_shard=4, edp_replicate=2, edp_shard=2, ep=2),
+]
+BOX_MODEL = preset("debug", n_routed_experts=4)
+
+
+def _real_boxes(rank, world_size):
+    out = []
+    for config in BOX_LAYOUTS:
+        layout = config.resolve(world_size)
+        model = Transformer(BOX_MODEL)
+        parallelize(model, build_meshes(layout, "cpu"), layout)
+        out.append({n: tuple(dtensor_box(p)) for n, p in model.named_parameters()})
+    return out
+
+
+def test_memory_estimate_boxes_follow_the_expert_numbering():
+    """The estimate derives every rank's shard from the layout alone. With edp_shard innermost most ranks
+    hold other expert rows than the ep-innermost numbering would give them (ranks 1-6 of the first layout)."""
+    from launch.estimate_memory import rank_boxes
+
+    real = run_ranks(_real_boxes, 8)
+    for i, config in enumerate(BOX_LAYOUTS):
+        for rank in range(8):
+            boxes = rank_boxes(BOX_MODEL, config.resolve(8), rank)
+            estimated = {fqn: tuple((o, o + n) for o, n in zip(offset, shape)) for fqn, _, shape, offset, _ in boxes}
+            assert estimated == real[rank][i], (config, rank)
