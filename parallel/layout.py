@@ -14,9 +14,10 @@ process group, so every rank fails the same way before any collective can hang.
 
 Rank numbering (parallel/meshes.py): the dense mesh numbers ranks with cp innermost; the expert mesh
 numbers them with `expert_inner` innermost (consecutive ranks, inside a node) and edp_replicate
-outermost. "ep" (the default) keeps the all-to-all inside a node and strides the expert FSDP group
-across nodes; "edp_shard" keeps the expert all-gathers and reduce-scatters inside a node and sends
-the ep all-to-all across nodes (the layout benchmarks/step_projection.py recommends at scale).
+outermost. "ep" (the default) keeps the all-to-all inside a node (ep <= 8) and strides the expert
+FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-scatters inside a node
+(edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
+both (README "Whole-step projection").
 
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
