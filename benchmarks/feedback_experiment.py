@@ -69,7 +69,8 @@ class ExperimentConfig:
     episodes: int = 32  # fresh on-policy episodes per step
     eval_every: int = 4
     eval_episodes: int = 64
-    lr: float = 0.002  # Muon (and AdamW for the rest), constant
+    optimizer: str = "muon"  # optim.name of the post-training steps: "muon" or "adamw"
+    lr: float = 0.002  # constant (Muon's, and AdamW's for the rest under muon)
     temperature: float = 1.0
     arms: tuple[str, ...] = tuple(ARMS)
 
@@ -98,7 +99,8 @@ def pretrain_base(cfg: ExperimentConfig, work: str) -> str:
         json.dump({"dtype": "uint16", "vocab_size": 256, "num_tokens": len(text)}, f)
     rc = pretrain.main([f"--run.dir={run}", "--data.source=bin", f"--data.path={path}", *MODEL,
                         f"--training.steps={cfg.pretrain_steps}", "--data.seq_len=320", "--data.batch_size=16",
-                        "--training.warmup_steps=50", "--eval.interval=0", f"--checkpoint.interval={cfg.pretrain_steps}",
+                        "--training.warmup_steps=50", "--eval.interval=0",
+                        f"--checkpoint.interval={cfg.pretrain_steps}",
                         "--training.log_interval=200"])
     if rc != 0:
         raise SystemExit(f"pretraining the base policy failed with exit status {rc}")
@@ -155,9 +157,10 @@ def measure(model, start, cfg: ExperimentConfig, seed: int, step: int) -> dict:
 def arm_config(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str):
     """The job config of one arm: launch/posttrain.py's, with the base weights, a constant lr, no weight decay."""
     rl_coef, feedback_coef = ARMS[arm]
-    return load_config([*MODEL, "--data.source=rollouts", f"--data.path={work}/on_policy", f"--training.seed={seed}",
-                        f"--training.steps={max(cfg.steps, 1)}", "--training.warmup_steps=0", "--training.min_lr_ratio=1.0",
-                        f"--optim.lr={cfg.lr}", "--optim.weight_decay=0", f"--posttrain.rl_coef={rl_coef}",
+    return load_config([*MODEL, "--data.source=rollouts", f"--data.path={work}/on_policy",
+                        f"--training.seed={seed}", f"--training.steps={max(cfg.steps, 1)}", "--training.warmup_steps=0",
+                        "--training.min_lr_ratio=1.0", f"--optim.name={cfg.optimizer}", f"--optim.lr={cfg.lr}",
+                        "--optim.weight_decay=0", f"--posttrain.rl_coef={rl_coef}",
                         f"--posttrain.feedback_coef={feedback_coef}", f"--posttrain.init_from={base}",
                         f"--run.dir={work}/arm_{arm}_{seed}"])
 
@@ -199,7 +202,8 @@ def run_arm(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str) ->
     try:
         learner = Learner(arm_config(arm, seed, base, cfg, work))
         curves = {"steps": [], "invalid_call_rate": [], "success_rate": [], "kl_untargeted": [],
-                  "train_invalid_call_rate": [], "train_success_rate": [], "feedback_kl": [], "rl_loss": []}
+                  "train_invalid_call_rate": [], "train_success_rate": [], "feedback_kl": [], "rl_loss": [],
+                  "target_tokens": []}
         for step in range(cfg.steps + 1):
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 curves["steps"].append(step)
@@ -214,6 +218,7 @@ def run_arm(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str) ->
             curves["train_success_rate"].append(sum(e.success for e in episodes) / len(episodes))
             curves["feedback_kl"].append(stats["feedback_kl"])
             curves["rl_loss"].append(stats["rl_loss"])
+            curves["target_tokens"].append(stats["target_tokens"])
         return curves
     finally:
         dist.destroy_process_group()

@@ -157,8 +157,8 @@ def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int =
     assistant turn (of the generated tokens after the header, for `rollout_record`).
 
     Each round, every unfinished episode needs one assistant line: the context plus the header is the
-    prompt, and episodes whose prompts have the same length are generated as one batch (runtime/generate.py needs equal-length prompts), stopping at a
-    newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
+    prompt, and episodes whose prompts have the same length are generated as one batch
+    (runtime/generate.py needs equal-length prompts), stopping at a newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
     distinct and independent of the batching. On a sharded model every rank must pass the same
     episodes: the number of generate calls (each collective) depends on them."""
     sampling = dataclasses.replace(sampling, stop_tokens=(ord("\n"),))  # one line per assistant turn
