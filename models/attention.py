@@ -45,12 +45,14 @@ class CausalAttention(nn.Module):
     With `record_max_logits` set (QK-clip, optim/qk_clip.py), training-mode forwards also keep the
     largest pre-softmax logit per head seen since the last reset in `max_logit_H` (fp32 [H]). Under
     context parallelism `record` is called with the gathered keys, so each rank records its own
-    queries against every key they see; the step's MAX over ranks is taken by the clip.
+    queries against every key they see; the step's MAX over ranks is taken by the clip. While
+    `query_pad_BS` (bool [B, S], set by optim/qk_clip.padding_ignored) is set, padded queries are
+    left out (rows padded at the end: real queries see only real keys).
     """
 
     def __init__(self):
         super().__init__()
-        self.record_max_logits, self.max_logit_H = False, None
+        self.record_max_logits, self.max_logit_H, self.query_pad_BS = False, None, None
 
     def forward(self, q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, scale: float):
         self.record(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale)
@@ -66,21 +68,25 @@ class CausalAttention(nn.Module):
     def record(self, q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale: float) -> None:
         """Fold these logits' per-head maxima into `max_logit_H` (training-mode forwards, when enabled)."""
         if self.record_max_logits and self.training:
-            seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale)
+            seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, query_pad_BS=self.query_pad_BS)
             self.max_logit_H = seen_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, seen_H)
 
 
 @torch.no_grad()
-def max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale: float, block: int = 256) -> torch.Tensor:
+def max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale: float, block: int = 256,
+               query_pad_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Largest causal logit scale * q.k per head, fp32 [H], by blocks of `block` queries: the
     [B, H, block, Skv] scores of one block exist at a time, never the whole [S, S] (fused attention
-    kernels do not expose their logits). Costs one extra Q K^T in fp32, and no host synchronization."""
+    kernels do not expose their logits). Costs one extra Q K^T in fp32, and no host synchronization.
+    `query_pad_BS` (bool [B, Sq]): queries left out (-inf where a head sees none)."""
     q_BHSE, kT_BHES = q_BHSE.float(), k_BHSE.float().transpose(-1, -2)
     best_H = q_BHSE.new_full((q_BHSE.shape[1],), -torch.inf)
     for start in range(0, q_BHSE.shape[2], block):
         scores_BHQK = torch.matmul(q_BHSE[:, :, start:start + block], kT_BHES) * scale
-        mask_QK = kv_pos_S[None, :] <= q_pos_S[start:start + block, None]
-        best_H = torch.maximum(best_H, scores_BHQK.masked_fill(~mask_QK, -torch.inf).amax(dim=(0, 2, 3)))
+        hidden_QK = kv_pos_S[None, :] > q_pos_S[start:start + block, None]
+        if query_pad_BS is not None:  # [B, 1, Q, K]: a padded query hides its whole row
+            hidden_QK = hidden_QK | query_pad_BS[:, None, start:start + block, None]
+        best_H = torch.maximum(best_H, scores_BHQK.masked_fill(hidden_QK, -torch.inf).amax(dim=(0, 2, 3)))
     return best_H
 
 

@@ -12,10 +12,19 @@ Per head h with gamma_h = min(1, tau / S_max_h), alpha in [0, 1] (0.5 = K2's eve
        head of a violating group gets its queries scaled UP by 1 / s_k, leaving its logits unchanged).
 RoPE rotates q and k linearly per position, so scaling whole rows commutes with it.
 
-Where communication happens: `qk_clip_` takes one MAX all-reduce of the [layers, heads] maxima over all
-ranks (data-, context- and expert-parallel ranks all ran attention on their own tokens); the scaling is
-local: each rank multiplies the rows of its own shard (box from the DTensor placements).
+Use in a training step (runtime/train.py):
+  1. after forward/backward: `max_LH = step_max_logits(model)`: one MAX all-reduce of the [layers, heads]
+     maxima over all ranks (data-, context- and expert-parallel ranks all ran attention on their own
+     tokens); `clip_metrics(max_LH, tau)` (the step's largest logit and clipped-head count, on device)
+     joins the step's one host readback (loss, grad norm), so QK-clip adds no host sync of its own;
+  2. after the optimizer step: `qk_clip_(model, max_LH, tau, alpha)`: clip factors on device, and each
+     rank multiplies the rows of its own shard in place (box from the DTensor placements); no
+     communication, no host readback.
+Padded positions (post-training rows are padded at the end) are left out of the maxima inside
+`padding_ignored(model, pad_BS)`.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -26,15 +35,16 @@ from parallel.boxes import dtensor_box
 
 
 def clip_factors(max_logit_H: torch.Tensor, tau: float) -> torch.Tensor:
-    """gamma_h = min(1, tau / S_max_h), fp32 [H]."""
-    return torch.clamp(tau / max_logit_H.clamp_min(1e-30), max=1.0)
+    """gamma_h = tau / S_max_h where S_max_h > tau, else exactly 1 (a NaN maximum is not clipped), fp32 [H],
+    on max_logit_H's device (no host readback)."""
+    return torch.where(max_logit_H > tau, tau / max_logit_H, torch.ones_like(max_logit_H))
 
 
 def mla_row_scales(gamma_H, alpha: float, nope: int, rope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale of each query row [H*(nope+rope)], scale of each wkv_b row [H*(nope+v)])."""
     H = gamma_H.shape[0]
     q_HE = torch.cat([gamma_H[:, None].pow(alpha).expand(H, nope), gamma_H[:, None].expand(H, rope)], dim=1)
-    kv_HE = torch.cat([gamma_H[:, None].pow(1 - alpha).expand(H, nope), torch.ones(H, v_dim)], dim=1)
+    kv_HE = torch.cat([gamma_H[:, None].pow(1 - alpha).expand(H, nope), gamma_H.new_ones(H, v_dim)], dim=1)
     return q_HE.flatten(), kv_HE.flatten()
 
 
@@ -75,7 +85,8 @@ def reset_recording(model: nn.Module) -> None:
 
 
 def step_max_logits(model: nn.Module) -> torch.Tensor:
-    """The step's max logit per layer and head, fp32 [L, H], MAX over all ranks (collective)."""
+    """The step's max logit per layer and head, fp32 [L, H], MAX over all ranks (collective); -inf where
+    nothing was recorded."""
     maxima = [_recorder(a).max_logit_H for a in attention_modules(model)]
     device = next(m for m in maxima if m is not None).device if any(m is not None for m in maxima) else "cpu"
     max_LH = torch.stack([m if m is not None else torch.full((a.n_heads,), -torch.inf, device=device)
@@ -85,18 +96,35 @@ def step_max_logits(model: nn.Module) -> torch.Tensor:
     return max_LH
 
 
-@torch.no_grad()
-def qk_clip_(model: nn.Module, tau: float, alpha: float = 0.5) -> tuple[float, int]:
-    """Apply QK-clip after an optimizer step; returns (the step's largest logit, heads clipped).
+def clip_metrics(max_LH: torch.Tensor, tau: float) -> torch.Tensor:
+    """[the step's largest logit, the number of heads over tau], fp32 on max_LH's device: the caller
+    reads them back with its other step values (one host sync for all)."""
+    return torch.stack([max_LH.max(), (max_LH > tau).sum().float()])
 
-    Collective: every rank must call it. Resets the recorded maxima for the next step."""
-    max_LH = step_max_logits(model)
-    for attention, max_H in zip(attention_modules(model), max_LH.cpu()):
-        gamma_H = clip_factors(max_H, tau)
-        if bool((gamma_H < 1).any()):
-            _clip_layer_(attention, gamma_H, alpha)
-    reset_recording(model)
-    return float(max_LH.max()), int((max_LH > tau).sum())
+
+@contextlib.contextmanager
+def padding_ignored(model: nn.Module, pad_BS: torch.Tensor | None):
+    """Within the block, attention records no logit of a padded query (pad_BS: bool [B, S], this rank's
+    positions in the model's input order; None = no padding). Rows must be padded at the end: a real
+    query then sees only real keys (causal), so padded keys drop out too. Keep the block open through
+    backward: activation checkpointing reruns attention there, and it records again."""
+    recorders = [_recorder(a) for a in attention_modules(model)]
+    for recorder in recorders:
+        recorder.query_pad_BS = pad_BS
+    try:
+        yield
+    finally:
+        for recorder in recorders:
+            recorder.query_pad_BS = None
+
+
+@torch.no_grad()
+def qk_clip_(model: nn.Module, max_LH: torch.Tensor, tau: float, alpha: float = 0.5) -> None:
+    """Apply QK-clip after an optimizer step, from the step's maxima `max_LH` ([L, H], `step_max_logits`):
+    every head over tau gets its factor; the other heads' rows are multiplied by exactly 1 (bitwise
+    unchanged). Local (no communication) and free of host syncs: the factors stay on the device."""
+    for attention, max_H in zip(attention_modules(model), max_LH):
+        _clip_layer_(attention, clip_factors(max_H, tau), alpha)
 
 
 def _clip_layer_(attention: nn.Module, gamma_H: torch.Tensor, alpha: float) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from models import Transformer
 from models.splits import muon_splits
-from optim.qk_clip import enable_recording, qk_clip_, reset_recording
+from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
 from optim.sharded_muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import Layout
@@ -177,17 +177,21 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
-    loss_value, norm_value, sigterm_count = torch.stack([loss, grad_norm.float(), sigterms]).tolist()  # one host sync
+    tau = config.optim.qk_clip_tau
+    values = [loss, grad_norm.float(), sigterms]
+    if tau > 0:
+        max_LH = step_max_logits(model)  # MAX all-reduce; QK-clip's metrics join the readback below
+        reset_recording(model)
+        values += list(clip_metrics(max_LH, tau))
+    loss_value, norm_value, sigterm_count, *qk_values = torch.stack(values).tolist()  # one host sync
     skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
-    qk = {}
+    qk = {"max_logit": qk_values[0], "clipped_heads": int(qk_values[1])} if qk_values and not skipped else {}
     if skipped:
         reset_expert_counts(model)  # the step's routing statistics are discarded with its gradients
-        reset_recording(model)
     else:
         optimizer.step()
-        if config.optim.qk_clip_tau > 0:
-            max_logit, clipped = qk_clip_(model, config.optim.qk_clip_tau, config.optim.qk_clip_alpha)
-            qk = {"max_logit": max_logit, "clipped_heads": clipped}
+        if qk and qk["clipped_heads"] > 0:
+            qk_clip_(model, max_LH, tau, config.optim.qk_clip_alpha)  # on device, no host sync
         update_expert_bias(model)
         objective.after_step(model)
     optimizer.zero_grad(set_to_none=True)

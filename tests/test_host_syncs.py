@@ -66,17 +66,27 @@ def _measure(rank, world_size, argvs):
 
 
 LARGER = ["--model.n_layers=5", "--training.grad_accum=2"]
+QK_CLIP = ["--optim.qk_clip_tau=0.05"]  # below the debug model's max logits (0.06-0.08): heads are clipped
 
 
 @pytest.fixture(scope="module")
 def counts():
-    """{(world, larger): measure()} for the debug preset on 1 and 8 ranks (8: cp=2 and ep=8)."""
+    """{(world, larger): measure()} for the debug preset on 1 and 8 ranks (8: cp=2 and ep=8); larger
+    "qk" is the debug preset with QK-clip on."""
     out = {}
     for world in (1, 8):
-        per_rank = run_ranks(_measure, world, [[], LARGER], timeout=300)
-        for larger in (False, True):
-            out[world, larger] = [results[larger] for results in per_rank]
+        per_rank = run_ranks(_measure, world, [[], LARGER, QK_CLIP], timeout=300)
+        for i, larger in enumerate((False, True, "qk")):
+            out[world, larger] = [results[i] for results in per_rank]
     return out
+
+
+def test_qk_clip_adds_no_host_sync(counts):
+    """QK-clip's metrics join the step's one readback and its factors stay on the device."""
+    for world in (1, 8):
+        for plain, clipped in zip(counts[world, False], counts[world, "qk"]):
+            assert clipped["per_step"] == plain["per_step"], clipped["by_site"]
+            assert not any("qk_clip" in site for site in clipped["by_site"]), clipped["by_site"]
 
 
 def test_one_sync_per_step_without_expert_parallelism(counts):

@@ -10,7 +10,7 @@ import torch
 from entry_point import run_ok
 from models import Transformer, preset
 from models.attention import CausalAttention, max_logits
-from optim.qk_clip import enable_recording, gqa_row_scales, qk_clip_, step_max_logits
+from optim.qk_clip import clip_metrics, enable_recording, gqa_row_scales, qk_clip_, reset_recording, step_max_logits
 
 
 def plain_max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale):
@@ -80,8 +80,10 @@ def test_clip_scales_each_violating_heads_logits_to_tau_exactly(name, overrides)
     before_LH = step_max_logits(model)
     tau = float(before_LH.flatten().median())  # about half the heads violate
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    max_logit, clipped = qk_clip_(model, tau)
+    max_logit, clipped = clip_metrics(before_LH, tau).tolist()
     assert max_logit == float(before_LH.max()) and clipped == int((before_LH > tau).sum()) > 0
+    reset_recording(model)
+    qk_clip_(model, before_LH, tau)
     with torch.no_grad():  # each layer on the SAME input as before (clipping a layer changes the next one's input)
         for block, (x_BSD, positions_S) in zip(model.layers, inputs):
             block.attention(x_BSD, positions_S)
