@@ -14,7 +14,8 @@ Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forwa
      log-probs, ids and tail (`topk`) or the sampled token's log-prob (`sampled`);
   3. communication: all-gather of that data over the cp group (only when cp > 1; the hint shifts
      teacher positions, so a target's teacher position may live on another cp rank);
-  4. student forward (padding tokens removed from the routers' expert counts), losses, backward.
+  4. student forward (padding tokens removed from the routers' expert counts and QK-clip's max
+     logits), losses, backward.
 Every rank divides by the GLOBAL counts, which it knows from the step plan without communication, so
 the per-rank losses sum to the single-process loss (parallel/gradients.py). Metrics: one all-reduce.
 """
@@ -30,8 +31,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from optim.qk_clip import padding_ignored
 from runtime import checkpoint, feedback
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+from runtime.syncs import host_side
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,21 +108,39 @@ def _eval_mode(model: nn.Module):
         model.train(was_training)
 
 
+def _has_padding(host_pad_BS: torch.Tensor) -> bool:
+    """Whether the micro-batch has padding, read from its host-side mask (no device sync)."""
+    with host_side():
+        return bool(host_pad_BS.numpy().any())
+
+
+def _padded_counts(experts_TK: torch.Tensor, pad_T: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Top-k copies of padding tokens per expert, int64 [E]: a scatter-add of the padding flags (a
+    boolean-mask index and `bincount` would each read sizes back to the host)."""
+    pad_TK = pad_T[:, None].expand_as(experts_TK).long()
+    return torch.zeros(n_experts, dtype=torch.int64, device=experts_TK.device).scatter_add_(
+        0, experts_TK.flatten(), pad_TK.flatten())
+
+
 @contextlib.contextmanager
-def _padding_uncounted(model: nn.Module, pad_BS: torch.Tensor):
-    """Remove padding tokens from every router's expert counts (the aux-loss-free bias update sees only
-    trajectory tokens, so it does not depend on how much padding a layout needs)."""
+def _padding_ignored(model: nn.Module, pad_BS: torch.Tensor, has_padding: bool):
+    """Padding tokens count neither in the routers' expert counts (the aux-loss-free bias update sees
+    only trajectory tokens, so it does not depend on how much padding a layout needs) nor in QK-clip's
+    max logits (optim/qk_clip.py). Nothing to do without padding. Keep it open through backward
+    (activation checkpointing reruns attention and routers there; the routers' rerun is undone)."""
+    if not has_padding:
+        yield
+        return
     pad_T = pad_BS.flatten()
 
     def hook(router, args, output):
         if router.training:
-            experts_TK = output[1]
-            router.tokens_per_expert -= torch.bincount(experts_TK[pad_T].flatten(), minlength=router.n_experts)
+            router.tokens_per_expert -= _padded_counts(output[1], pad_T, router.n_experts)
 
-    has_padding = bool(pad_T.any())  # one host sync per micro-batch (the mask is built on the host)
-    handles = [r.register_forward_hook(hook) for r in model.routers()] if has_padding else []
+    handles = [r.register_forward_hook(hook) for r in model.routers()]
     try:
-        yield
+        with padding_ignored(model, pad_BS):
+            yield
     finally:
         for h in handles:
             h.remove()
@@ -139,9 +160,11 @@ class FeedbackObjective:
         """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
         sums = torch.zeros(5, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum
         for mb in step.micro_batches:
+            has_padding = _has_padding(mb.pad_BS)
             mb = RolloutMicroBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in mb))
             data, entropy_sum = self._teacher(model, mb)
-            sums += self._student(model, mb, data, step)
+            with _padding_ignored(model, mb.pad_BS, has_padding):
+                sums += self._student(model, mb, data, step)
             sums[4] += entropy_sum
         local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
@@ -167,8 +190,7 @@ class FeedbackObjective:
         return data, feedback.entropy(logits_mV).sum()
 
     def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep):
-        with _padding_uncounted(model, mb.pad_BS):
-            logits_BSV = model(mb.inputs_BS, mb.positions_S)
+        logits_BSV = model(mb.inputs_BS, mb.positions_S)
         logits_TV = logits_BSV.flatten(0, 1)
         logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
         old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
