@@ -45,6 +45,7 @@ from runtime.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
 from runtime.rollout_batch import RolloutLoader
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
+from runtime.staging import PinnedStaging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -135,12 +136,13 @@ class NextToken:
         return {}
 
 
+_STAGING = PinnedStaging()  # pinned buffers are allocated on the first CUDA copy, not at import
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host batch -> device without a host sync: a blocking copy from pageable memory makes PyTorch
-    wait for the stream; from pinned memory with non_blocking the host only queues it."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """Host batch -> device without a host sync: on CUDA through reusable pinned buffers and a
+    non-blocking copy (runtime/staging.py); elsewhere `.to(device)`."""
+    return _STAGING.to_device(t, device)
 
 
 @torch.no_grad()
