@@ -5,7 +5,8 @@ device value; a boolean mask, bincount and repeat_interleave without output_size
 output from device values), and the step's count against its stated budget: one readback per step
 (loss and gradient norm, to skip non-finite steps) plus, under expert parallelism, one split-size
 readback per MoE layer and micro-batch (NCCL's all-to-all takes host split sizes). Neither may
-grow with the number of dense layers, nor (without EP) with layers or micro-batches.
+grow with the number of dense layers, nor (without EP) with layers or micro-batches. QK-clip adds none:
+its metrics join the one readback.
 """
 
 import json
