@@ -121,8 +121,9 @@ def padding_ignored(model: nn.Module, pad_BS: torch.Tensor | None):
 @torch.no_grad()
 def qk_clip_(model: nn.Module, max_LH: torch.Tensor, tau: float, alpha: float = 0.5) -> None:
     """Apply QK-clip after an optimizer step, from the step's maxima `max_LH` ([L, H], `step_max_logits`):
-    every head over tau gets its factor; the other heads' rows are multiplied by exactly 1 (bitwise
-    unchanged). Local (no communication) and free of host syncs: the factors stay on the device."""
+    every head over tau gets its factor; rows whose factor is 1 (heads under tau, and every row of a
+    layer or GQA group without a violating head) are multiplied by exactly 1, so stay bitwise unchanged.
+    Local (no communication) and free of host syncs: the factors stay on the device."""
     for attention, max_H in zip(attention_modules(model), max_LH):
         _clip_layer_(attention, clip_factors(max_H, tau), alpha)
 
