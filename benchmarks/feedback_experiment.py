@@ -71,8 +71,23 @@ class ExperimentConfig:
     eval_episodes: int = 64
     optimizer: str = "muon"  # optim.name of the post-training steps: "muon" or "adamw"
     lr: float = 0.002  # constant (Muon's, and AdamW's for the rest under muon)
+    teacher: str = "live"  # posttrain.teacher: "live" (current weights with the hint) or "initial" (the base's)
+    feedback_norm: str = "targets"  # posttrain.feedback_norm: L_feedback / target tokens, or / assistant tokens
     temperature: float = 1.0
     arms: tuple[str, ...] = tuple(ARMS)
+
+    def __post_init__(self):
+        choices = {"optimizer": ("muon", "adamw"), "teacher": ("live", "initial", "ema"),
+                   "feedback_norm": ("targets", "assistant")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r}: expected one of {list(allowed)}")
+        counts = ("transcripts", "pretrain_steps", "seeds", "episodes", "eval_every", "eval_episodes")
+        for key in counts:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.steps < 0 or not self.lr > 0:
+            raise ValueError(f"steps={self.steps} must be >= 0 and lr={self.lr} > 0")
 
 
 QUICK = dict(transcripts=12000, pretrain_steps=600, seeds=2, steps=8, episodes=24, eval_every=4, eval_episodes=48)
@@ -162,6 +177,7 @@ def arm_config(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str)
                         "--training.min_lr_ratio=1.0", f"--optim.name={cfg.optimizer}", f"--optim.lr={cfg.lr}",
                         "--optim.weight_decay=0", f"--posttrain.rl_coef={rl_coef}",
                         f"--posttrain.feedback_coef={feedback_coef}", f"--posttrain.init_from={base}",
+                        f"--posttrain.teacher={cfg.teacher}", f"--posttrain.feedback_norm={cfg.feedback_norm}",
                         f"--run.dir={work}/arm_{arm}_{seed}"])
 
 
@@ -283,6 +299,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", required=True, help="write the result here")
     parser.add_argument("--plot", help="write the three curves to this PNG (needs matplotlib)")
     parser.add_argument("--work", default="runs/feedback_experiment", help="base policy and run dirs")
+    parser.add_argument("--arms", help=f"comma-separated subset of {','.join(ARMS)} (default: all)")
     for f in dataclasses.fields(ExperimentConfig):
         if f.name != "arms":
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), help=f"(default {f.default})")
@@ -290,7 +307,20 @@ def main(argv: list[str]) -> int:
     values = {**(QUICK if args.quick else {}),
               **{f.name: getattr(args, f.name) for f in dataclasses.fields(ExperimentConfig)
                  if f.name != "arms" and getattr(args, f.name, None) is not None}}
-    cfg = ExperimentConfig(**values)
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(ARMS)
+        if unknown:
+            parser.error(f"--arms: unknown {sorted(unknown)}; choose from {list(ARMS)}")
+        values["arms"] = tuple(args.arms.split(","))
+    try:
+        cfg = ExperimentConfig(**values)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install -e '.[plot]')")
     result = run(cfg, args.work)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

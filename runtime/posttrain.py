@@ -4,7 +4,9 @@
 
 L_rl is the clipped policy gradient over every assistant token, divided by the step's assistant-token
 count; L_feedback is KL(student || stopgrad teacher) over the feedback turns' tokens only, divided by
-the step's target-token count (runtime/feedback.py has the per-token losses). The student is the
+the step's target-token count (`feedback_norm = "targets"`) or by its assistant-token count
+("assistant": the feedback's weight then falls as flagged turns get rare; runtime/feedback.py has the
+per-token losses). The student is the
 policy on the trajectory; the teacher is the model on tokens[:at] + hint + tokens[at:end], with
 the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
 
@@ -43,6 +45,7 @@ class PosttrainConfig:
     feedback_coef: float = 1.0  # weight of the KL(student || teacher) loss on feedback turns
     clip_eps: float = 0.2  # PPO ratio clip: the ratio pi/pi_old is clipped to [1-eps, 1+eps]
     mode: Literal["full", "topk", "sampled"] = "full"  # feedback KL: exact, teacher top-k + tail, sampled token
+    feedback_norm: Literal["targets", "assistant"] = "targets"  # L_feedback / the step's target or assistant tokens
     top_k: int = 32  # topk: teacher tokens kept per position (one tail bucket holds the rest)
     vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
     teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
@@ -199,7 +202,8 @@ class FeedbackObjective:
         if data:
             kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, self.config).sum()
         c = self.config
-        loss = c.rl_coef * rl_sum / max(step.trained_tokens, 1) + c.feedback_coef * kl_sum / max(step.target_tokens, 1)
+        n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
+        loss = c.rl_coef * rl_sum / max(step.trained_tokens, 1) + c.feedback_coef * kl_sum / max(n_feedback, 1)
         loss.backward()
         return torch.stack([loss.detach(), rl_sum.detach(), kl_sum.detach(), clipped.float(),
                             torch.zeros_like(rl_sum)])

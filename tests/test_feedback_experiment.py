@@ -83,3 +83,11 @@ def test_one_feedback_step_moves_the_called_name_the_way_the_hint_does(miniature
         assert (after < before) == (hint_effect == "lowers"), (before, after)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad,message", [({"teacher": "x"}, "teacher='x': expected one of"),
+                                         ({"seeds": 0}, "seeds=0 must be >= 1"),
+                                         ({"lr": 0.0}, "lr=0.0 > 0")])
+def test_bad_settings_are_one_line_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig(**bad)

@@ -95,21 +95,27 @@ def _plain_feedback_loss(model, records, sampled=False) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-@pytest.mark.parametrize("mode", ["full", "sampled"])
-def test_mode_equals_plain_per_token_loop(setup, mode):
+def _assistant_tokens(records) -> int:
+    return sum(t["end"] - max(t["start"], 1) for r in records for t in r["turns"] if t["role"] == "assistant")
+
+
+@pytest.mark.parametrize("mode,norm", [("full", "targets"), ("sampled", "targets"), ("full", "assistant")])
+def test_mode_equals_plain_per_token_loop(setup, mode, norm):
     """Loss value and every parameter's gradient. fp32 both sides; they differ in batch composition
     (padded rows, both trajectories in one forward) and summation order: measured 2.1e-7 relative on
     the loss and <= 8.2e-7 of each gradient's largest entry; we allow 1e-5 and 2e-5 (a wrong alignment
     by one position, a missing target or a wrong normalizer changes them by > 1e-2)."""
     model, step = setup
-    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode=mode, vocab_chunk=100))
+    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode=mode, vocab_chunk=100,
+                                                  feedback_norm=norm))
     loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    want_loss = _plain_feedback_loss(model, _records(), sampled=mode == "sampled")
+    mean_kl = _plain_feedback_loss(model, _records(), sampled=mode == "sampled")  # mean over the 37 targets
+    want_loss = mean_kl if norm == "targets" else mean_kl * 37 / _assistant_tokens(_records())
     want_loss.backward()
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
-    assert metrics["feedback_kl"] == pytest.approx(want_loss.item(), rel=1e-5)
+    assert metrics["feedback_kl"] == pytest.approx(mean_kl.item(), rel=1e-5)
     for k, p in model.named_parameters():
         if p.grad is None:  # parameters the plain loop never reaches (none expected)
             assert got[k] is None or got[k].abs().max() == 0, k
