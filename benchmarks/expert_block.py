@@ -1,0 +1,130 @@
+"""The routed experts' SwiGLU block, w1 and w3 fused (one w13 grouped matmul) vs separate (two), side by side.
+
+    python benchmarks/expert_block.py [--small] [--repeats 7] [--json PATH]
+
+Per shape and dtype: grouped-matmul launches (aten._grouped_mm dispatches, counted with a dispatch
+mode: a CPU-countable proxy for GPU kernel launches and weight reads) in the forward and the
+backward, and the wall time of forward + backward, median of `repeats`, the two variants
+interleaved so load drift on a shared machine hits both alike. "separate" is the pre-fusion code
+(`separate_swiglu`). CPU times say little about a GPU's grouped GEMM: they are reported as measured.
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from models.experts import grouped_linear, swiglu_experts  # noqa: E402
+
+# (local experts, tokens per expert, dim, expert hidden dim): a debug-sized and a wider block
+SHAPES = [(8, 256, 256, 128), (8, 512, 1024, 512)]
+SMALL_SHAPES = [(4, 16, 64, 32)]
+
+
+def separate_swiglu(x_TD, w1_EFD, w3_EFD, w2_EDF, counts_E) -> torch.Tensor:
+    """The experts before the fusion: w1 and w3 in two grouped matmuls."""
+    hidden_TF = F.silu(grouped_linear(x_TD, w1_EFD, counts_E)) * grouped_linear(x_TD, w3_EFD, counts_E)
+    return grouped_linear(hidden_TF, w2_EDF, counts_E)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops by name (private API: TorchDispatchMode, checked on torch 2.13.0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def grouped_mm_launches(forward) -> dict:
+    """{"forward": n, "backward": m}: aten._grouped_mm dispatches of `forward()` and of its backward."""
+    with _OpCounter() as fwd:
+        out = forward()
+    grad = torch.ones_like(out)
+    with _OpCounter() as bwd:
+        out.backward(grad)
+    return {"forward": fwd.counts["aten._grouped_mm"], "backward": bwd.counts["aten._grouped_mm"]}
+
+
+def _inputs(L, rows, D, Fh, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L * rows, D, generator=g).to(dtype)
+    w13 = (torch.randn(L, 2 * Fh, D, generator=g) * D**-0.5).to(dtype)
+    w2 = (torch.randn(L, D, Fh, generator=g) * Fh**-0.5).to(dtype)
+    return x, w13, w2, torch.full((L,), rows, dtype=torch.int64)
+
+
+def variants(L, rows, D, Fh, dtype) -> dict:
+    """name -> fn() running forward + backward once on fresh leaves (same weights for both)."""
+    x, w13, w2, counts = _inputs(L, rows, D, Fh, dtype)
+    w1, w3 = (t.contiguous() for t in w13.chunk(2, dim=1))
+
+    def fused():
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        return swiglu_experts(leaves[0], leaves[1], leaves[2], counts)
+
+    def separate():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
+        return separate_swiglu(*leaves, counts)
+
+    return {"fused": fused, "separate": separate}
+
+
+def time_variants(fns: dict, repeats: int) -> dict:
+    times = {name: [] for name in fns}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            out = fn()
+            out.backward(torch.ones_like(out))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+
+
+def run(shapes, dtypes, repeats: int) -> list[dict]:
+    rows = []
+    for L, tokens, D, Fh in shapes:
+        for dtype in dtypes:
+            fns = variants(L, tokens, D, Fh, dtype)
+            launches = {name: grouped_mm_launches(fn) for name, fn in fns.items()}
+            seconds = time_variants(fns, repeats)
+            rows.append({"local_experts": L, "tokens_per_expert": tokens, "dim": D, "hidden": Fh,
+                         "dtype": str(dtype).removeprefix("torch."), "launches": launches,
+                         "median_s": seconds, "fused_over_separate": seconds["fused"] / seconds["separate"]})
+    return rows
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="one tiny shape (the test suite's run)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per variant")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = run(SMALL_SHAPES if args.small else SHAPES, [torch.float32, torch.bfloat16], args.repeats)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("experts x tokens  dim  hidden  dtype     launches fwd/bwd (fused | separate)  median ms fused | separate  ratio")
+    for r in rows:
+        lf, ls = r["launches"]["fused"], r["launches"]["separate"]
+        print(f"{r['local_experts']:3d} x {r['tokens_per_expert']:5d}  {r['dim']:5d}  {r['hidden']:5d}  {r['dtype']:8s}  "
+              f"{lf['forward']}/{lf['backward']} | {ls['forward']}/{ls['backward']}                     "
+              f"{1e3 * r['median_s']['fused']:8.2f} | {1e3 * r['median_s']['separate']:8.2f}  {r['fused_over_separate']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
