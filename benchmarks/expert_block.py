@@ -5,8 +5,9 @@
 Per shape and dtype: grouped-matmul launches (aten._grouped_mm dispatches, counted with a dispatch
 mode: a CPU-countable proxy for GPU kernel launches and weight reads) in the forward and the
 backward, and the wall time of forward + backward, median of `repeats`, the two variants
-interleaved so load drift on a shared machine hits both alike. "separate" is the pre-fusion code
-(`separate_swiglu`). CPU times say little about a GPU's grouped GEMM: they are reported as measured.
+interleaved so load drift on a shared machine hits both alike (the ratio is the median of the
+per-round ratios). "separate" is the pre-fusion code (`separate_swiglu`). CPU times say little
+about a GPU's grouped GEMM: they are reported as measured.
 """
 
 import argparse
@@ -82,15 +83,16 @@ def variants(L, rows, D, Fh, dtype) -> dict:
     return {"fused": fused, "separate": separate}
 
 
-def time_variants(fns: dict, repeats: int) -> dict:
+def time_variants(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of forward + backward per round (the first round warms up and is dropped)."""
     times = {name: [] for name in fns}
-    for _ in range(repeats + 1):  # the first round warms up
+    for _ in range(repeats + 1):
         for name, fn in fns.items():
             start = time.perf_counter()
             out = fn()
             out.backward(torch.ones_like(out))
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+    return {name: ts[1:] for name, ts in times.items()}
 
 
 def run(shapes, dtypes, repeats: int) -> list[dict]:
@@ -99,10 +101,13 @@ def run(shapes, dtypes, repeats: int) -> list[dict]:
         for dtype in dtypes:
             fns = variants(L, tokens, D, Fh, dtype)
             launches = {name: grouped_mm_launches(fn) for name, fn in fns.items()}
-            seconds = time_variants(fns, repeats)
+            times = time_variants(fns, repeats)
+            # per-round ratio (the two ran back to back), then the median: robust to load drift
+            ratios = [f / s for f, s in zip(times["fused"], times["separate"])]
             rows.append({"local_experts": L, "tokens_per_expert": tokens, "dim": D, "hidden": Fh,
                          "dtype": str(dtype).removeprefix("torch."), "launches": launches,
-                         "median_s": seconds, "fused_over_separate": seconds["fused"] / seconds["separate"]})
+                         "median_s": {name: statistics.median(ts) for name, ts in times.items()},
+                         "fused_over_separate": statistics.median(ratios)})
     return rows
 
 
@@ -110,11 +115,14 @@ def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="one tiny shape (the test suite's run)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per variant")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = run(SMALL_SHAPES if args.small else SHAPES, [torch.float32, torch.bfloat16], args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("experts x tokens  dim  hidden  dtype     launches fwd/bwd (fused | separate)  median ms fused | separate  ratio")
+    print("experts x tokens  dim  hidden  dtype     launches fwd/bwd (fused | separate)  median ms fused | separate  median ratio")
     for r in rows:
         lf, ls = r["launches"]["fused"], r["launches"]["separate"]
         print(f"{r['local_experts']:3d} x {r['tokens_per_expert']:5d}  {r['dim']:5d}  {r['hidden']:5d}  {r['dtype']:8s}  "

@@ -100,6 +100,8 @@ def test_one_grouped_matmul_for_w1_and_w3():
     fused = grouped_mm_launches(lambda: swiglu_experts(x, torch.cat([w1, w3], dim=1), w2, COUNTS))
     before = grouped_mm_launches(lambda: separate_swiglu(x, w1, w3, w2, COUNTS))
     assert fused == {"forward": 2, "backward": 4} and before == {"forward": 3, "backward": 6}
+    from benchmarks.expert_block import main
+    assert main(["--small", "--repeats", "1"]) == 0  # the benchmark itself runs
 
 
 class SeparateExperts(nn.Module):
