@@ -10,6 +10,8 @@
 - Muon orthogonalizes w1[e] and w3[e] apart: one step on w13 equals a hand-written per-matrix loop on
   separate w1 and w3 (8 ranks against this reference: tests/test_sharded_muon.py, w13 in every
   expert layout).
+- On 6 ranks with an FSDP shard across w13's w1/w3 boundary (Shard(1), edp_shard=3), the seeded init
+  and the Hugging Face loader fill exactly the single-process rows.
 - A checkpoint from before the fusion fails to resume with one line, and exports as the same weights.
 """
 
@@ -181,6 +183,52 @@ def test_muon_orthogonalizes_w1_and_w3_apart():
     whole, _ = _muon_steps(w13_init, grads, {"w13": PER_EXPERT})  # one [2F, D] block per expert: another update
     assert _rel(whole - w13_init, got - w13_init) > 0.1  # the parameter changes differ by O(1)
     assert muon_splits(Transformer(preset("debug")))["layers.1.feed_forward.experts.w13"].parts == 2
+
+
+# ---------------------------------------------------------------- a shard across w13's w1/w3 boundary
+
+# 4 experts / ep=2 = 2 local experts < edp_shard=3: Shard(1), w13's 2F = 48 rows in thirds of 16, so
+# edp_shard rank 1 holds rows [16, 32) = the last 8 rows of w1 and the first 8 of w3
+ODD = dict(dim=48, moe_inter_dim=24, n_routed_experts=4)
+
+
+def _odd_layout_weights(rank, world, hf_dir):
+    """(seeded init, loaded from hf_dir) boxes of every expert weight on this rank, with the boxes."""
+    from models.hf import load_state
+    from parallel.boxes import dtensor_box
+    from parallel.layout import ParallelConfig
+    from parallel.meshes import build_meshes
+    from parallel.parallelize import parallelize
+
+    layout = ParallelConfig(dp_shard=6, ep=2, edp_shard=3).resolve(world)
+    with torch.device("meta"):
+        model = Transformer(preset("debug", **ODD))
+    parallelize(model, build_meshes(layout, "cpu"), layout)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+    seeded = {n: (dtensor_box(p), p.to_local().clone()) for n, p in experts.items()}
+    load_state(model, hf_dir)
+    return seeded, {n: (dtensor_box(p), p.to_local().clone()) for n, p in experts.items()}
+
+
+def test_a_shard_across_the_w1_w3_boundary_gets_its_seeded_and_loaded_rows(tmp_path):
+    from models.hf import save_pretrained
+    from multirank import run_ranks
+
+    seeded_full = Transformer(preset("debug", **ODD))
+    seeded_full.init_weights(seed=3)
+    other = Transformer(preset("debug", **ODD))
+    other.init_weights(seed=4)
+    save_pretrained(other, str(tmp_path / "hf"))
+    straddles = 0
+    for seeded, loaded in run_ranks(_odd_layout_weights, 6, str(tmp_path / "hf"), timeout=120):
+        for (name, (box, local)), (_, (_, from_hf)) in zip(seeded.items(), loaded.items()):
+            index = tuple(slice(a, b) for a, b in box)
+            assert torch.equal(local, seeded_full.get_parameter(name).detach()[index]), name
+            assert torch.equal(from_hf, other.get_parameter(name).detach()[index]), name
+            straddles += name.endswith("w13") and box[1][0] < ODD["moe_inter_dim"] < box[1][1]
+    assert straddles > 0
 
 
 # ---------------------------------------------------------------- checkpoints from before the fusion
