@@ -230,11 +230,11 @@ def test_expert_weights_live_on_the_numbered_expert_mesh(results):
     """The expert DTensors' rank tensor is the layout's documented numbering (parallel/meshes.py), for
     both values of parallel.expert_inner; the dense weights' mesh does not depend on it."""
     _, per_rank = results
-    w1, wo = "layers.1.feed_forward.experts.w1", "layers.1.attention.wo.weight"
+    w13, wo = "layers.1.feed_forward.experts.w13", "layers.1.attention.wo.weight"
     for name, (_, _, config, _) in CASES.items():
         layout = config.resolve(WORLD)
         got = per_rank[0][name]["mesh_ranks"]
-        assert got[w1] == rank_mesh(layout, EXPERT_AXES).tolist(), name
+        assert got[w13] == rank_mesh(layout, EXPERT_AXES).tolist(), name
         assert got[wo] == torch.arange(WORLD).reshape(layout.dp_replicate, layout.dense_shard).tolist(), name
     assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["edp_shard"] == [0, 1]
     assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["ep"] == [0, 2, 4, 6]
