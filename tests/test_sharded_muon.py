@@ -224,6 +224,7 @@ class Experts(nn.Module):
     def __init__(self, n):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(n, 12, 16))
+        self.w13 = nn.Parameter(torch.zeros(n, 24, 16))  # fused w1/w3: two [12, 16] blocks per expert
 
 
 class Toy(nn.Module):
@@ -235,7 +236,8 @@ class Toy(nn.Module):
         self.norm = nn.Parameter(torch.ones(16))  # AdamW
 
     def splits(self):
-        return {"wq.weight": per_head_rows(6), "wo.weight": per_head_cols(6), "experts.w1": PER_EXPERT}
+        return {"wq.weight": per_head_rows(6), "wo.weight": per_head_cols(6), "experts.w1": PER_EXPERT,
+                "experts.w13": PER_EXPERT_GATED}
 
 
 def toy_full(name, shape, salt):
@@ -249,7 +251,9 @@ def _fsdp_toy(rank, world, expert_mesh_shape, n_experts):
     model = Toy(n_experts)
     full = {n: toy_full(n, p.shape, "init") for n, p in model.named_parameters()}
     model.load_state_dict(full)
-    model.experts.w1 = nn.Parameter(distribute_tensor(model.experts.w1.data, expert["ep"], [Shard(0)]))
+    for name in ("w1", "w13"):
+        weight = getattr(model.experts, name).data
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(weight, expert["ep"], [Shard(0)])))
     fully_shard(model.experts, mesh=expert["edp_replicate", "edp_shard"])
     fully_shard(model, mesh=dense)
     return model, full
