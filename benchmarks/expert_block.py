@@ -3,8 +3,8 @@
     python benchmarks/expert_block.py [--small] [--repeats 7] [--json PATH]
 
 Per shape and dtype: grouped-matmul launches (aten._grouped_mm dispatches, counted with a dispatch
-mode: a CPU-countable proxy for GPU kernel launches and weight reads) in the forward and the
-backward, and the wall time of forward + backward, median of `repeats`, the two variants
+mode: a CPU-countable proxy for GPU kernel launches and weight reads) and all aten ops dispatched,
+in the forward and the backward, and the wall time of forward + backward, median of `repeats`, the two variants
 interleaved so load drift on a shared machine hits both alike (the ratio is the median of the
 per-round ratios). "separate" is the pre-fusion code (`separate_swiglu`). CPU times say little
 about a GPU's grouped GEMM: they are reported as measured.
@@ -49,14 +49,19 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def grouped_mm_launches(forward) -> dict:
-    """{"forward": n, "backward": m}: aten._grouped_mm dispatches of `forward()` and of its backward."""
+def op_counts(forward) -> dict[str, collections.Counter]:
+    """{"forward": Counter, "backward": Counter} of the aten ops `forward()` and its backward dispatch."""
     with _OpCounter() as fwd:
         out = forward()
     grad = torch.ones_like(out)
     with _OpCounter() as bwd:
         out.backward(grad)
-    return {"forward": fwd.counts["aten._grouped_mm"], "backward": bwd.counts["aten._grouped_mm"]}
+    return {"forward": fwd.counts, "backward": bwd.counts}
+
+
+def grouped_mm_launches(forward) -> dict:
+    """{"forward": n, "backward": m}: aten._grouped_mm dispatches of `forward()` and of its backward."""
+    return {k: c["aten._grouped_mm"] for k, c in op_counts(forward).items()}
 
 
 def _inputs(L, rows, D, Fh, dtype, seed=0):
@@ -68,17 +73,17 @@ def _inputs(L, rows, D, Fh, dtype, seed=0):
 
 
 def variants(L, rows, D, Fh, dtype) -> dict:
-    """name -> fn() running forward + backward once on fresh leaves (same weights for both)."""
+    """name -> fn() making fresh leaves (same weights for both) and returning the block's forward on them."""
     x, w13, w2, counts = _inputs(L, rows, D, Fh, dtype)
     w1, w3 = (t.contiguous() for t in w13.chunk(2, dim=1))
 
     def fused():
         leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-        return swiglu_experts(leaves[0], leaves[1], leaves[2], counts)
+        return lambda: swiglu_experts(*leaves, counts)
 
     def separate():
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-        return separate_swiglu(*leaves, counts)
+        return lambda: separate_swiglu(*leaves, counts)
 
     return {"fused": fused, "separate": separate}
 
@@ -88,8 +93,9 @@ def time_variants(fns: dict, repeats: int) -> dict[str, list[float]]:
     times = {name: [] for name in fns}
     for _ in range(repeats + 1):
         for name, fn in fns.items():
+            forward = fn()
             start = time.perf_counter()
-            out = fn()
+            out = forward()
             out.backward(torch.ones_like(out))
             times[name].append(time.perf_counter() - start)
     return {name: ts[1:] for name, ts in times.items()}
@@ -100,12 +106,14 @@ def run(shapes, dtypes, repeats: int) -> list[dict]:
     for L, tokens, D, Fh in shapes:
         for dtype in dtypes:
             fns = variants(L, tokens, D, Fh, dtype)
-            launches = {name: grouped_mm_launches(fn) for name, fn in fns.items()}
+            counts = {name: op_counts(fn()) for name, fn in fns.items()}
+            launches = {name: {k: c["aten._grouped_mm"] for k, c in cs.items()} for name, cs in counts.items()}
+            ops = {name: {k: sum(c.values()) for k, c in cs.items()} for name, cs in counts.items()}
             times = time_variants(fns, repeats)
             # per-round ratio (the two ran back to back), then the median: robust to load drift
             ratios = [f / s for f, s in zip(times["fused"], times["separate"])]
             rows.append({"local_experts": L, "tokens_per_expert": tokens, "dim": D, "hidden": Fh,
-                         "dtype": str(dtype).removeprefix("torch."), "launches": launches,
+                         "dtype": str(dtype).removeprefix("torch."), "launches": launches, "aten_ops": ops,
                          "median_s": {name: statistics.median(ts) for name, ts in times.items()},
                          "fused_over_separate": statistics.median(ratios)})
     return rows
@@ -122,12 +130,14 @@ def main(argv) -> int:
         torch.set_num_threads(args.threads)
     rows = run(SMALL_SHAPES if args.small else SHAPES, [torch.float32, torch.bfloat16], args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("experts x tokens  dim  hidden  dtype     launches fwd/bwd (fused | separate)  median ms fused | separate  median ratio")
+    print("experts x tokens  dim  hidden  dtype     grouped mm fwd/bwd  aten ops fwd/bwd   median ms          median")
+    print("                                           fused | separate    fused | separate   fused | separate   ratio")
     for r in rows:
-        lf, ls = r["launches"]["fused"], r["launches"]["separate"]
+        lf, ls, of, os_ = r["launches"]["fused"], r["launches"]["separate"], r["aten_ops"]["fused"], r["aten_ops"]["separate"]
         print(f"{r['local_experts']:3d} x {r['tokens_per_expert']:5d}  {r['dim']:5d}  {r['hidden']:5d}  {r['dtype']:8s}  "
-              f"{lf['forward']}/{lf['backward']} | {ls['forward']}/{ls['backward']}                     "
-              f"{1e3 * r['median_s']['fused']:8.2f} | {1e3 * r['median_s']['separate']:8.2f}  {r['fused_over_separate']:.3f}")
+              f"{lf['forward']}/{lf['backward']} | {ls['forward']}/{ls['backward']}         "
+              f"{of['forward']}/{of['backward']} | {os_['forward']}/{os_['backward']}      "
+              f"{1e3 * r['median_s']['fused']:7.2f} | {1e3 * r['median_s']['separate']:7.2f}   {r['fused_over_separate']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
