@@ -14,7 +14,6 @@ rows), never a full parameter. Blocks are drawn on a thread pool (torch ops rele
 
 import concurrent.futures
 import hashlib
-import math
 
 import torch
 from torch.distributed.tensor import DTensor

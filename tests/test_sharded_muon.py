@@ -251,12 +251,16 @@ def _fsdp_toy(rank, world, expert_mesh_shape, n_experts):
     model = Toy(n_experts)
     full = {n: toy_full(n, p.shape, "init") for n, p in model.named_parameters()}
     model.load_state_dict(full)
-    for name in ("w1", "w13"):
-        weight = getattr(model.experts, name).data
-        setattr(model.experts, name, nn.Parameter(distribute_tensor(weight, expert["ep"], [Shard(0)])))
+    ep_shard_experts(model, expert["ep"])
     fully_shard(model.experts, mesh=expert["edp_replicate", "edp_shard"])
     fully_shard(model, mesh=dense)
     return model, full
+
+
+def ep_shard_experts(model, ep_mesh):
+    """The toy's expert weights as DTensors Shard(0) on `ep_mesh`, as parallel/expert_parallel.py does."""
+    for name, weight in list(model.experts.named_parameters()):
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)])))
 
 
 def set_toy_grads(model, step):
