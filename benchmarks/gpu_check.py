@@ -180,15 +180,14 @@ def section_grouped_mm(ctx) -> dict:
     dtype = torch.bfloat16
     counts_L = torch.full((L,), rows, dtype=torch.int64, device=ctx.device)
     x_TD = torch.randn(L * rows, D, device=ctx.device, dtype=dtype)
-    w1 = torch.randn(L, Fh, D, device=ctx.device, dtype=dtype) * D**-0.5
+    w13 = torch.randn(L, 2 * Fh, D, device=ctx.device, dtype=dtype) * D**-0.5  # w1 and w3 fused
     w2 = torch.randn(L, D, Fh, device=ctx.device, dtype=dtype) * Fh**-0.5
-    w3 = torch.randn(L, Fh, D, device=ctx.device, dtype=dtype) * D**-0.5
     h_TF = torch.randn(L * rows, Fh, device=ctx.device, dtype=dtype)
     T = L * rows
     out = {"shape": {"local_experts": L, "rows_per_expert": rows, "dim": D, "hidden": Fh}}
-    out["w1_forward_tflops"] = _rate(2 * T * D * Fh, ctx.timer(lambda: grouped_linear(x_TD, w1, counts_L)))
+    out["w13_forward_tflops"] = _rate(2 * T * D * 2 * Fh, ctx.timer(lambda: grouped_linear(x_TD, w13, counts_L)))
     out["w2_forward_tflops"] = _rate(2 * T * D * Fh, ctx.timer(lambda: grouped_linear(h_TF, w2, counts_L)))
-    ws = [w.requires_grad_() for w in (w1, w2, w3)]
+    ws = [w.requires_grad_() for w in (w13, w2)]
     x_grad = x_TD.clone().requires_grad_()
 
     def forward_backward():

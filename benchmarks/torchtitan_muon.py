@@ -50,6 +50,8 @@ def compute_layout(param: DTensor, split: MatrixSplit):
         return None, "not sharded"
     if split.kind == "cols":
         return None, "per-head cols (BlockShard splits dim 0 only)"
+    if split.kind == "experts" and split.parts > 1:
+        return None, f"experts cut into {split.parts} row blocks each (fused w1/w3): no ComputeLayout for part of an expert"
     if split.kind == "experts":
         if any(type(p) is not Shard or p.dim != 0 for p in param.placements if not isinstance(p, Replicate)):
             return None, f"experts placements {param.placements} are not whole experts per rank"

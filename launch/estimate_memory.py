@@ -92,7 +92,8 @@ def rank_boxes(model_config, layout, rank: int):
     """[(fqn, full shape, local shape, offset, is_expert)] of every parameter on `rank` (no process group)."""
     with torch.device("meta"):
         model = Transformer(model_config)
-    experts = {f"{p}.{n}" for p, m in model.named_modules() if isinstance(m, GroupedExperts) for n in ("w1", "w2", "w3")}
+    experts = {f"{p}.{n}" for p, m in model.named_modules() if isinstance(m, GroupedExperts)
+               for n, _ in m.named_parameters()}
     meshes = {False: (torch.arange(layout.world_size).view(layout.dp_replicate, layout.dp_shard * layout.cp),
                       (Replicate(), Shard(0))),
               True: (torch.from_numpy(rank_mesh(layout, EXPERT_AXES)),  # parallel.expert_inner's numbering

@@ -4,7 +4,8 @@
 
 Reads the DCP checkpoint `checkpoints/step_N` (default: the newest complete one) and the model config
 its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safetensors shards and
-model.safetensors.index.json with one key per expert, as the published checkpoints have them. One
+model.safetensors.index.json with one key per expert, as the published checkpoints have them (w13's
+halves as gate_proj and up_proj). Checkpoints from before w1 and w3 were fused export too. One
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
 rank's shards), so memory stays bounded by the largest tensor. A bad argument exits with status 2 and
 one line.
@@ -55,10 +56,18 @@ def checkpoint_model_config(path: str) -> ModelConfig:
 
 
 def dcp_fetch(path: str):
-    """fetch(our_name) -> the full fp32 tensor from the DCP checkpoint at `path` (one tensor per call)."""
+    """fetch(our_name) -> the full fp32 tensor from the DCP checkpoint at `path` (one tensor per call).
+
+    A checkpoint from before the routed experts' w1 and w3 were fused stores them apart: their w13
+    is the two concatenated on dim 1 (w1 rows, then w3 rows)."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
     def fetch(name: str) -> torch.Tensor:
+        if name.endswith(".experts.w13") and PREFIX + name not in metadata:
+            return torch.cat([read(name[: -len("w13")] + part) for part in ("w1", "w3")], dim=1)
+        return read(name)
+
+    def read(name: str) -> torch.Tensor:
         meta = metadata[PREFIX + name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended

@@ -6,7 +6,12 @@ row strides of both operands to be multiples of 16 bytes, and its backward fails
 incoming gradient, e.g. from `.sum()`, hence the `_contiguous_grad` hook). Where those conditions do not
 hold, a per-expert loop over split chunks computes the same thing.
 
-Shape letters: T tokens (sorted by expert), D model dim, F expert hidden dim, E experts,
+w1 and w3 are stored as ONE parameter w13 [E, 2F, D] (w1[e] = w13[e, :F], w3[e] = w13[e, F:]), so
+both run as one grouped matmul with one weight read per expert. Stacked halves rather than
+interleaved rows: w1[e] and w3[e] stay contiguous row ranges, so Muon's per-expert blocks
+(`PER_EXPERT_GATED`), FSDP's row shards and the Hugging Face gate_proj/up_proj keys all map to boxes.
+
+Shape letters: T tokens (sorted by expert), D model dim, F expert hidden dim, H = 2F, E experts,
 I/O in/out width of one grouped matmul.
 """
 
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.splits import PER_EXPERT, MatrixSplit
+from models.splits import PER_EXPERT, PER_EXPERT_GATED, MatrixSplit
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -22,37 +27,44 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: out_t = w2[e] (silu(w1[e] x_t) * w3[e] x_t) for token t routed to expert e.
 
-    Parameters: w1 [E, F, D], w2 [E, D, F], w3 [E, F, D] (each expert's matrix is [out, in], like
-    nn.Linear). Expert parallelism swaps `forward` for a version that all-to-alls the sorted tokens
-    to the ranks owning each expert; the parameter names and shapes stay.
+    Parameters: w13 [E, 2F, D] (w1[e] rows then w3[e] rows), w2 [E, D, F] (each expert's matrix is
+    [out, in], like nn.Linear). Expert parallelism swaps `forward` for a version that all-to-alls the
+    sorted tokens to the ranks owning each expert; the parameter names and shapes stay.
     """
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
         self.n_experts = n_experts
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_TD: token copies sorted by expert; counts_E (int64, len E): tokens of each expert in
         order (sum = T). Returns out_TD in the same order. Experts with no tokens still get a
         (zero) gradient, so every rank steps the same optimizer state."""
-        assert counts_E.shape == (self.w1.shape[0],), (counts_E.shape, self.w1.shape)
-        return swiglu_experts(x_TD, self.w1, self.w2, self.w3, counts_E)
+        assert counts_E.shape == (self.w13.shape[0],), (counts_E.shape, self.w13.shape)
+        return swiglu_experts(x_TD, self.w13, self.w2, counts_E)
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Start whatever `forward` needs to know about the other ranks' counts; here nothing (the
         counts are forward's input as they are). Expert parallelism swaps this for an all-to-all."""
         return counts_E
 
+    def init_streams(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
+        """(stream name, parameter, its rows [lo, hi) on dim 1 or None for all) of each random stream
+        the init draws, in order: w1, w2, w3 as before the fusion, so seeded weights are unchanged."""
+        hidden = self.w2.shape[-1]
+        return [("w1", self.w13, (0, hidden)), ("w2", self.w2, None), ("w3", self.w13, (hidden, 2 * hidden))]
+
     def muon_splits(self) -> dict[str, MatrixSplit]:
-        return {"w1": PER_EXPERT, "w2": PER_EXPERT, "w3": PER_EXPERT}
+        return {"w13": PER_EXPERT_GATED, "w2": PER_EXPERT}
 
 
-def swiglu_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, counts_E) -> torch.Tensor:
-    """Each expert's SwiGLU on its group of rows: w2 (silu(w1 x) * w3 x), grouped matmuls."""
-    hidden_TF = F.silu(grouped_linear(x_TD, w1_EFD, counts_E)) * grouped_linear(x_TD, w3_EFD, counts_E)
+def swiglu_experts(x_TD, w13_EHD, w2_EDF, counts_E) -> torch.Tensor:
+    """Each expert's SwiGLU on its group of rows: w2 (silu(w1 x) * w3 x), two grouped matmuls
+    (H = 2F: one matmul gives [w1 x, w3 x] side by side)."""
+    gate_TF, up_TF = grouped_linear(x_TD, w13_EHD, counts_E).chunk(2, dim=-1)
+    hidden_TF = F.silu(gate_TF) * up_TF
     return grouped_linear(hidden_TF, w2_EDF, counts_E)
 
 

@@ -92,7 +92,7 @@ def expected_shapes(config: ModelConfig, rope_interleave: bool = True) -> dict[s
     for name, source in hf_sources(model, rope_interleave).items():
         shape = tuple(tensors[name].shape)
         for key in source.keys(shape[0]):
-            out[key] = shape[1:] if source.stacked else shape
+            out[key] = source.key_shape(shape)
     return out
 
 
@@ -116,16 +116,27 @@ def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = Non
 
 
 def read_source(files: CheckpointFiles, source: Source, box, fp8_block) -> torch.Tensor:
-    """Our tensor's `box` in fp32, assembled from the checkpoint (experts stacked, rotary rows permuted)."""
+    """Our tensor's `box` in fp32, assembled from the checkpoint (experts stacked, gate/up rows side by
+    side, rotary rows permuted)."""
     if source.stacked:
         (e0, e1), rest = box[0], box[1:]
-        parts = [files.read_box(source.key.format(e=e), rest, fp8_block) for e in range(e0, e1)]
+        parts = [_read_expert(files, source, e, rest, fp8_block) for e in range(e0, e1)]
         return torch.stack(parts) if parts else torch.zeros([0] + [b - a for a, b in rest])
     if source.rope_rows is None or box[0][1] <= box[0][0]:
         return files.read_box(source.key, box, fp8_block)
     rows = checkpoint_rows(source.rope_rows, torch.arange(*box[0]))
     lo, hi = int(rows.min()), int(rows.max()) + 1  # within the box's heads: at most one rotary block more
     return files.read_box(source.key, ((lo, hi), *box[1:]), fp8_block)[rows - lo]
+
+
+def _read_expert(files: CheckpointFiles, source: Source, e: int, box, fp8_block) -> torch.Tensor:
+    """Rows box[0] (and the rest of `box`) of expert e's matrix: from each row key the rows it holds."""
+    (r0, r1), rest = box[0], box[1:]
+    n = files.shape(source.key.format(e=e))[0]  # rows per key
+    spans = [(i, max(r0, i * n), min(r1, (i + 1) * n)) for i in range(len(source.row_keys))]
+    parts = [files.read_box(source.row_keys[i].format(e=e), ((lo - i * n, hi - i * n), *rest), fp8_block)
+             for i, lo, hi in spans if hi > lo]
+    return torch.cat(parts) if parts else torch.zeros([max(0, r1 - r0)] + [b - a for a, b in rest])
 
 
 def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch.float32,
@@ -157,7 +168,7 @@ def _records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecor
     out_dtype = torch.float32 if name.endswith("expert_bias") else dtype  # the router bias stays fp32
     loaded = {}
 
-    def part(index: int | None, last: bool) -> torch.Tensor:
+    def part(index, last: bool) -> torch.Tensor:
         if "t" not in loaded:
             t = fetch(name).to(out_dtype)
             loaded["t"] = t[our_rows(source.rope_rows, t.shape[0])] if source.rope_rows else t
@@ -166,6 +177,8 @@ def _records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecor
 
     if not source.stacked:
         return [TensorRecord(source.key, shape, out_dtype, lambda: part(None, True))]
-    n = shape[0]
-    return [TensorRecord(source.key.format(e=e), shape[1:], out_dtype, lambda e=e: part(e, e == n - 1))
-            for e in range(n)]
+    n, keys, key_shape = shape[0], source.row_keys, source.key_shape(shape)
+    rows = key_shape[0]  # expert e's key i holds our rows [i * rows, (i + 1) * rows) of dim 1
+    return [TensorRecord(key.format(e=e), key_shape, out_dtype,
+                         lambda e=e, i=i: part((e, slice(i * rows, (i + 1) * rows)), e == n - 1 and i == len(keys) - 1))
+            for e in range(n) for i, key in enumerate(keys)]

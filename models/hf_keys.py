@@ -8,8 +8,10 @@
   layers.L.feed_forward.{w1, w2, w3}     model.layers.L.mlp.{gate_proj, down_proj, up_proj}   (dense layers)
   ...feed_forward.router.gate.weight     model.layers.L.mlp.gate.weight
   ...feed_forward.router.expert_bias     model.layers.L.mlp.gate.e_score_correction_bias
-  ...feed_forward.experts.{w1, w2, w3}   model.layers.L.mlp.experts.E.{gate_proj, down_proj, up_proj}.weight,
-                                         one key per expert E, stacked on our dim 0
+  ...feed_forward.experts.w13            model.layers.L.mlp.experts.E.gate_proj.weight, then ...up_proj.weight:
+                                         our w13[E, :F] and w13[E, F:], one key pair per expert E
+  ...feed_forward.experts.w2             model.layers.L.mlp.experts.E.down_proj.weight, one key per expert E,
+                                         stacked on our dim 0
   ...feed_forward.shared_experts.*       model.layers.L.mlp.shared_experts.*
   norm.weight, output.weight             model.norm.weight, lm_head.weight
 
@@ -36,15 +38,31 @@ NOT_LOADED = ("tokens_per_expert",)  # our buffers with no checkpoint counterpar
 @dataclass(frozen=True)
 class Source:
     """Where one of our tensors comes from. `key` has an `{e}` placeholder when `stacked` (one key per
-    expert, stacked on our dim 0). `rope_rows` = (period, offset, width): in every block of `period`
-    rows, rows [offset, offset + width) are rotary rows stored as interleaved pairs."""
+    expert, stacked on our dim 0). `more_rows`: further `{e}` keys whose rows follow `key`'s on our
+    dim 1, each with as many rows (w13 = gate_proj rows, then up_proj rows). `rope_rows` = (period,
+    offset, width): in every block of `period` rows, rows [offset, offset + width) are rotary rows
+    stored as interleaved pairs."""
 
     key: str
     stacked: bool = False
     rope_rows: tuple[int, int, int] | None = None
+    more_rows: tuple[str, ...] = ()
+
+    @property
+    def row_keys(self) -> tuple[str, ...]:
+        return (self.key, *self.more_rows)
 
     def keys(self, n_experts: int) -> list[str]:
-        return [self.key.format(e=e) for e in range(n_experts)] if self.stacked else [self.key]
+        """Checkpoint keys in file order: per expert, each of its row keys."""
+        if not self.stacked:
+            return [self.key]
+        return [key.format(e=e) for e in range(n_experts) for key in self.row_keys]
+
+    def key_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one checkpoint key of our tensor of `shape`."""
+        if not self.stacked:
+            return shape
+        return (shape[1] // len(self.row_keys), *shape[2:])
 
 
 def hf_sources(model: torch.nn.Module, rope_interleave: bool) -> dict[str, Source]:
@@ -81,6 +99,9 @@ def _ffn_source(prefix: str, rest: str) -> Source:
         return Source(f"{prefix}.{_MLP[parts[0]]}.weight")
     if parts[0] == "shared_experts":
         return Source(f"{prefix}.shared_experts.{_MLP[parts[1]]}.weight")
+    if parts[0] == "experts" and parts[1] == "w13":
+        return Source(prefix + ".experts.{e}.gate_proj.weight", stacked=True,
+                      more_rows=(prefix + ".experts.{e}.up_proj.weight",))
     if parts[0] == "experts":
         return Source(prefix + ".experts.{e}." + f"{_MLP[parts[1]]}.weight", stacked=True)
     if rest == "router.gate.weight":

@@ -95,8 +95,8 @@ class Transformer(nn.Module):
                 out_std = self.config.dim**-0.5 if module is self.output else std
                 draw(module.weight, out_std, f"{prefix}.weight")
             elif isinstance(module, GroupedExperts):
-                for name in ("w1", "w2", "w3"):
-                    draw(getattr(module, name), std, f"{prefix}.{name}")
+                for name, param, rows in module.init_streams():
+                    draw(param, std, f"{prefix}.{name}", rows)
             elif isinstance(module, Router):
                 module.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
@@ -107,10 +107,16 @@ class Transformer(nn.Module):
 
 
 def _normal_drawer(generator: torch.Generator | None, seed: int | None):
-    """fn(param, std, fqn) filling param with normal(0, std) from the chosen random source."""
+    """fn(param, std, fqn, rows=None) filling param (or its rows [lo, hi) of dim 1) with normal(0, std)
+    from the chosen random source."""
     if seed is not None:
-        return lambda param, std, fqn: seeded_init.normal_(param, std, seed, fqn)
-    return lambda param, std, fqn: nn.init.normal_(param, 0.0, std, generator=generator)
+        return lambda param, std, fqn, rows=None: seeded_init.normal_(param, std, seed, fqn, rows=rows)
+
+    def draw(param, std, fqn, rows=None):
+        part = param if rows is None else param.narrow(1, rows[0], rows[1] - rows[0])
+        nn.init.normal_(part, 0.0, std, generator=generator)
+
+    return draw
 
 
 def _check_positions(positions_S: torch.Tensor, S: int):

@@ -14,7 +14,6 @@ rows), never a full parameter. Blocks are drawn on a thread pool (torch ops rele
 
 import concurrent.futures
 import hashlib
-import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,13 +30,24 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 @torch.no_grad()
-def normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
-    """Fill this rank's part of `param` with N(0, std^2) values that depend only on (seed, name)."""
+def normal_(param: torch.Tensor, std: float, seed: int, name: str, rows: tuple[int, int] | None = None) -> None:
+    """Fill this rank's part of `param` with N(0, std^2) values that depend only on (seed, name).
+
+    rows=(lo, hi): fill only param[:, lo:hi], as if it were a parameter of its own named `name` (the
+    routed experts' w13 holds the streams of w1 and w3 side by side on dim 1)."""
     local = param.to_local() if isinstance(param, DTensor) else param
     shape, offset = local_box(param)
-    if local.numel() == 0:
+    if rows is None:
+        if local.numel():
+            local.copy_(normal_box(tuple(param.shape), shape, offset, std, seed, name).view(local.shape))
         return
-    local.copy_(normal_box(tuple(param.shape), shape, offset, std, seed, name).view(local.shape))
+    lo, hi = max(offset[1], rows[0]), min(offset[1] + shape[1], rows[1])  # this rank's rows of the stream
+    if hi <= lo or local.numel() == 0:
+        return
+    full_shape = (param.shape[0], rows[1] - rows[0], *param.shape[2:])
+    part_shape, part_offset = (shape[0], hi - lo, *shape[2:]), (offset[0], lo - rows[0], *offset[2:])
+    part = normal_box(full_shape, part_shape, part_offset, std, seed, name).view(part_shape)
+    local.narrow(1, lo - offset[1], hi - lo).copy_(part)
 
 
 def normal_box(full_shape, shape, offset, std: float, seed: int, name: str) -> torch.Tensor:

@@ -10,10 +10,14 @@ Block layouts (r = rows, c = cols of one block, n = number of blocks):
   rows     [n*r, c]    -> n blocks [r, c]  (per head along output rows: q/k/v up-projections)
   cols     [r, n*c]    -> n blocks [r, c]  (per head along input cols: attention output projection)
   experts  [n, r, c]   -> n blocks [r, c]  (stacked routed experts)
+  experts  [n, k*r, c] -> n*k blocks [r, c], expert-major (parts=k: each expert's matrix cut into k
+                          row blocks; the fused w1/w3 of the routed experts, k=2, so Muon
+                          orthogonalizes w1[e] and w3[e] apart, as it would two separate parameters)
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +27,7 @@ KINDS = ("whole", "rows", "cols", "experts")
 @dataclass(frozen=True)
 class MatrixSplit:
     kind: str
-    parts: int = 1  # blocks along the split dim for "rows"/"cols"; unused for "whole"/"experts"
+    parts: int = 1  # blocks along the split dim for "rows"/"cols", along each expert's rows for "experts"
 
     def __post_init__(self):
         assert self.kind in KINDS, self.kind
@@ -31,13 +35,13 @@ class MatrixSplit:
 
     def num_blocks(self, shape: tuple[int, ...]) -> int:
         if self.kind == "experts":
-            return shape[0]
+            return shape[0] * self.parts
         return self.parts if self.kind in ("rows", "cols") else 1
 
     def block_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         if self.kind == "experts":
-            assert len(shape) == 3, shape
-            return shape[1], shape[2]
+            assert len(shape) == 3 and shape[1] % self.parts == 0, (shape, self.parts)
+            return shape[1] // self.parts, shape[2]
         assert len(shape) == 2, shape
         r, c = shape
         if self.kind == "rows":
@@ -47,6 +51,20 @@ class MatrixSplit:
             assert c % self.parts == 0, (shape, self.parts)
             return r, c // self.parts
         return r, c
+
+    def block_boxes(self, shape: tuple[int, ...]) -> np.ndarray:
+        """[num_blocks, ndim, 2] (start, stop) of each block in parameter coordinates, in block order."""
+        n, (r, c) = self.num_blocks(shape), self.block_shape(shape)
+        boxes = np.zeros((n, len(shape), 2), dtype=np.int64)
+        boxes[..., 1] = shape
+        i = np.arange(n)
+        if self.kind == "experts":  # block i: expert i // parts, its rows [(i % parts) * r, ... + r)
+            boxes[:, 0, 0], boxes[:, 0, 1] = i // self.parts, i // self.parts + 1
+            boxes[:, 1, 0], boxes[:, 1, 1] = i % self.parts * r, (i % self.parts + 1) * r
+            return boxes
+        dim, size = {"rows": (0, r), "cols": (1, c), "whole": (0, shape[0])}[self.kind]
+        boxes[:, dim, 0], boxes[:, dim, 1] = i * size, (i + 1) * size
+        return boxes
 
     def to_blocks(self, full: torch.Tensor) -> torch.Tensor:
         """Full parameter -> [num_blocks, r, c] (a view where possible)."""
@@ -64,6 +82,7 @@ class MatrixSplit:
 
 WHOLE = MatrixSplit("whole")
 PER_EXPERT = MatrixSplit("experts")
+PER_EXPERT_GATED = MatrixSplit("experts", 2)  # routed experts' w13 [E, 2F, D]: w1[e] and w3[e] apart
 
 
 def per_head_rows(n_heads: int) -> MatrixSplit:

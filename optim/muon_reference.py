@@ -79,7 +79,7 @@ def check_split(name: str, shape: tuple[int, ...], split: MatrixSplit) -> None:
     ndim = 3 if split.kind == "experts" else 2
     if len(shape) != ndim:
         raise ValueError(f"{name}: split {split.kind!r} needs a {ndim}-D parameter, got shape {tuple(shape)}")
-    dim = {"rows": 0, "cols": 1}.get(split.kind)
+    dim = {"rows": 0, "cols": 1, "experts": 1}.get(split.kind)  # experts: each expert's rows in `parts` blocks
     if dim is not None and shape[dim] % split.parts != 0:
         raise ValueError(f"{name}: {split.kind} split into {split.parts} parts, but dim {dim} of shape "
                          f"{tuple(shape)} is {shape[dim]}, not a multiple of {split.parts}")

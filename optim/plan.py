@@ -11,7 +11,7 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
 2. Shape groups: blocks with equal (short side, long side, NS dtype), across parameters and layers,
    are orthogonalized in one batched call per bucket; tall blocks join transposed (Newton-Schulz
    commutes with transposition and `orthogonalize` itself works on the wide orientation), so an
-   expert's w2 [D, F] batches with w1 and w3 [F, D].
+   expert's w2 [D, F] batches with its w1 and w3 blocks [F, D] (of the fused w13 [E, 2F, D]).
 3. Owners (optim/plan_owners.py), balancing estimated NS FLOPs (`ns_flops`) over ALL ranks at once (a rank's load counts
    every group it belongs to), greedily, largest first (LPT) or fewest candidate ranks first,
    whichever order ends with the lower maximum load:
@@ -258,13 +258,7 @@ def _layouts(specs, options):
 
 def _block_boxes(split: MatrixSplit, shape: tuple[int, ...]) -> np.ndarray:
     """[n_blocks, ndim, 2] box of each block in parameter coordinates."""
-    n, (r, c) = split.num_blocks(shape), split.block_shape(shape)
-    boxes = np.zeros((n, len(shape), 2), dtype=np.int64)
-    boxes[..., 1] = shape
-    i = np.arange(n)
-    dim, size = {"rows": (0, r), "cols": (1, c), "experts": (0, 1), "whole": (0, shape[0])}[split.kind]
-    boxes[:, dim, 0], boxes[:, dim, 1] = i * size, (i + 1) * size
-    return boxes
+    return split.block_boxes(shape)
 
 
 def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:

@@ -1,8 +1,8 @@
 """Expert parallelism: routed experts split over the `ep` axis on the expert dim.
 
-After `apply_expert_parallel`, each GroupedExperts weight (w1 [E, F, D], w2 [E, D, F], w3 [E, F, D])
-is a DTensor Shard(0) over the ep mesh: ep rank p owns experts [p*L, (p+1)*L), L = E/ep. Its
-`exchange_counts` and `forward` are swapped (same parameters, same names) for ones that
+After `apply_expert_parallel`, each GroupedExperts weight (w13 [E, 2F, D], w2 [E, D, F]) is a DTensor
+Shard(0) over the ep mesh: ep rank p owns experts [p*L, (p+1)*L), L = E/ep. Its `exchange_counts`
+and `forward` are swapped (same parameters, same names) for ones that
   1. exchange token counts per expert (all-to-all of ints) and queue ONE device-to-host copy of
      both split-size vectors (pinned memory, non-blocking), then return; FSDP's all-gather of the
      experts is issued meanwhile (the experts' pre-forward hook);
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.experts import GroupedExperts, swiglu_experts
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+EXPERT_WEIGHTS = ("w13", "w2")
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -95,9 +95,9 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
     """Drop-in GroupedExperts.forward under EP: same inputs (this rank's token copies sorted by
     expert, and what `exchange_counts` returned for the counts of all E experts) and output (out_TD
     in the same order)."""
-    w1, w2, w3 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)  # [L, F, D], [L, D, F], [L, F, D]
+    w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)  # [L, 2F, D], [L, D, F]
     if not isinstance(counts, ExchangedCounts):  # ep == 1
-        return swiglu_experts(x_TD, w1, w2, w3, counts)
+        return swiglu_experts(x_TD, w13, w2, counts)
     recv_counts_PL = counts.recv_counts_PL
     n_ranks, n_local = recv_counts_PL.shape
     send_splits, recv_splits = counts.split_sizes()  # host sync: split sizes must be Python ints
@@ -108,7 +108,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
         recv_counts_PL.flatten(), output_size=sum(recv_splits)  # output_size: no second host sync
     )
     order_R = torch.argsort(expert_of_row_R, stable=True)
-    y_sorted_RD = swiglu_experts(x_RD[order_R], w1, w2, w3, recv_counts_PL.sum(0))
+    y_sorted_RD = swiglu_experts(x_RD[order_R], w13, w2, recv_counts_PL.sum(0))
     y_RD = y_sorted_RD[torch.argsort(order_R)]
     return _all_to_all(y_RD, send_splits, recv_splits, self.ep_group)  # communication: combine
 

@@ -232,11 +232,26 @@ def load(path: str, app_state: dict) -> None:
     Raises Unloadable (one line, on every rank) if it does not load: a missing, truncated or garbled file."""
     if not os.path.isfile(os.path.join(path, MARKER)):
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    _check_expert_layout(path)
     try:
         with _single_process_ok():
             dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks (a BaseException)
         raise Unloadable(_reason(e)) from None
+
+
+def _check_expert_layout(path: str) -> None:
+    """RunError (one line, every rank) for a checkpoint from before the routed experts' w1 and w3 were
+    fused into one w13 parameter: its keys cannot fill the model (launch/export_hf.py still reads it)."""
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # an unreadable .metadata: dcp.load reports it as Unloadable
+        return
+    old = next((k for k in keys if k.endswith(".experts.w1")), None)
+    if old is not None:
+        raise RunError(f"{path} stores the routed experts' w1 and w3 apart ({old}), as before they were fused into "
+                       f"w13: it cannot be resumed; export it (python launch/export_hf.py --run-dir RUN_DIR --out DIR) "
+                       f"and start a new run.dir with --model.init_from=DIR (the optimizer state is not carried over)")
 
 
 def read_meta(path: str) -> dict:

@@ -13,9 +13,8 @@ import shutil
 
 import pytest
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
 import test_sharded_muon as sm
 from entry_point import run_ok
@@ -142,7 +141,7 @@ def _muon_steps(rank, world_size):
         meshes = build_meshes(layout, "cpu")
         model = sm.Toy(n_experts)
         model.load_state_dict({n: sm.toy_full(n, p.shape, "init") for n, p in model.named_parameters()})
-        model.experts.w1 = nn.Parameter(distribute_tensor(model.experts.w1.data, meshes.ep, [Shard(0)]))
+        sm.ep_shard_experts(model, meshes.ep)
         matrix_dim = layout.expert_shard_dim(n_experts) == 1
         placement_fn = (lambda p: Shard(1)) if matrix_dim else None
         fully_shard(model.experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn)

@@ -70,7 +70,7 @@ def _step_headline(rank, world_size):
     parallelize(model, meshes, layout, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     seen = {}
     experts, router = model.layers[1].feed_forward.experts, model.layers[1].feed_forward.router
-    experts.register_forward_pre_hook(lambda m, args: seen.update(expert_w=m.w1.dtype, expert_x=args[0].dtype))
+    experts.register_forward_pre_hook(lambda m, args: seen.update(expert_w=m.w13.dtype, expert_x=args[0].dtype))
     router.register_forward_pre_hook(lambda m, args: seen.update(router_w=m.gate.weight.dtype))
     inputs, labels, positions = _local_batch(model.config.vocab_size, layout, meshes)
     logits = model(inputs, positions_S=positions)

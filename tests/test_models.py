@@ -63,17 +63,17 @@ def test_forward_backward_every_param_gets_grad(name):
         experts, router = layer.feed_forward.experts, layer.feed_forward.router
         assert router.tokens_per_expert[0] == 0
         assert router.tokens_per_expert.sum() == 2 * 15 * model.config.n_activated_experts
-        for w in (experts.w1, experts.w2, experts.w3):
+        for w in (experts.w13, experts.w2):
             assert torch.all(w.grad[0] == 0) and w.grad[1:].abs().sum() > 0
 
 
 def test_no_grad_experts_get_zero_grads_with_no_tokens_at_all():
     experts = GroupedExperts(dim=16, hidden_dim=8, n_experts=3)
-    torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
+    torch.nn.init.normal_(experts.w13), torch.nn.init.normal_(experts.w2)
     out = experts(torch.zeros(0, 16), torch.zeros(3, dtype=torch.long))
     out.sum().backward()
     assert out.shape == (0, 16)
-    assert all(torch.all(w.grad == 0) for w in (experts.w1, experts.w2, experts.w3))
+    assert all(torch.all(w.grad == 0) for w in (experts.w13, experts.w2))
 
 
 def test_causal_future_tokens_do_not_change_past_logits():
@@ -152,9 +152,10 @@ def test_moe_equals_per_token_reference(score_func):
     x_TD = x_BSD.reshape(14, 16)
     weights_TK, experts_TK = _router_reference(moe, x_TD, moe.router.expert_bias)
     e = moe.experts
+    w1, w3 = e.w13.chunk(2, dim=1)
     ref = torch.stack([
         sum(
-            weights_TK[t, j] * (e.w2[i] @ (F.silu(e.w1[i] @ x_TD[t]) * (e.w3[i] @ x_TD[t])))
+            weights_TK[t, j] * (e.w2[i] @ (F.silu(w1[i] @ x_TD[t]) * (w3[i] @ x_TD[t])))
             for j, i in enumerate(experts_TK[t].tolist())
         )
         for t in range(14)
@@ -256,7 +257,7 @@ def test_kimi_k2_block_shapes_on_meta():
     assert blocks(f"{attn}.wkv_a.weight") == (1, (576, 7168))
     assert blocks(f"{attn}.wkv_b.weight") == (64, (256, 512))
     assert blocks(f"{attn}.wo.weight") == (64, (7168, 128))
-    assert blocks(f"{moe}.experts.w1") == (384, (2048, 7168))
+    assert blocks(f"{moe}.experts.w13") == (2 * 384, (2048, 7168))  # w1[e] and w3[e] apart
     assert blocks(f"{moe}.experts.w2") == (384, (7168, 2048))
     assert blocks(f"{moe}.shared_experts.w1.weight") == (1, (2048, 7168))
     assert blocks(f"{moe}.router.gate.weight") == (1, (384, 7168))
@@ -312,8 +313,8 @@ def test_init_after_to_empty_is_deterministic(source):
     assert torch.all(eager.layers[1].feed_forward.router.expert_bias == 0)
     other = init(Transformer(PRESETS["debug"]), 1)
     assert not torch.equal(other.output.weight, eager.output.weight)
-    w1 = eager.layers[1].feed_forward.experts.w1
-    assert abs(w1.std().item() / eager.config.init_std - 1) < 0.05  # 16k samples: std error ~0.6%
+    w13 = eager.layers[1].feed_forward.experts.w13
+    assert abs(w13.std().item() / eager.config.init_std - 1) < 0.05  # 16k samples: std error ~0.6%
 
 
 def test_validation_errors():

@@ -213,28 +213,28 @@ def test_step_matches_single_process(results, name):
 def test_expert_and_dense_placements(results):
     _, per_rank = results
     place = per_rank[0]
-    w1, wo = "layers.1.feed_forward.experts.w1", "layers.1.attention.wo.weight"
+    w13, wo = "layers.1.feed_forward.experts.w13", "layers.1.attention.wo.weight"
     for name in CASES:
         mesh, placements = place[name]["placements"][wo]
         assert (mesh, [str(p) for p in placements]) == (("dp_replicate", "dp_shard_cp"), ["R", "S(0)"])
-        mesh, placements = place[name]["placements"][w1]
+        mesh, placements = place[name]["placements"][w13]
         assert mesh == ("edp_replicate", "edp_shard", "ep")
         assert str(placements[0]) == "R" and str(placements[2]) == "S(0)"  # replicate, then experts over ep
-    assert repr(place["few_local_experts"]["placements"][w1][1][1]) == "Shard(dim=1)"
-    assert repr(place["fsdp8"]["placements"][w1][1][1]) == "Shard(dim=0)"
+    assert repr(place["few_local_experts"]["placements"][w13][1][1]) == "Shard(dim=1)"
+    assert repr(place["fsdp8"]["placements"][w13][1][1]) == "Shard(dim=0)"
     # ep=2 splits the experts first, then edp_shard splits each ep rank's experts: whole experts per rank
-    assert repr(place["fsdp8_ehsdp_ep2"]["placements"][w1][1][1]) == "_StridedShard(dim=0, sf=2)"
+    assert repr(place["fsdp8_ehsdp_ep2"]["placements"][w13][1][1]) == "_StridedShard(dim=0, sf=2)"
 
 
 def test_expert_weights_live_on_the_numbered_expert_mesh(results):
     """The expert DTensors' rank tensor is the layout's documented numbering (parallel/meshes.py), for
     both values of parallel.expert_inner; the dense weights' mesh does not depend on it."""
     _, per_rank = results
-    w1, wo = "layers.1.feed_forward.experts.w1", "layers.1.attention.wo.weight"
+    w13, wo = "layers.1.feed_forward.experts.w13", "layers.1.attention.wo.weight"
     for name, (_, _, config, _) in CASES.items():
         layout = config.resolve(WORLD)
         got = per_rank[0][name]["mesh_ranks"]
-        assert got[w1] == rank_mesh(layout, EXPERT_AXES).tolist(), name
+        assert got[w13] == rank_mesh(layout, EXPERT_AXES).tolist(), name
         assert got[wo] == torch.arange(WORLD).reshape(layout.dp_replicate, layout.dense_shard).tolist(), name
     assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["edp_shard"] == [0, 1]
     assert per_rank[0]["hsdp_cp2_ep4_edp_shard_inner"]["groups"]["ep"] == [0, 2, 4, 6]

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
+from models.splits import PER_EXPERT, PER_EXPERT_GATED, WHOLE, per_head_cols, per_head_rows
 from multirank import run_ranks
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
@@ -38,9 +38,11 @@ DENSE = {"wq": ((48, 16), per_head_rows(6)), "wo": ((16, 48), per_head_cols(6)),
 
 
 def expert_params(n_experts, block=(12, 16)):
-    """w1 [E, r, c] and w2 [E, c, r] (default 12 x 16): one shape group with w2 transposed."""
+    """w1 [E, r, c], w2 [E, c, r] (default 12 x 16) and a fused w13 [E, 2r, c] cut into two blocks per
+    expert (its w1 and w3): one shape group with w2 transposed."""
     r, c = block
-    return {"w1": ((n_experts, r, c), PER_EXPERT), "w2": ((n_experts, c, r), PER_EXPERT)}
+    return {"w1": ((n_experts, r, c), PER_EXPERT), "w2": ((n_experts, c, r), PER_EXPERT),
+            "w13": ((n_experts, 2 * r, c), PER_EXPERT_GATED)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,9 @@ CASES = [
     Case("expert edp_replicate=2 x edp_shard=2 x ep=2, mixed split", (2, 2, 2), n_experts=6, bucket_mb=0.0004,
          split=frozenset({"w1"})),
     Case("expert 2 local experts < edp_shard=4: Shard(1)", (1, 4, 2), n_experts=4, expert_dim=1),
+    # w13 [4, 10, 16] in torch.chunk rows of 3: rank 1's rows [3, 6) hold the end of w1 and the start of w3
+    Case("expert Shard(1), a shard across w13's w1/w3 boundary", (1, 4, 2), n_experts=4, expert_dim=1,
+         expert_block=(5, 16)),
     Case("dense dp_replicate=2 x dp_shard=4, bf16 Newton-Schulz", (2, 4), ns_dtype="bfloat16"),
     Case("expert edp_shard=2 x ep=4, bf16 Newton-Schulz", (1, 2, 4), n_experts=6, ns_dtype="bfloat16"),
     # Gram NS (the reference runs the same method): gate 3 x 16 and wkv heads 4 x 12 take the Gram
@@ -219,6 +224,7 @@ class Experts(nn.Module):
     def __init__(self, n):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(n, 12, 16))
+        self.w13 = nn.Parameter(torch.zeros(n, 24, 16))  # fused w1/w3: two [12, 16] blocks per expert
 
 
 class Toy(nn.Module):
@@ -230,7 +236,8 @@ class Toy(nn.Module):
         self.norm = nn.Parameter(torch.ones(16))  # AdamW
 
     def splits(self):
-        return {"wq.weight": per_head_rows(6), "wo.weight": per_head_cols(6), "experts.w1": PER_EXPERT}
+        return {"wq.weight": per_head_rows(6), "wo.weight": per_head_cols(6), "experts.w1": PER_EXPERT,
+                "experts.w13": PER_EXPERT_GATED}
 
 
 def toy_full(name, shape, salt):
@@ -244,10 +251,16 @@ def _fsdp_toy(rank, world, expert_mesh_shape, n_experts):
     model = Toy(n_experts)
     full = {n: toy_full(n, p.shape, "init") for n, p in model.named_parameters()}
     model.load_state_dict(full)
-    model.experts.w1 = nn.Parameter(distribute_tensor(model.experts.w1.data, expert["ep"], [Shard(0)]))
+    ep_shard_experts(model, expert["ep"])
     fully_shard(model.experts, mesh=expert["edp_replicate", "edp_shard"])
     fully_shard(model, mesh=dense)
     return model, full
+
+
+def ep_shard_experts(model, ep_mesh):
+    """The toy's expert weights as DTensors Shard(0) on `ep_mesh`, as parallel/expert_parallel.py does."""
+    for name, weight in list(model.experts.named_parameters()):
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)])))
 
 
 def set_toy_grads(model, step):
