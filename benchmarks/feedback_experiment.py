@@ -11,8 +11,8 @@ experiment on the tool-use environment (examples/tool_env.py), on CPU.
    episodes per step and number of steps. Every step: the current policy plays `episodes` fresh
    episodes (tasks and sampling streams drawn from (seed, step)), they are scored (reward = task
    success, advantage = reward minus the batch mean), turned into rollout records with their behaviour
-   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain.py, live
-   teacher) is taken on them:
+   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain.py; the
+   teacher is the base policy with the hint, `--teacher live` uses the current weights) is taken on them:
      reward_only    rl_coef 1, feedback_coef 0   L_rl with the trajectory advantage
      feedback       rl_coef 1, feedback_coef 1   L_rl + L_feedback on the flagged turns
      feedback_only  rl_coef 0, feedback_coef 1   L_feedback
@@ -71,7 +71,7 @@ class ExperimentConfig:
     eval_episodes: int = 64
     optimizer: str = "muon"  # optim.name of the post-training steps: "muon" or "adamw"
     lr: float = 0.002  # constant (Muon's, and AdamW's for the rest under muon)
-    teacher: str = "live"  # posttrain.teacher: "live" (current weights with the hint) or "initial" (the base's)
+    teacher: str = "initial"  # posttrain.teacher: "initial" (the base's weights with the hint) or "live" (current)
     feedback_norm: str = "targets"  # posttrain.feedback_norm: L_feedback / target tokens, or / assistant tokens
     temperature: float = 1.0
     arms: tuple[str, ...] = tuple(ARMS)
@@ -90,7 +90,7 @@ class ExperimentConfig:
             raise ValueError(f"steps={self.steps} must be >= 0 and lr={self.lr} > 0")
 
 
-QUICK = dict(transcripts=12000, pretrain_steps=600, seeds=2, steps=8, episodes=24, eval_every=4, eval_episodes=48)
+QUICK = dict(seeds=2, steps=8, episodes=24, eval_every=4, eval_episodes=48)  # the same base policy (shared cache)
 MINIATURE = dict(transcripts=300, pretrain_steps=4, seeds=1, steps=1, episodes=2, eval_every=1, eval_episodes=2)
 MODEL = ["--model.preset=debug", "--model.max_seq_len=512"]  # an episode plus its hint fits in 512 positions
 
