@@ -172,7 +172,7 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
     if split is not None:
         chosen = [r and p.spec.name in split for p, r in zip(layouts, replicated)]
         kind = "mixed" if chosen not in (none, replicated) else any(chosen)
-        return _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+        return _bucketed(_plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen))
     mixed = _split_pays(layouts, byte_flops)
     candidates = {"off": [(False, none)], "on": [(True, replicated)], "auto": [(False, none)]}
     if options.replica_split == "auto" and any(replicated):  # after "off": "on", then mixed if it differs
@@ -182,16 +182,21 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
         plan = _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
         if best is None or _cheaper(plan.stats, best.stats):
             best = plan
-    return best
+    return _bucketed(best)
 
 
 def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
-    """The plan with parameter i split across replicas where split[i] (`kind`: Plan.replica_split)."""
+    """The plan (owners and stats, no buckets yet) with parameter i split across replicas where
+    split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
     inst = assign(params, world_size, byte_flops, options.prefer_holders)
     plan = Plan(options, world_size, params, shape_groups, kind, inst)
+    plan.stats = plan_stats(plan)  # independent of the instances' order: integer byte and FLOP sums
+    return plan
+
+
+def _bucketed(plan: Plan) -> Plan:
     plan.num_buckets = _buckets(plan)
-    plan.stats = plan_stats(plan)
     return plan
 
 
@@ -280,11 +285,17 @@ def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
 
 
 def _buckets(plan: Plan) -> int:
-    """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order."""
+    """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order
+    (bucket, shape group, parameter, block, replica).
+
+    `assign` lists instances in (parameter, block, replica) order, so both orders the step needs are
+    stable sorts of the (shape group, parameter)-ordered instances by one small key (the owner, then
+    the bucket): radix sorts when the key fits 16 bits."""
     inst, params = plan.inst, plan.params
-    nbytes = np.array([p.nbytes for p in params])[inst["param"]]
-    sg = np.array([p.shape_group for p in params])[inst["param"]]
-    order = _lexsort(inst["owner"], sg, inst["param"], inst["block"], inst["replica"])
+    sg_of = np.array([p.shape_group for p in params], dtype=np.int64)
+    by_sg = _by_shape_group(inst["param"], sg_of)
+    order = by_sg[_stable_argsort(inst["owner"][by_sg])]
+    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[inst["param"]]
     owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
     cum = np.cumsum(bytes_sorted)
     first = np.searchsorted(owner_sorted, owner_sorted)  # first row of each owner's run
@@ -292,19 +303,22 @@ def _buckets(plan: Plan) -> int:
     bucket = np.empty(len(order), dtype=np.int64)
     bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
     inst["bucket"] = bucket
-    canon = _lexsort(bucket, sg, inst["param"], inst["block"], inst["replica"])
+    canon = by_sg[_stable_argsort(bucket[by_sg])]
     for k in list(inst):
         inst[k] = inst[k][canon]
     return int(bucket.max()) + 1 if len(bucket) else 0
 
 
-def _lexsort(*keys) -> np.ndarray:
-    """`np.lexsort(keys[::-1])` (first key most significant) for non-negative int keys, as one stable
-    sort of a mixed-radix int64 key (5x faster on a million instances)."""
-    radix = [int(k.max()) + 1 if len(k) else 1 for k in keys]
-    if np.prod(np.array(radix, dtype=np.float64)) >= 2.0**62:
-        return np.lexsort(keys[::-1])
-    combined = np.zeros(len(keys[0]), dtype=np.int64)
-    for k, n in zip(keys, radix):
-        combined = combined * n + k
-    return np.argsort(combined, kind="stable")
+def _by_shape_group(param: np.ndarray, sg_of: np.ndarray) -> np.ndarray:
+    """Instance indices ordered by (shape group, parameter), keeping their order inside a parameter;
+    `param` is sorted (assign's order)."""
+    bounds = np.searchsorted(param, np.arange(len(sg_of) + 1))
+    ranges = [np.arange(bounds[pi], bounds[pi + 1]) for pi in np.argsort(sg_of, kind="stable")]
+    return np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+
+
+def _stable_argsort(key: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative ints; numpy radix-sorts 16-bit keys (7x faster on millions)."""
+    if len(key) and int(key.max()) < 2**16:
+        key = key.astype(np.uint16)
+    return np.argsort(key, kind="stable")

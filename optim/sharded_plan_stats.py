@@ -52,24 +52,18 @@ def plan_stats(plan) -> PlanStats:
     flops = np.bincount(inst["owner"], weights=inst["flops"], minlength=world)
     blocks = np.bincount(inst["owner"], minlength=world)
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
-    communicated, gathered = set(), {}
+    communicated, gathered, cache = set(), {}, {}
     for pi, idx in enumerate(instances_by_param(plan)):
         p = plan.params[pi]
-        rows = param_pieces(plan, pi, idx)
-        nbytes = rows["numel"] * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
-        moving = rows["holder"] != rows["owner"]
-        _count_both_ways(traffic, rows["holder"][moving], rows["owner"][moving], nbytes[moving], opt.ranks_per_node,
-                         world)
-        if moving.any():
+        computed, moving = _all_to_all_traffic(traffic, plan, p, idx, opt.ranks_per_node, cache)
+        if moving:
             communicated.add(p.shape_group)
         if p.split and p.groups.shape[0] > 1 and len(idx):
-            R, S = p.groups.shape
-            at = plan.inst["replica"][rows["inst"]] * S + rows["shard"]
-            entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(R * S)])
-            entry[1] += np.bincount(at, weights=nbytes, minlength=R * S)
+            entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(p.groups.shape)])
+            entry[1] += computed
             communicated.add(p.shape_group)
     for groups, computed in gathered.values():
-        _replica_gather(traffic, groups, computed.reshape(groups.shape), opt.ranks_per_node, world)
+        _replica_gather(traffic, groups, computed, opt.ranks_per_node, world)
     comm_free = [g for g in range(len(plan.shape_groups)) if g not in communicated]
     mean = flops.mean() if world else 0.0
     parts = (
@@ -85,14 +79,91 @@ def plan_stats(plan) -> PlanStats:
     )
 
 
-def _count_both_ways(traffic, holder, owner, nbytes, ranks_per_node, world):
-    """Forward (holder -> owner) and return (owner -> holder): each rank sends what it receives."""
-    inter = ((holder // ranks_per_node) != (owner // ranks_per_node)).astype(np.int64)
-    both = (np.bincount(holder * 2 + inter, weights=nbytes, minlength=2 * world)
-            + np.bincount(owner * 2 + inter, weights=nbytes, minlength=2 * world)).reshape(world, 2)
-    for i, kind in enumerate(("intra", "inter")):
-        traffic[f"sent_{kind}"] += both[:, i]
-        traffic[f"recv_{kind}"] += both[:, i]
+def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[np.ndarray, bool]:
+    """Add the forward and return all-to-all bytes of parameter p's instances `idx` to `traffic`
+    (each rank sends what it receives). Returns (bytes held at each [replica, shard position] of the
+    blocks that replica computes, whether any piece moves).
+
+    Per instance, not per piece: with the owner at position `pos` of its replica's row, the owner
+    receives every piece but its own (from its node: the pieces at positions of its node), and the
+    holder at (r, s) sends all it holds of replica r's instances except where it owns the block; of
+    that, it sends inside its node what goes to owners on its node, found from the few pieces of
+    each block on its owner's node (none to look up when a row is one node or one node per position).
+    """
+    R, S = p.groups.shape
+    H, part = _template(cache, p, ranks_per_node)
+    eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
+    b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
+    pos = part["pos_of"][owner]
+    own = H[b, pos]
+    total = H.sum(axis=1)[b]
+    flat = r * S + pos
+    own_rs = np.bincount(flat, weights=own, minlength=R * S)
+    computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H  # [R, S] elements
+    held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
+    same, same_rs = np.zeros(len(idx)), np.zeros(R * S)  # same-node elements: per owner, per holder
+    for k, pattern in enumerate(part["patterns"]):
+        mine = np.nonzero(part["pattern_of_row"][r] == k)[0] if len(part["patterns"]) > 1 else slice(None)
+        cls = pattern[pos[mine]]
+        same[mine] = part["H_cls"][k][b[mine], cls]
+        if part["one_node"]:
+            same_rs = computed.ravel()
+        elif not part["own_node_only"]:
+            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, R * S)
+    held_intra = held if part["one_node"] else (np.zeros(R * S) if part["own_node_only"] else same_rs - own_rs)
+    world = len(traffic["sent_intra"])
+    ranks = p.groups.ravel()
+    sums = {"intra": (np.bincount(owner, weights=same - own, minlength=world),
+                      np.bincount(ranks, weights=held_intra, minlength=world)),
+            "inter": (np.bincount(owner, weights=total - same, minlength=world),
+                      np.bincount(ranks, weights=held - held_intra, minlength=world))}
+    for kind, (as_owner, as_holder) in sums.items():
+        both = (as_owner + as_holder) * eb
+        traffic[f"sent_{kind}"] += both
+        traffic[f"recv_{kind}"] += both
+    return computed * eb, bool((total > own).any())
+
+
+def _template(cache, p, ranks_per_node):
+    """H [n_blocks, S] (elements of each block at each shard position) and the rows' node
+    partitions (`patterns`: class of each position, its node's rank among the row's nodes; per
+    pattern the elements of each block per class, and the block's pieces ordered by class), cached
+    per piece template and group array."""
+    key = (id(p.pieces), id(p.groups))
+    if key not in cache:
+        R, S = p.groups.shape
+        n = len(p.block_boxes)
+        block_of = np.repeat(np.arange(n), np.diff(p.pieces.start))
+        H = np.zeros((n, S))
+        H[block_of, p.pieces.shard] = p.pieces.numel
+        node = p.groups // ranks_per_node
+        cls = np.stack([np.unique(row, return_inverse=True)[1].ravel() for row in node])
+        patterns, pattern_of_row = np.unique(cls, axis=0, return_inverse=True)
+        part = dict(patterns=list(patterns), pattern_of_row=pattern_of_row.ravel(),
+                    one_node=bool((cls == 0).all()), own_node_only=bool((patterns.max(axis=1) == S - 1).all()),
+                    pos_of=np.full(int(p.groups.max()) + 1, -1, dtype=np.int64), H_cls=[], csr=[])
+        part["pos_of"][p.groups.ravel()] = np.tile(np.arange(S), R)
+        for pattern in patterns:
+            C = int(pattern.max()) + 1
+            part["H_cls"].append(np.stack([np.bincount(pattern, weights=h, minlength=C) for h in H]) if n
+                                 else np.zeros((0, C)))
+            key_of = block_of * C + pattern[p.pieces.shard]
+            order = np.argsort(key_of, kind="stable")
+            part["csr"].append((C, order, np.searchsorted(key_of[order], np.arange(n * C + 1))))
+        cache[key] = H, part
+    return cache[key]
+
+
+def _same_node_pieces(csr, p, b, r, cls, size) -> np.ndarray:
+    """Per (replica, shard position): elements held there of the instances (b, r) whose owner is on
+    the holder's node (owner's class `cls`), the owner's own piece included."""
+    C, order, start = csr
+    lo, hi = start[b * C + cls], start[b * C + cls + 1]
+    count = hi - lo
+    rows = np.repeat(np.arange(len(b)), count)
+    piece = order[np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())]
+    S = p.groups.shape[1]
+    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece], minlength=size)
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):
