@@ -172,24 +172,24 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
     if split is not None:
         chosen = [r and p.spec.name in split for p, r in zip(layouts, replicated)]
         kind = "mixed" if chosen not in (none, replicated) else any(chosen)
-        return _bucketed(_plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen))
+        return _bucketed(_plan(layouts, shape_groups, world_size, options, kind, chosen))
     mixed = _split_pays(layouts, byte_flops)
     candidates = {"off": [(False, none)], "on": [(True, replicated)], "auto": [(False, none)]}
     if options.replica_split == "auto" and any(replicated):  # after "off": "on", then mixed if it differs
         candidates["auto"] += [(True, replicated)] + ([("mixed", mixed)] if mixed not in (none, replicated) else [])
     best = None
     for kind, chosen in candidates[options.replica_split]:
-        plan = _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+        plan = _plan(layouts, shape_groups, world_size, options, kind, chosen)
         if best is None or _cheaper(plan.stats, best.stats):
             best = plan
     return _bucketed(best)
 
 
-def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
+def _plan(layouts, shape_groups, world_size, options, kind, split) -> Plan:
     """The plan (owners and stats, no buckets yet) with parameter i split across replicas where
     split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
-    inst = assign(params, world_size, byte_flops, options.prefer_holders)
+    inst = assign(params, world_size, options.prefer_holders)
     plan = Plan(options, world_size, params, shape_groups, kind, inst)
     plan.stats = plan_stats(plan)  # independent of the instances' order: integer byte and FLOP sums
     return plan
@@ -201,15 +201,11 @@ def _bucketed(plan: Plan) -> Plan:
 
 
 def _split_pays(params, byte_flops) -> list[bool]:
-    """Per parameter, the "auto" rule for a mixed plan: split across replicas when a holder's
-    all-gather sends of its largest piece, (R - 1) x piece bytes, take less time than the NS of one
-    block, which splitting saves in each other replica (both in FLOP-equivalents, `byte_flops`)."""
-    out = []
-    for p, bf in zip(params, byte_flops):
-        R = p.groups.shape[0]
-        piece_bytes = int(p.pieces.numel.max(initial=0)) * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
-        out.append(R > 1 and (R - 1) * piece_bytes * bf < p.flops)
-    return out
+    """Per parameter, the "auto" rule for a mixed plan: split across replicas when the NS of a block
+    takes longer than its all-gather's bytes (both in FLOP-equivalents, `byte_flops`). Per block,
+    splitting saves R - 1 of its R computations, and the ring all-gather makes R - 1 of the R
+    members of each replica group receive their piece of the result: (R - 1) x block bytes in all."""
+    return [p.groups.shape[0] > 1 and p.flops > p.nbytes * bf for p, bf in zip(params, byte_flops)]
 
 
 def _cheaper(a: PlanStats, b: PlanStats) -> bool:
@@ -297,9 +293,9 @@ def _buckets(plan: Plan) -> int:
     order = by_sg[_stable_argsort(inst["owner"][by_sg])]
     nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[inst["param"]]
     owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
-    cum = np.cumsum(bytes_sorted)
-    first = np.searchsorted(owner_sorted, owner_sorted)  # first row of each owner's run
-    offset = cum - bytes_sorted - (cum[first] - bytes_sorted[first])
+    before = np.cumsum(bytes_sorted) - bytes_sorted  # bytes of the rows before each row
+    runs = np.flatnonzero(np.r_[True, owner_sorted[1:] != owner_sorted[:-1]]) if len(order) else order
+    offset = before - np.repeat(before[runs], np.diff(np.r_[runs, len(order)]))  # from its owner's first row
     bucket = np.empty(len(order), dtype=np.int64)
     bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
     inst["bucket"] = bucket

@@ -1,6 +1,5 @@
 """Owner assignment of the sharded Muon plan (optim/plan.py, step 3): which rank orthogonalizes each
-block instance, balancing estimated NS FLOPs (with replica split: and all-gather sends) greedily over
-all ranks. Pure numpy, no process group.
+block instance, balancing estimated NS FLOPs greedily over all ranks. Pure numpy, no process group.
 `assign` is the entry point; the heaps are fast paths that pick exactly what `_place_block` would.
 """
 
@@ -9,13 +8,12 @@ import heapq
 import numpy as np
 
 
-def assign(params, world_size, byte_flops=None, prefer_holders=False):
+def assign(params, world_size, prefer_holders=False):
     """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
     orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
-    1% over the mean). Each parameter's `split` says whether its blocks are split across replicas.
-
-    `byte_flops` (read for split parameters): per parameter, the NS FLOPs that cost as much time as
-    one byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
+    1% over the mean). Each parameter's `split` says whether its blocks are split across replicas:
+    then a block has one instance, whose candidates are every replica's ranks (its all-gather costs
+    each rank of a replica group its share whichever replica computes it, so FLOPs alone decide).
 
     `prefer_holders`: a block held in pieces by one replica group goes to its least loaded holder
     while that one stays under the mean load (rule 3a for whole blocks, extended to pieces): its
@@ -33,8 +31,7 @@ def assign(params, world_size, byte_flops=None, prefer_holders=False):
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, byte_flops,
-                                        prefer_holders)
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
@@ -50,9 +47,8 @@ def assign(params, world_size, byte_flops=None, prefer_holders=False):
     return inst
 
 
-def _greedy(params, items, world_size, cap, reps, byte_flops, prefer_holders=False):
+def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     loads = np.zeros(world_size)
-    sends = np.zeros(world_size)  # replica split: all-gather sends so far, in FLOP-equivalents
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
@@ -74,20 +70,23 @@ def _greedy(params, items, world_size, cap, reps, byte_flops, prefer_holders=Fal
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         masks, pattern, share = shares[t]
+        if p.split:  # fast paths over every replica's ranks as one row
+            pos = _split_owner(heaps, share_heaps, p, whole, masks, pattern[b], share[b], loads, cap)
+            if pos is not None:
+                owner[pi][b, 0], replica[pi][b, 0] = p.groups.flat[pos], pos // p.groups.shape[1]
+                continue
         if prefer_holders and whole < 0 and p.groups.shape[0] == 1:
             own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[t][b], loads, cap)
             if own is not None:
                 owner[pi][b, 0] = own
                 continue
         if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
-            own = _least_loaded_equal(share_heaps, p, masks, pattern[b], share[b], loads)
-            if own is not None:
-                owner[pi][b, 0] = own
+            pos = _least_loaded_equal(share_heaps, p.groups[0], id(p.groups), p.flops, masks, pattern[b], share[b],
+                                      loads)
+            if pos is not None:
+                owner[pi][b, 0] = p.groups[0, pos]
                 continue
-        if p.split and p.groups.shape[0] > 1 and byte_flops is not None:
-            own, rep = _place_split_block(p, b, loads, sends, cap, held[t][b], byte_flops[pi])
-        else:
-            own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
+        own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, owner, replica
@@ -121,10 +120,29 @@ def _equal_shares(held):
     return masks, np.where(equal, pattern.ravel(), -1).tolist(), share.tolist()
 
 
-def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
-    """`_place_block` for a block of a one-replica group whose holders (mask k) hold equal shares,
-    via lazy heaps over the whole row and over the holders; adds the block's FLOPs to the chosen
-    rank's load.
+def _split_owner(heaps, share_heaps, p, whole, masks, k, share, loads, cap) -> int | None:
+    """`_place_block` for a block split across replicas, as a position in `p.groups.flat`, via lazy
+    heaps (None: the caller falls back): a block held whole goes to the least loaded holder over the
+    replicas (first replica on ties) while under `cap`; otherwise, and for a block whose holders hold
+    equal shares, `_least_loaded_equal` over every replica's ranks. Adds the block's FLOPs."""
+    ranks = p.groups.ravel()
+    if whole >= 0:
+        column = np.zeros(len(ranks), dtype=bool)
+        column[whole :: p.groups.shape[1]] = True
+        top = _heap_top(heaps, (id(p.groups), "column", whole), ranks, column, loads)
+        if top[0] + p.flops <= cap:
+            loads[ranks[top[1]]] += p.flops
+            return top[1]
+    if k < 0:
+        return None
+    return _least_loaded_equal(share_heaps, ranks, (id(p.groups), "all"), p.flops, masks, k, share, loads)
+
+
+def _least_loaded_equal(heaps, ranks, key, flops, masks, k, share, loads) -> int | None:
+    """`_place_block` for a block whose candidates are the one row `ranks` (a one-replica group, or
+    every replica's ranks of a split block) and whose holders (mask k) hold equal shares, via lazy
+    heaps over the row and over the holders (keyed by `key`): the chosen position in `ranks`, whose
+    load gets the block's FLOPs.
 
     `_place_block` picks argmin(load - 1e-9 * flops * held), first position on ties. Loads are
     integers (sums of integer FLOPs); below 2**51 they stay distinct after the equal term is taken
@@ -132,22 +150,22 @@ def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
     the others, whose term is 0: the row's minimum when that is not a holder (else a holder wins).
     The two are compared with `_place_block`'s own arithmetic. None (caller falls back) above 2**51.
     """
-    ranks, (mask, mask_key) = p.groups[0], masks[k]
-    row_key, holder_key = (id(p.groups), b"row"), (id(p.groups), mask_key)
+    mask, mask_key = masks[k]
+    row_key, holder_key = (key, b"row"), (key, mask_key)
     low = _heap_top(heaps, row_key, ranks, None, loads)
     best = _heap_top(heaps, holder_key, ranks, mask, loads) if share > 0 and not mask[low[1]] else None
     if low[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
         return None
     pos = low[1]
     if best is not None:
-        pos = min((best[0] - 1e-9 * p.flops * share, best[1]), (low[0] - 1e-9 * p.flops * 0.0, low[1]))[1]
+        pos = min((best[0] - 1e-9 * flops * share, best[1]), (low[0] - 1e-9 * flops * 0.0, low[1]))[1]
     own = int(ranks[pos])
-    loads[own] += p.flops
+    loads[own] += flops
     for key in (row_key, holder_key):  # refresh the chosen rank where it is on top; elsewhere lazily
         heap = heaps.get(key)
         if heap and heap[0][1] == pos:
             heapq.heapreplace(heap, (loads[own], pos))
-    return own
+    return pos
 
 
 def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
@@ -223,25 +241,3 @@ def _place_block(p, b, loads, cap, split, held):
         holder = (whole + np.argmin(load[:, whole::S], axis=1) * S) if split else np.full(R, whole)
         pick = np.where(load[rows, holder] + p.flops <= cap, holder, pick)
     return cands[rows, pick], (pick // S if split else rows)
-
-
-def _place_split_block(p, b, loads, sends, cap, held, byte_flops):
-    """Replica split: the (replica, owner) of block b that minimizes the largest time of the ranks it
-    touches: the owner's NS FLOPs plus its sends, and each holder in the chosen replica, who sends
-    its piece of the result to the R - 1 other replicas (sends as FLOP-equivalents, `byte_flops`
-    per byte). A block held whole stays on its least costly holder while that one's FLOPs stay
-    under `cap`; ties go to the rank holding the largest piece. Adds the sends to `sends`."""
-    R, S = p.groups.shape
-    frac = held[:S]  # the same fraction at each shard position in every replica
-    add = frac * p.nbytes * (R - 1) * byte_flops  # [S] sends of each holder of the computing replica
-    busy = loads[p.groups] + sends[p.groups] + add  # [R, S] after the block's all-gather
-    holders = np.where(frac > 0, busy, 0.0).max(axis=1, keepdims=True)  # [R, 1]
-    score = np.maximum(busy + p.flops, holders) - 1e-9 * p.flops * frac
-    whole = p.pieces.whole_on[b]
-    rep, pos = np.unravel_index(np.argmin(score), score.shape)
-    if whole >= 0:
-        r = int(np.argmin(score[:, whole]))
-        if loads[p.groups[r, whole]] + p.flops <= cap:
-            rep, pos = r, whole
-    sends[p.groups[rep]] += add
-    return np.array([p.groups[rep, pos]]), np.array([rep])

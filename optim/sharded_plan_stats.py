@@ -4,8 +4,8 @@ of the module docstring of `optim/plan.py`, summed and overlapped. Pure numpy ov
 
 Traffic counted per step, both directions: a piece whose holder is not its block's owner crosses
 once to the owner (forward all-to-all) and once back (return all-to-all); for a parameter split across
-replicas (`ParamLayout.split`), every piece of a result also goes from its holder to the same shard
-position in each other replica.
+replicas (`ParamLayout.split`), every piece of a result also reaches the same shard position in each
+other replica, by a balancing all-to-all and a ring all-gather over the replica group (`_replica_gather`).
 """
 
 from dataclasses import dataclass
@@ -96,10 +96,12 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
     b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
     pos = part["pos_of"][owner]
     own = H[b, pos]
-    total = H.sum(axis=1)[b]
-    flat = r * S + pos
-    own_rs = np.bincount(flat, weights=own, minlength=R * S)
-    computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H  # [R, S] elements
+    total = part["block_total"][b]
+    own_rs = np.bincount(r * S + pos, weights=own, minlength=R * S)
+    if p.split:  # [R, S] elements held of the blocks each replica computes
+        computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H
+    else:  # every replica computes every block
+        computed = np.broadcast_to(part["held_total"], (R, S))
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
     same, same_rs = np.zeros(len(idx)), np.zeros(R * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):
@@ -143,6 +145,7 @@ def _template(cache, p, ranks_per_node):
                     one_node=bool((cls == 0).all()), own_node_only=bool((patterns.max(axis=1) == S - 1).all()),
                     pos_of=np.full(int(p.groups.max()) + 1, -1, dtype=np.int64), H_cls=[], csr=[])
         part["pos_of"][p.groups.ravel()] = np.tile(np.arange(S), R)
+        part["block_total"], part["held_total"] = H.sum(axis=1), H.sum(axis=0)
         for pattern in patterns:
             C = int(pattern.max()) + 1
             part["H_cls"].append(np.stack([np.bincount(pattern, weights=h, minlength=C) for h in H]) if n
@@ -167,23 +170,36 @@ def _same_node_pieces(csr, p, b, r, cls, size) -> np.ndarray:
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):
-    """Traffic of the all-gather over the replica axis: every piece of a result goes from its holder
-    groups[r, s] to the same shard position s of each other replica. `computed` [R, S]: bytes of the
-    pieces held at (replica r, shard position s) of the blocks replica r computed. Counted per
-    (replica, shard position), not per piece: byte counts are integers, so the sums are exact."""
+    """Traffic of the all-gather over the replica axis as the pipeline runs it (sharded_pipeline.py),
+    counted on the step's totals (the runtime does this per bucket). Per shard position s, the R
+    members of the replica group groups[:, s], in rank order, hold segments of computed results
+    (`computed` [R, S] bytes) laid end to end, T bytes in all: an all-to-all moves them into R
+    equal chunks of T / R (a member keeps the part of its segment that falls in its own chunk), then
+    an all-gather of the chunks runs as a ring, each member sending (R - 1) T / R to the next one
+    (inside the node when the next one shares it) and receiving as much from the previous one."""
     R, S = groups.shape
-    node = groups // ranks_per_node
-    key = (node * S + np.arange(S)).ravel()  # (node, shard position): the ranks one node holds of column s
-    _, key = np.unique(key, return_inverse=True)
-    same_node = np.bincount(key)[key].reshape(R, S)  # replicas whose rank at s shares my node (me included)
-    node_bytes = np.bincount(key, weights=computed.ravel())[key].reshape(R, S)
-    column = computed.sum(axis=0, keepdims=True)
+    order = np.argsort(groups, axis=0, kind="stable")
+    ranks = np.take_along_axis(groups, order, axis=0).T  # [S, R] members of each replica group, in rank order
+    c = np.take_along_axis(computed, order, axis=0).T  # [S, R] bytes of each member's segment
+    chunk = c.sum(axis=1, keepdims=True) / R  # [S, 1]
+    start = np.cumsum(c, axis=1) - c
+    j = np.arange(R)
+    lo = np.maximum(start[:, :, None], j * chunk[:, :, None])
+    hi = np.minimum((start + c)[:, :, None], (j + 1) * chunk[:, :, None])
+    move = np.maximum(hi - lo, 0.0)  # [S, m, j] bytes of m's segment in j's chunk
+    move[:, j, j] = 0.0
+    node = ranks // ranks_per_node
+    same = node[:, :, None] == node[:, None, :]
+    ring = np.broadcast_to((R - 1) * chunk, (S, R))
+    to_next = node == np.roll(node, -1, axis=1)  # [S, R] member m's ring link to m + 1 stays in the node
     parts = {
-        "sent_intra": computed * (same_node - 1), "sent_inter": computed * (R - same_node),
-        "recv_intra": node_bytes - computed, "recv_inter": column - node_bytes,
+        "sent_intra": (move * same).sum(axis=2) + np.where(to_next, ring, 0.0),
+        "sent_inter": (move * ~same).sum(axis=2) + np.where(to_next, 0.0, ring),
+        "recv_intra": (move * same).sum(axis=1) + np.where(np.roll(to_next, 1, axis=1), ring, 0.0),
+        "recv_inter": (move * ~same).sum(axis=1) + np.where(np.roll(to_next, 1, axis=1), 0.0, ring),
     }
     for k, v in parts.items():
-        traffic[k] += np.bincount(groups.ravel(), weights=v.ravel(), minlength=world)
+        traffic[k] += np.bincount(ranks.ravel(), weights=v.ravel(), minlength=world)
 
 
 def _split_word(plan) -> str:
