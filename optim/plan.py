@@ -177,21 +177,21 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
     candidates = {"off": [(False, none)], "on": [(True, replicated)], "auto": [(False, none)]}
     if options.replica_split == "auto" and any(replicated):  # after "off": "on", then mixed if it differs
         candidates["auto"] += [(True, replicated)] + ([("mixed", mixed)] if mixed not in (none, replicated) else [])
-    best = None
+    best, cache = None, {}  # the stats' per-template arrays, shared by the candidates
     for kind, chosen in candidates[options.replica_split]:
-        plan = _plan(layouts, shape_groups, world_size, options, kind, chosen)
+        plan = _plan(layouts, shape_groups, world_size, options, kind, chosen, cache)
         if best is None or _cheaper(plan.stats, best.stats):
             best = plan
     return _bucketed(best)
 
 
-def _plan(layouts, shape_groups, world_size, options, kind, split) -> Plan:
+def _plan(layouts, shape_groups, world_size, options, kind, split, cache=None) -> Plan:
     """The plan (owners and stats, no buckets yet) with parameter i split across replicas where
     split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
     inst = assign(params, world_size, options.prefer_holders)
     plan = Plan(options, world_size, params, shape_groups, kind, inst)
-    plan.stats = plan_stats(plan)  # independent of the instances' order: integer byte and FLOP sums
+    plan.stats = plan_stats(plan, cache)  # independent of the instances' order: integer byte and FLOP sums
     return plan
 
 

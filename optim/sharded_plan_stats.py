@@ -42,18 +42,29 @@ def param_pieces(plan, pi: int, idx: np.ndarray) -> dict[str, np.ndarray]:
 
 def instances_by_param(plan) -> list[np.ndarray]:
     """Instance indices of each parameter, in the plan's (canonical) order."""
-    by_param = np.argsort(plan.inst["param"], kind="stable")
-    bounds = np.searchsorted(plan.inst["param"][by_param], np.arange(len(plan.params) + 1))
-    return [by_param[bounds[pi] : bounds[pi + 1]] for pi in range(len(plan.params))]
+    return instances_by(plan.inst["param"], np.arange(len(plan.params)))
 
 
-def plan_stats(plan) -> PlanStats:
+def instances_by(param: np.ndarray, key_of_param: np.ndarray) -> list[np.ndarray]:
+    """Instance indices per key (0..max key) of their parameter, each in the instances' order."""
+    key = key_of_param[param]
+    n = int(key_of_param.max()) + 1 if len(key_of_param) else 0
+    if n < 2**16:  # numpy radix-sorts 16-bit keys
+        key = key.astype(np.uint16)
+    order = np.argsort(key, kind="stable")
+    bounds = np.searchsorted(key[order], np.arange(n + 1))
+    return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+
+def plan_stats(plan, cache: dict | None = None) -> PlanStats:
+    """`cache`: a dict kept across plans of the same parameter layouts (the piece templates' arrays)."""
     world, inst, opt = plan.world_size, plan.inst, plan.options
     flops = np.bincount(inst["owner"], weights=inst["flops"], minlength=world)
     blocks = np.bincount(inst["owner"], minlength=world)
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
-    communicated, gathered, cache = set(), {}, {}
-    for pi, idx in enumerate(instances_by_param(plan)):
+    communicated, gathered, cache = set(), {}, {} if cache is None else cache
+    batch_of, batches = _batches(plan.params)
+    for idx, pi in zip(instances_by(inst["param"], batch_of), batches):  # params sharing template, groups, dtype
         p = plan.params[pi]
         computed, moving = _all_to_all_traffic(traffic, plan, p, idx, opt.ranks_per_node, cache)
         if moving:
@@ -79,8 +90,20 @@ def plan_stats(plan) -> PlanStats:
     )
 
 
+def _batches(params) -> tuple[np.ndarray, list[int]]:
+    """(batch of each parameter, first parameter of each batch): parameters whose instances the
+    stats count together (same piece template, groups, split, NS dtype and shape group)."""
+    keys = {}
+    batch_of = np.array([keys.setdefault((id(p.pieces), id(p.groups), p.split, p.nbytes, p.shape_group), pi)
+                         for pi, p in enumerate(params)], dtype=np.int64)
+    firsts = sorted(set(batch_of.tolist()))
+    renumber = {f: i for i, f in enumerate(firsts)}
+    return np.array([renumber[f] for f in batch_of.tolist()], dtype=np.int64), firsts
+
+
 def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[np.ndarray, bool]:
-    """Add the forward and return all-to-all bytes of parameter p's instances `idx` to `traffic`
+    """Add the forward and return all-to-all bytes of instances `idx` of parameter p (or of
+    parameters with p's template, groups and dtype) to `traffic`
     (each rank sends what it receives). Returns (bytes held at each [replica, shard position] of the
     blocks that replica computes, whether any piece moves).
 
@@ -98,10 +121,8 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
     own = H[b, pos]
     total = part["block_total"][b]
     own_rs = np.bincount(r * S + pos, weights=own, minlength=R * S)
-    if p.split:  # [R, S] elements held of the blocks each replica computes
-        computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H
-    else:  # every replica computes every block
-        computed = np.broadcast_to(part["held_total"], (R, S))
+    computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H  # [R, S] held of the blocks
+    # each replica computes
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
     same, same_rs = np.zeros(len(idx)), np.zeros(R * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):
@@ -139,13 +160,17 @@ def _template(cache, p, ranks_per_node):
         H = np.zeros((n, S))
         H[block_of, p.pieces.shard] = p.pieces.numel
         node = p.groups // ranks_per_node
-        cls = np.stack([np.unique(row, return_inverse=True)[1].ravel() for row in node])
+        order = np.argsort(node, axis=1, kind="stable")
+        sorted_node = np.take_along_axis(node, order, axis=1)
+        new_node = np.concatenate([np.zeros((R, 1), bool), sorted_node[:, 1:] != sorted_node[:, :-1]], axis=1)
+        cls = np.empty_like(node)
+        np.put_along_axis(cls, order, np.cumsum(new_node, axis=1), axis=1)  # the node's rank in the row
         patterns, pattern_of_row = np.unique(cls, axis=0, return_inverse=True)
         part = dict(patterns=list(patterns), pattern_of_row=pattern_of_row.ravel(),
                     one_node=bool((cls == 0).all()), own_node_only=bool((patterns.max(axis=1) == S - 1).all()),
                     pos_of=np.full(int(p.groups.max()) + 1, -1, dtype=np.int64), H_cls=[], csr=[])
         part["pos_of"][p.groups.ravel()] = np.tile(np.arange(S), R)
-        part["block_total"], part["held_total"] = H.sum(axis=1), H.sum(axis=0)
+        part["block_total"] = H.sum(axis=1)
         for pattern in patterns:
             C = int(pattern.max()) + 1
             part["H_cls"].append(np.stack([np.bincount(pattern, weights=h, minlength=C) for h in H]) if n
