@@ -29,12 +29,13 @@ def assign(params, world_size, prefer_holders=False):
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
     width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
+    largest = max((p.flops for p, n in zip(params, n_blocks) if n), default=0)  # no rank can load less
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
         loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
-        if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
+        if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
             break
     _, owner, replica = best
     inst = {
@@ -52,8 +53,10 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
+    symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     for _, _, pi, b in items:
         p = params[pi]
+        last, symmetric = symmetric, None
         t = (id(p.pieces), p.split)
         if t not in held:
             held[t] = _held_fraction(p, p.split)
@@ -70,6 +73,11 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         masks, pattern, share = shares[t]
+        if not p.split and p.groups.shape[0] > 1 and (last is p.groups or _symmetric(p.groups, loads)):
+            pos = _place_in_row0(share_heaps, p, whole, masks, pattern[b], share[b], held[t][b], loads, cap)
+            loads[p.groups[1:, pos]] += p.flops  # every replica the same: rows stay equal
+            owner[pi][b], symmetric = p.groups[:, pos], p.groups
+            continue
         if p.split:  # fast paths over every replica's ranks as one row
             pos = _split_owner(heaps, share_heaps, p, whole, masks, pattern[b], share[b], loads, cap)
             if pos is not None:
@@ -90,6 +98,32 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, owner, replica
+
+
+def _symmetric(groups, loads) -> bool:
+    """Whether every replica row of `groups` [R, S] holds the same loads, position by position: then
+    `_place_block` picks the same position in every row (each row's argmin sees the same numbers),
+    so placing the block in row 0 places it everywhere (the rows of Kimi K2's dense parameters, 512
+    replicas at W = 4096, are equal while the greedy places them)."""
+    load = loads[groups]
+    return bool((load == load[:1]).all())
+
+
+def _place_in_row0(share_heaps, p, whole, masks, k, share, held, loads, cap) -> int:
+    """`_place_block`'s pick in row 0 of a block without replica split (a position of the row):
+    its holder while under `cap`, else the least loaded rank (ties: the largest piece), by the
+    holders' heaps when their shares are equal. Adds the block's FLOPs to that rank's load."""
+    row = p.groups[0]
+    if whole >= 0 and loads[row[whole]] + p.flops <= cap:
+        pos = whole
+    else:
+        pos = _least_loaded_equal(share_heaps, row, (id(p.groups), "row0"), p.flops, masks, k, share, loads) \
+            if k >= 0 else None
+        if pos is not None:
+            return pos
+        pos = int(np.argmin(loads[row] - 1e-9 * p.flops * held))
+    loads[row[pos]] += p.flops
+    return pos
 
 
 def _least_loaded(heaps, groups, loads, holder) -> int:

@@ -317,12 +317,14 @@ def narrow_debug_specs():
 
 @pytest.mark.parametrize("replica_split", ["off", "on", "auto"])
 def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split):
-    """The heaps (experts split on a matrix dim, blocks split across replicas) against the plain
-    argmin of `_place_block` they stand for, with the fast paths turned off."""
+    """The heaps (experts split on a matrix dim, blocks split across replicas) and the placement in
+    one replica row for all (replica rows with equal loads) against the plain argmin of
+    `_place_block` they stand for, with the fast paths turned off."""
     cases = [(awkward_specs(), 8, {}), (narrow_debug_specs(), 16, dict(ranks_per_node=4))]
     fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
     monkeypatch.setattr(plan_owners, "_split_owner", lambda *args: None)
     monkeypatch.setattr(plan_owners, "_least_loaded_equal", lambda *args: None)
+    monkeypatch.setattr(plan_owners, "_symmetric", lambda *args: False)
     plain = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
     assert fast == plain
 
