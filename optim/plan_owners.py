@@ -245,7 +245,7 @@ def _heap_top(heaps, key, ranks, member, loads):
 
 
 def _cat(arrays) -> np.ndarray:
-    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
+    return np.concatenate(arrays, dtype=np.int64) if arrays else np.zeros(0, dtype=np.int64)
 
 
 def _held_fraction(p, split):

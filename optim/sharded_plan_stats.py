@@ -118,13 +118,16 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
     eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
     b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
     pos = part["pos_of"][owner]
+    rows = R
+    if not p.split and R > 1 and len(part["patterns"]) == 1 and _replicas_alike(b, r, pos, R):
+        b, r, pos, rows = b[::R], np.zeros(len(idx) // R, dtype=np.int64), pos[::R], 1  # count replica 0
     own = H[b, pos]
     total = part["block_total"][b]
-    own_rs = np.bincount(r * S + pos, weights=own, minlength=R * S)
-    computed = np.bincount(r * len(H) + b, minlength=R * len(H)).reshape(R, len(H)) @ H  # [R, S] held of the blocks
-    # each replica computes
+    at = r * S + pos
+    own_rs = np.bincount(at, weights=own, minlength=rows * S)
+    computed = np.bincount(r * len(H) + b, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
-    same, same_rs = np.zeros(len(idx)), np.zeros(R * S)  # same-node elements: per owner, per holder
+    same, same_rs = np.zeros(len(b)), np.zeros(rows * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):
         mine = np.nonzero(part["pattern_of_row"][r] == k)[0] if len(part["patterns"]) > 1 else slice(None)
         cls = pattern[pos[mine]]
@@ -132,19 +135,29 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
         if part["one_node"]:
             same_rs = computed.ravel()
         elif not part["own_node_only"]:
-            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, R * S)
-    held_intra = held if part["one_node"] else (np.zeros(R * S) if part["own_node_only"] else same_rs - own_rs)
+            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, rows * S)
+    held_intra = held if part["one_node"] else (np.zeros(rows * S) if part["own_node_only"] else same_rs - own_rs)
+    per_position = {  # [rows * S]: as owner plus as holder
+        "intra": np.bincount(at, weights=same - own, minlength=rows * S) + held_intra,
+        "inter": np.bincount(at, weights=total - same, minlength=rows * S) + held - held_intra,
+    }
     world = len(traffic["sent_intra"])
-    ranks = p.groups.ravel()
-    sums = {"intra": (np.bincount(owner, weights=same - own, minlength=world),
-                      np.bincount(ranks, weights=held_intra, minlength=world)),
-            "inter": (np.bincount(owner, weights=total - same, minlength=world),
-                      np.bincount(ranks, weights=held - held_intra, minlength=world))}
-    for kind, (as_owner, as_holder) in sums.items():
-        both = (as_owner + as_holder) * eb
+    for kind, v in per_position.items():
+        both = np.bincount(p.groups.ravel(), weights=np.tile(v, R // rows), minlength=world) * eb
         traffic[f"sent_{kind}"] += both
         traffic[f"recv_{kind}"] += both
-    return computed * eb, bool((total > own).any())
+    return np.broadcast_to(computed, (R, S)) * eb, bool((total > own).any())
+
+
+def _replicas_alike(b, r, pos, R) -> bool:
+    """Whether instances (b, r, pos) list each block's R replicas in a row (assign's order) and
+    every replica puts it at the same position: then replica 0 counts for all (the node partition
+    of every row being the same)."""
+    if len(b) % R:
+        return False
+    grid = lambda a: a.reshape(-1, R)  # noqa: E731
+    return bool((grid(r) == np.arange(R)).all() and (grid(b) == grid(b)[:, :1]).all()
+                and (grid(pos) == grid(pos)[:, :1]).all())
 
 
 def _template(cache, p, ranks_per_node):
