@@ -54,6 +54,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
+    unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
     for _, _, pi, b in items:
         p = params[pi]
         last, symmetric = symmetric, None
@@ -73,7 +74,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         masks, pattern, share = shares[t]
-        if not p.split and p.groups.shape[0] > 1 and (last is p.groups or _symmetric(p.groups, loads)):
+        if not p.split and p.groups.shape[0] > 1 and (last is p.groups or _symmetric(p.groups, loads, unequal)):
             pos = _place_in_row0(share_heaps, p, whole, masks, pattern[b], share[b], held[t][b], loads, cap)
             loads[p.groups[1:, pos]] += p.flops  # every replica the same: rows stay equal
             owner[pi][b], symmetric = p.groups[:, pos], p.groups
@@ -100,13 +101,19 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     return loads, owner, replica
 
 
-def _symmetric(groups, loads) -> bool:
+def _symmetric(groups, loads, unequal) -> bool:
     """Whether every replica row of `groups` [R, S] holds the same loads, position by position: then
     `_place_block` picks the same position in every row (each row's argmin sees the same numbers),
     so placing the block in row 0 places it everywhere (the rows of Kimi K2's dense parameters, 512
-    replicas at W = 4096, are equal while the greedy places them)."""
+    replicas at W = 4096, are equal while the greedy places them). `unequal`: group arrays found
+    unequal before in this pass, not checked again (the caller's slow path picks the same)."""
+    if id(groups) in unequal:
+        return False
     load = loads[groups]
-    return bool((load == load[:1]).all())
+    if not (load == load[:1]).all():
+        unequal.add(id(groups))
+        return False
+    return True
 
 
 def _place_in_row0(share_heaps, p, whole, masks, k, share, held, loads, cap) -> int:
