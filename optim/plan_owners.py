@@ -197,15 +197,14 @@ def _least_loaded_equal(heaps, ranks, key, flops, masks, k, share, loads) -> int
     best = _heap_top(heaps, holder_key, ranks, mask, loads) if share > 0 and not mask[low[1]] else None
     if low[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
         return None
-    pos = low[1]
+    _, pos, own = low  # positions differ (best only when low is no holder): ranks never compared
     if best is not None:
-        pos = min((best[0] - 1e-9 * flops * share, best[1]), (low[0] - 1e-9 * flops * 0.0, low[1]))[1]
-    own = int(ranks[pos])
+        _, pos, own = min((best[0] - 1e-9 * flops * share, best[1], best[2]), (low[0] - 1e-9 * flops * 0.0, *low[1:]))
     loads[own] += flops
     for key in (row_key, holder_key):  # refresh the chosen rank where it is on top; elsewhere lazily
         heap = heaps.get(key)
         if heap and heap[0][1] == pos:
-            heapq.heapreplace(heap, (loads[own], pos))
+            heapq.heapreplace(heap, (loads[own], pos, own))
     return pos
 
 
@@ -233,22 +232,24 @@ def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
 
 
 def _heap_top(heaps, key, ranks, member, loads):
-    """(load, position) of the least loaded rank of ranks[member] (all when None; first position on
-    ties), or None when there is none.
+    """(load, position, rank) of the least loaded rank of ranks[member] (all when None; first
+    position on ties), or None when there is none.
 
     A lazy heap, one entry per rank: loads only grow, so an entry is never above its rank's load;
     a current top entry is the true minimum, a stale one is refreshed in place.
     """
     heap = heaps.get(key)
     if heap is None:
-        member = np.ones(len(ranks), dtype=bool) if member is None else member
-        heap = heaps[key] = [(loads[r], int(i)) for i, r in zip(np.nonzero(member)[0], ranks[member])]
+        where = np.arange(len(ranks)) if member is None else np.nonzero(member)[0]
+        heap = heaps[key] = [(loads[r], i, r) for i, r in zip(where.tolist(), ranks[where].tolist())]
         heapq.heapify(heap)
     if not heap:
         return None
-    while heap[0][0] != loads[ranks[heap[0][1]]]:
-        heapq.heapreplace(heap, (loads[ranks[heap[0][1]]], heap[0][1]))
-    return heap[0]
+    top = heap[0]
+    while top[0] != loads[top[2]]:
+        heapq.heapreplace(heap, (loads[top[2]], top[1], top[2]))
+        top = heap[0]
+    return top
 
 
 def _cat(arrays) -> np.ndarray:
