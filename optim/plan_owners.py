@@ -55,7 +55,10 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
-    for _, _, pi, b in items:
+    i = 0
+    while i < len(items):
+        _, _, pi, b = items[i]
+        i += 1
         p = params[pi]
         last, symmetric = symmetric, None
         t = (id(p.pieces), p.split)
@@ -88,6 +91,13 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
             own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[t][b], loads, cap)
             if own is not None:
                 owner[pi][b, 0] = own
+                continue
+        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0 and not prefer_holders:  # a run of experts
+            run = _equal_run(items, i, pi, b, pattern, share, whole_on[t])
+            pos = _water_fill(p.groups[0], loads, p.flops, masks[pattern[b]][0], share[b], 1 + len(run))
+            if pos is not None:
+                owner[pi][[b, *run], 0] = p.groups[0][pos]
+                i += len(run)
                 continue
         if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
             pos = _least_loaded_equal(share_heaps, p.groups[0], id(p.groups), p.flops, masks, pattern[b], share[b],
@@ -131,6 +141,46 @@ def _place_in_row0(share_heaps, p, whole, masks, k, share, held, loads, cap) -> 
         pos = int(np.argmin(loads[row] - 1e-9 * p.flops * held))
     loads[row[pos]] += p.flops
     return pos
+
+
+def _equal_run(items, i, pi, b, pattern, share, whole_on) -> list[int]:
+    """The blocks of items[i:] that follow block b of parameter pi in a run it can be placed with:
+    same parameter, held in pieces by the same ranks with the same shares."""
+    run = []
+    while i < len(items) and items[i][2] == pi:
+        c = items[i][3]
+        if pattern[c] != pattern[b] or share[c] != share[b] or whole_on[c] >= 0:
+            break
+        run.append(c)
+        i += 1
+    return run
+
+
+def _water_fill(ranks, loads, flops, mask, share, k) -> np.ndarray | None:
+    """Positions in `ranks` of k equal blocks placed one after the other as `_place_block` places
+    each (argmin of load - 1e-9 * flops * held, first position on ties; the holders `mask` hold
+    `share` of each), their FLOPs added to `loads`; None above 2**51 (the caller falls back).
+
+    Each pick is the smallest (load + j flops - bonus, position) over ranks and j >= 0, so the k picks
+    are the k smallest of these sequences merged, which only the ranks whose first term is among the
+    k smallest can supply: a small heap over those replaces k steps over all ranks."""
+    bonus = np.where(mask, 1e-9 * flops * share, 0.0)  # the very float `_place_block` subtracts
+    load = loads[ranks]
+    if load.max(initial=0.0) + k * flops >= 2.0**51:
+        return None
+    first = load - bonus
+    cand = np.arange(len(ranks)) if k >= len(ranks) else np.nonzero(first <= np.partition(first, k - 1)[k - 1])[0]
+    heap = [(first[c], c) for c in cand.tolist()]
+    heapq.heapify(heap)
+    now = {c: load[c] for c in cand.tolist()}
+    picks = []
+    for _ in range(k):
+        _, c = heap[0]
+        picks.append(c)
+        now[c] += flops
+        heapq.heapreplace(heap, (now[c] - bonus[c], c))
+    np.add.at(loads, ranks[picks], flops)
+    return np.array(picks)
 
 
 def _least_loaded(heaps, groups, loads, holder) -> int:
