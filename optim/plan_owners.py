@@ -169,7 +169,11 @@ def _water_fill(ranks, loads, flops, mask, share, k) -> np.ndarray | None:
     if load.max(initial=0.0) + k * flops >= 2.0**51:
         return None
     first = load - bonus
-    cand = np.arange(len(ranks)) if k >= len(ranks) else np.nonzero(first <= np.partition(first, k - 1)[k - 1])[0]
+    cand = np.arange(len(ranks))
+    if k < len(ranks):  # the k smallest (first term, position): ties at the k-th value by position
+        kth = np.partition(first, k - 1)[k - 1]
+        below = np.nonzero(first < kth)[0]
+        cand = np.concatenate([below, np.nonzero(first == kth)[0][: k - len(below)]])
     heap = [(first[c], c) for c in cand.tolist()]
     heapq.heapify(heap)
     now = {c: load[c] for c in cand.tolist()}
@@ -325,6 +329,10 @@ def _place_block(p, b, loads, cap, split, held):
     """
     R, S = p.groups.shape
     whole = p.pieces.whole_on[b]
+    if whole >= 0 and R > 1 and not split:  # every replica's holder under cap: no argmin needed
+        holders = p.groups[:, whole]
+        if (loads[holders] + p.flops <= cap).all():
+            return holders, np.arange(R)
     cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, candidates]
     rows = np.arange(len(cands))
     load = loads[cands]
