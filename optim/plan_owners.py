@@ -38,20 +38,26 @@ def assign(params, world_size, prefer_holders=False):
         if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
             break
     _, owner, replica = best
-    inst = {
-        "param": _cat([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
-        "block": _cat([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
-        "replica": _cat([r.ravel() for r in replica]),
-        "owner": _cat([o.ravel() for o in owner]),
-    }
-    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[inst["param"]]
+    counts = np.array([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
+    param = np.repeat(np.arange(len(params), dtype=np.int64), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)[param]
+    inst = {"param": param, "block": (np.arange(len(param)) - first) // np.array(reps, dtype=np.int64)[param],
+            "replica": replica, "owner": owner}
+    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[param]
     return inst
 
 
 def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
+    """One greedy pass over `items`: (loads, owner and replica of every instance, flat in (parameter,
+    block, replica) order; the per-parameter [n_blocks, R] arrays written below are views of them)."""
     loads = np.zeros(world_size)
-    owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
-    replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
+    counts = [len(p.block_boxes) * r for p, r in zip(params, reps)]
+    ends = np.cumsum(counts, dtype=np.int64)
+    flat_owner = np.full(int(ends[-1]) if counts else 0, -1, dtype=np.int64)
+    flat_replica = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(counts, reps)]) if counts \
+        else flat_owner.copy()
+    owner = [flat_owner[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
+    replica = [flat_replica[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
@@ -108,7 +114,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
         own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
-    return loads, owner, replica
+    return loads, flat_owner, flat_replica
 
 
 def _symmetric(groups, loads, unequal) -> bool:
@@ -304,10 +310,6 @@ def _heap_top(heaps, key, ranks, member, loads):
         heapq.heapreplace(heap, (loads[top[2]], top[1], top[2]))
         top = heap[0]
     return top
-
-
-def _cat(arrays) -> np.ndarray:
-    return np.concatenate(arrays, dtype=np.int64) if arrays else np.zeros(0, dtype=np.int64)
 
 
 def _held_fraction(p, split):
