@@ -29,8 +29,8 @@ rank's experts: ~19 GB in bf16 into every rank, 0.58 s at W = 512), against 0.26
 (edp_replicate = the rest): an expert's pieces then stay on NVLink (its Muon all-to-all never leaves
 the node) while the token all-to-all of ep crosses nodes (not modelled here: this is the optimizer
 step only). The runtime builds this numbering with `parallel.expert_inner = "edp_shard"`; the
-projection gives the planner `expert_ranks_narrow`'s numbering. Its plans keep each expert block with its holders while their
-load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
+projection gives the planner `expert_ranks_narrow`'s numbering. Its plans keep each expert block
+with its holders while their load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
 that the balancing greedy sends pieces to any rank of the world and the traffic crosses nodes again
 (Kimi K2, W = 256, Gram: 0.418 s and 14.5 GB inter-node per rank, against 0.295 s and 0.1 GB).
 Every row reports its distance to the lower bound (`vs_bound`: step / bound), and the NS method's

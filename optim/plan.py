@@ -53,8 +53,8 @@ Cost model (for replica_split="auto" and `describe`): a rank's step time is
                          + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
 nothing overlapped, with the replica all-gather's bytes as the ring and the all-to-all into its
 chunks move them (`sharded_plan_stats._replica_gather`); the plan's estimate is the maximum over
-ranks (`est_overlapped`: the same with the three terms overlapped, the max of them instead of the sum). The bucket pipeline overlaps
-between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
+ranks (`est_overlapped`: the same with the three terms overlapped, the max of them instead of the
+sum). The bucket pipeline overlaps between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
 it is cheaper than the one kept under both.
 """
 

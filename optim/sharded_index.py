@@ -87,7 +87,8 @@ def bucket_index(plan, bucket, local_shapes, device) -> BucketIndex:
         recv_offsets += np.where(recv_offsets >= mine, gx.segments[gx.me], 0)  # pieces have numel > 0
         ix.gathers.append(GatherMap(
             _tensor(np.concatenate(send) if send else np.zeros(0, np.int64), device),
-            *gx.balance_sizes(), gx.chunk, sum(gx.segments), _param_maps(held, recvs, recv_offsets, held_runs, g_stage, device)))
+            *gx.balance_sizes(), gx.chunk, sum(gx.segments),
+            _param_maps(held, recvs, recv_offsets, held_runs, g_stage, device)))
     return ix
 
 

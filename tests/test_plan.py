@@ -379,8 +379,8 @@ def test_stats_count_the_bytes_the_schedule_moves(replica_split):
     specs = narrow_debug_specs()
     options = PlanOptions(replica_split="on" if replica_split == "mixed" else replica_split, ranks_per_node=4,
                           bucket_mb=1024)
-    plan = make_plan(specs, 16, options, split={"layers.0.attention.wq_b.weight", "layers.1.feed_forward.shared_experts.w1.weight"}
-                     if replica_split == "mixed" else None)
+    mixed = {"layers.0.attention.wq_b.weight", "layers.1.feed_forward.shared_experts.w1.weight"}
+    plan = make_plan(specs, 16, options, split=mixed if replica_split == "mixed" else None)
     s = plan.stats
     a2a = plain_all_to_all_traffic(plan)
     gathers = schedule_gather_traffic(plan)
