@@ -2,7 +2,10 @@
 
     python benchmarks/projection.py [--json PATH] [--device h100|h200] [--calibration PATH]
         [--worlds 64,128,...] [--expert-layouts wide,narrow,capped] [--ns-methods standard,gram]
-        [--replica-split auto|on|off]
+        [--replica-split auto|on|off] [--time-planning N]
+
+`--time-planning N` only plans: each (expert layout, NS method, W) N times, printing the median wall
+and CPU seconds of `plan_world` (specs and `make_plan`, with "auto" every candidate plan).
 
 No process group. For each world size W the sharded Muon's own planner (`optim.plan.make_plan`, fed by
 `optim.sharded_specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
@@ -25,10 +28,9 @@ rank's experts: ~19 GB in bf16 into every rank, 0.58 s at W = 512), against 0.26
 "narrow" turns the expert mesh around: edp_shard = 8 inside a node, ep = gcd(W / 8, 384) across nodes
 (edp_replicate = the rest): an expert's pieces then stay on NVLink (its Muon all-to-all never leaves
 the node) while the token all-to-all of ep crosses nodes (not modelled here: this is the optimizer
-step only). The runtime numbers ranks with ep innermost (parallel/meshes.py), so it cannot build
-this mesh yet; the planner takes any rank mesh, and the projection gives it
-`expert_ranks_narrow`'s numbering. Its plans keep each expert block with its holders while their
-load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
+step only). The runtime builds this numbering with `parallel.expert_inner = "edp_shard"`; the
+projection gives the planner `expert_ranks_narrow`'s numbering. Its plans keep each expert block
+with its holders while their load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
 that the balancing greedy sends pieces to any rank of the world and the traffic crosses nodes again
 (Kimi K2, W = 256, Gram: 0.418 s and 14.5 GB inter-node per rank, against 0.295 s and 0.1 GB).
 Every row reports its distance to the lower bound (`vs_bound`: step / bound), and the NS method's
@@ -169,10 +171,10 @@ def gather_all_traffic(specs, world: int, method: str = "standard") -> dict:
 
 
 def rows_for_world(config, world: int, device, args, expert_layout: str, method: str) -> list[dict]:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     specs, plan = plan_world(config, world, device, expert_layout=expert_layout,
                              replica_split=args.replica_split, bucket_mb=args.bucket_mb, ns_method=method)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     total = total_ns_flops(specs, method)
     elems = local_elements(specs, world)
     bound = lower_bound(total, world, device)
@@ -185,7 +187,8 @@ def rows_for_world(config, world: int, device, args, expert_layout: str, method:
                          f"{layout.edp_replicate}x{layout.edp_shard}x{layout.ep}")
     traffic = {k: getattr(s, k) for k in ("sent_intra", "recv_intra", "sent_inter", "recv_inter")}
     rows = [dict(common, method="sharded", **_estimate(est, s.flops, traffic, plan.num_buckets),
-                 load_ratio=float(s.load_ratio), replica_split=plan.replica_split, plan_seconds=seconds)]
+                 load_ratio=float(s.load_ratio), replica_split=plan.replica_split, plan_seconds=seconds,
+                 plan_cpu_seconds=cpu)]
     g = gather_all_traffic(specs, world, method)
     # one gather per parameter, the next one in flight during this one's NS (generous: Moonlight's is sequential)
     est_g = project(device, g["flops"], g["sent_intra"], g["recv_intra"], g["sent_inter"], g["recv_inter"], elems,
@@ -212,11 +215,12 @@ def format_row(r: dict) -> str:
     return (f"{r['world']:5d} {r['method']:11s} {r['step_s']:9.3f} {r['compute_s']:9.3f} {r['comm_s']:8.3f} "
             f"{r['exposed_s'] + r['elementwise_s']:8.3f} {r['ns_tflop_per_rank_max']:9.1f} {r['load_ratio']:6.3f} "
             f"{r['inter_gb_per_rank_max']:8.2f} {r['intra_gb_per_rank_max']:8.2f} {r['buckets']:5d} {split:>5s} "
-            f"{r['lower_bound_s']:9.4f} {r['vs_bound']:6.2f}  {r['expert_layout']:6s} {r['ns_method']:8s} {r['layout']}")
+            f"{r['lower_bound_s']:9.4f} {r['vs_bound']:6.2f}  {r['expert_layout']:6s} {r['ns_method']:8s} "
+            f"{r.get('plan_seconds', float('nan')):6.1f}  {r['layout']}")
 
 
 HEADER = ("    W method         step s compute s   comm s  other s  NS TF/rk   load  inter GB intra GB "
-          "bkts  rsplit  bound s  xbound  expert method   layout (dense rep x shard, experts rep x shard x ep)")
+          "bkts  rsplit  bound s  xbound  expert method   plan s  layout (dense rep x shard, experts rep x shard x ep)")
 
 
 def parse_args(argv=None):
@@ -229,13 +233,42 @@ def parse_args(argv=None):
     p.add_argument("--ns-methods", default="standard,gram", help=f"comma-separated subset of {NS_METHODS}")
     p.add_argument("--replica-split", default="auto", choices=REPLICA_SPLIT)
     p.add_argument("--bucket-mb", type=float, default=256.0)
+    p.add_argument("--time-planning", type=int, default=0, metavar="N",
+                   help="only plan, N times per (layout, method, W), and print median wall / CPU seconds")
     return p.parse_args(argv)
+
+
+def time_planning(config, device, args) -> list[dict]:
+    """Median wall and CPU seconds of planning each (expert layout, NS method, W), N runs each."""
+    rows = []
+    print(f"expert   method       W  plan wall s  plan cpu s  replica split  (medians of {args.time_planning})")
+    for expert_layout in args.expert_layouts.split(","):
+        for method in args.ns_methods.split(","):
+            for world in map(int, args.worlds.split(",")):
+                wall, cpu = [], []
+                for _ in range(args.time_planning):
+                    start, c = time.perf_counter(), time.process_time()
+                    _, plan = plan_world(config, world, device, expert_layout=expert_layout,
+                                         replica_split=args.replica_split, bucket_mb=args.bucket_mb, ns_method=method)
+                    wall.append(time.perf_counter() - start), cpu.append(time.process_time() - c)
+                rows.append(dict(expert_layout=expert_layout, ns_method=method, world=world, runs=len(wall),
+                                 plan_wall_s=float(np.median(wall)), plan_cpu_s=float(np.median(cpu)),
+                                 replica_split=plan.replica_split))
+                print(f"{expert_layout:8s} {method:8s} {world:5d} {rows[-1]['plan_wall_s']:11.2f} "
+                      f"{rows[-1]['plan_cpu_s']:11.2f}  {str(plan.replica_split):>28}", flush=True)
+    return rows
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = device_model(args.device, args.calibration)
     config = preset("kimi_k2_1t")
+    if args.time_planning:
+        out = {"planning": time_planning(config, device, args)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return out
     print(f"Kimi K2 optimizer step on {device.name}: NS {device.sustained_tflops:.0f} TFLOP/s sustained "
           f"(peak {device.peak_tflops:.0f}), NVLink {device.nvlink_gbs:.0f} GB/s, network {device.network_gbs:.0f} "
           f"GB/s per GPU and direction, HBM {device.hbm_gbs:.0f} GB/s [{device.source}]")

@@ -22,51 +22,39 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
       hold more than their share (e.g. FSDP's torch.chunk leaving some ranks without experts).
    A parameter not split across replicas (`ParamLayout.split` False) has every replica repeat this
    for its own copy; for a split one each block is computed by one replica and its result
-   all-gathered over the replica axis, where each holder of the computing replica sends its piece
-   to the R - 1 others: the (replica, owner) of a block then minimizes the largest time of the
-   ranks it touches, the owner's NS FLOPs plus all-gather sends and each holder's sends, in the
-   cost model's units (`_place_split_block`).
-   Speed (Kimi K2, 69k expert blocks on 2048 ranks): the greedy stays sequential, but the common
-   blocks skip numpy: whole blocks of one-replica groups and blocks whose holders hold equal shares
-   (experts split on a matrix dim) take their rank from lazy heaps, picking exactly what
-   `_place_block` would (tests pin plans made before these fast paths).
+   all-gathered over the replica axis: per replica group, an all-to-all moves every member's results
+   into R equal chunks, then an all-gather of the chunks (a ring on NCCL; optim/sharded_schedule.py).
+   Each member then sends and receives about (R - 1) / R of its shard position's results, whichever
+   replica computed them, so the (replica, owner) of a split block is chosen by FLOPs alone, among
+   every replica's ranks (rules a and b with the replica groups as one candidate row).
+   Speed (Kimi K2, 69k expert blocks and 12k dense blocks x 512 replicas at W = 4096): the greedy stays
+   sequential, but the common blocks skip numpy: whole blocks of one-replica groups, blocks whose
+   holders hold equal shares (experts split on a matrix dim) and split blocks take their rank from
+   lazy heaps, and a block repeated in replicas whose rows hold equal loads is placed in row 0 for
+   all, picking exactly what `_place_block` would (tests pin plans made before these fast paths and
+   compare them with `_place_block`); "auto" buckets only the plan it keeps.
 4. Buckets: each rank's owned blocks, in (shape group, parameter, block) order, are cut every
    `bucket_mb`; bucket k is the union of every rank's k-th cut, so all ranks run the same bucket
    sequence and every group member issues the same collectives (empty pieces are zero-length splits).
 
-Replica split at scale (Kimi K2, W = 256..4096, dense dp_replicate = W / 8, H200 numbers of
-benchmarks/projection.py): "on" loses to "off" at every W, for reasons measured with this planner.
-  - FLOPs: the dense layer's three 7168 x 18432 matrices are WHOLE blocks of 22.6 TFLOP each (bf16,
-    5 steps). Computed once, each exceeds the mean load at W = 4096 (11.7 TFLOP), and a block is the
-    unit of NS work, so max/mean >= 22.6 / 11.7 = 1.94, which the plan reaches: inherent, not a
-    balancing defect (at W <= 1024 "on" balances within 1.2%). "off" repeats the dense NS in every
-    replica, which raises the mean (41 TFLOP at W = 4096) above the largest block.
-  - Traffic: every rank receives its shard position's pieces of ALL dense results (2.3 GB), on top
-    of the expert pieces "off" moves too, and a holder sends each piece it holds of its replica's
-    results R - 1 times (the all-gather is one all_to_all_single, not a ring). Choosing replicas by
-    sends as well as FLOPs (step 3) brought the busiest sender from 28.6 to 8.1 GB at W = 1024 and
-    to the busiest receiver's 17.7 GB at W = 256; what remains is one 7168 x 18432 block's 264 MB /
-    8 x (R - 1) per holder (4.2 GB at W = 1024, 16.9 GB at W = 4096), which no replica choice splits.
-  Projected steps, "on" vs "off": 0.50 vs 0.44 s (W = 256), 0.25 vs 0.15 s (1024), 0.68 vs 0.083 s
-  (4096). Per block, repeating the NS costs the owner flops / flops_per_s in every replica, while
-  splitting costs each rank nbytes / S / inter_node_bytes_per_s and each holder R - 1 times that:
-  a head block (128 x 7168) costs about as much either way, a 2048 x 7168 block is 12x cheaper to
-  receive than to recompute, the 7168 x 18432 blocks 46x, but a holder's R - 1 sends outweigh the
-  recompute from R = 13 and R = 46 respectively.
+Replica split: repeating a block's NS in each of R replicas costs R x its FLOPs; splitting costs one
+computation and (R - 1) x its bytes received over the replica groups (the ring). Per block the split
+pays when its NS takes longer than its bytes cross the replica axis' link (`_split_pays`): on Kimi K2
+(H200 numbers: 600 TFLOP/s, 40 GB/s between nodes, bf16) the dense FFN's 7168 x 18432 blocks (22.6
+TFLOP in 5 standard steps against 264 MB) and the shared experts' 2048 x 7168 blocks (0.69 TFLOP
+against 29 MB), not the per-head attention blocks. The largest dense block bounds the max load once
+computed once: at W = 4096 a 7168 x 18432 block exceeds the mean. "auto" compares "off", "on" and
+this mixed split with the cost model below; benchmarks/projection.py reports which one it keeps.
 Mixed plans: the split is per parameter (`ParamLayout.split`, read by the owners, the stats and the
-schedule), and "auto" also plans the split `_split_pays` picks: a parameter whose holder's R - 1
-sends of its largest piece take less time than one block's NS. On Kimi K2 (H200 numbers) that is
-the dense layer's three 7168 x 18432 matrices at W = 256 and nothing at W >= 1024; the mixed plan
-projects 0.465 s at W = 256 (est 0.767 / 0.412 s overlapped, against "off"'s 0.759 / 0.390 s): the
-FLOPs it saves come off compute while the step is bound by inter-node traffic, which the gathers
-add to, so "auto" keeps "off" there. A ring all-gather for large R remains the open lever.
+schedule).
 
 Cost model (for replica_split="auto" and `describe`): a rank's step time is
   NS FLOPs / flops_per_s + max(sent, received) intra-node bytes / intra_node_bytes_per_s
                          + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
-nothing overlapped; the plan's estimate is the maximum over ranks (`est_overlapped`: the same with
-the three terms overlapped, the max of them instead of the sum). The bucket pipeline overlaps
-between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
+nothing overlapped, with the replica all-gather's bytes as the ring and the all-to-all into its
+chunks move them (`sharded_plan_stats._replica_gather`); the plan's estimate is the maximum over
+ranks (`est_overlapped`: the same with the three terms overlapped, the max of them instead of the
+sum). The bucket pipeline overlaps between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
 it is cheaper than the one kept under both.
 """
 
@@ -172,39 +160,40 @@ def make_plan(specs: list[ParamSpec], world_size: int, options: PlanOptions = Pl
     if split is not None:
         chosen = [r and p.spec.name in split for p, r in zip(layouts, replicated)]
         kind = "mixed" if chosen not in (none, replicated) else any(chosen)
-        return _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+        return _bucketed(_plan(layouts, shape_groups, world_size, options, kind, chosen))
     mixed = _split_pays(layouts, byte_flops)
     candidates = {"off": [(False, none)], "on": [(True, replicated)], "auto": [(False, none)]}
     if options.replica_split == "auto" and any(replicated):  # after "off": "on", then mixed if it differs
         candidates["auto"] += [(True, replicated)] + ([("mixed", mixed)] if mixed not in (none, replicated) else [])
-    best = None
+    best, cache = None, {}  # the stats' per-template arrays, shared by the candidates
     for kind, chosen in candidates[options.replica_split]:
-        plan = _plan(layouts, shape_groups, world_size, options, byte_flops, kind, chosen)
+        plan = _plan(layouts, shape_groups, world_size, options, kind, chosen, cache)
         if best is None or _cheaper(plan.stats, best.stats):
             best = plan
-    return best
+    return _bucketed(best)
 
 
-def _plan(layouts, shape_groups, world_size, options, byte_flops, kind, split) -> Plan:
-    """The plan with parameter i split across replicas where split[i] (`kind`: Plan.replica_split)."""
+def _plan(layouts, shape_groups, world_size, options, kind, split, cache=None) -> Plan:
+    """The plan (owners and stats, no buckets yet) with parameter i split across replicas where
+    split[i] (`kind`: Plan.replica_split)."""
     params = [replace(p, split=True) if s else p for p, s in zip(layouts, split)]
-    inst = assign(params, world_size, byte_flops, options.prefer_holders)
+    inst = assign(params, world_size, options.prefer_holders)
     plan = Plan(options, world_size, params, shape_groups, kind, inst)
+    plan.stats = plan_stats(plan, cache)  # independent of the instances' order: integer byte and FLOP sums
+    return plan
+
+
+def _bucketed(plan: Plan) -> Plan:
     plan.num_buckets = _buckets(plan)
-    plan.stats = plan_stats(plan)
     return plan
 
 
 def _split_pays(params, byte_flops) -> list[bool]:
-    """Per parameter, the "auto" rule for a mixed plan: split across replicas when a holder's
-    all-gather sends of its largest piece, (R - 1) x piece bytes, take less time than the NS of one
-    block, which splitting saves in each other replica (both in FLOP-equivalents, `byte_flops`)."""
-    out = []
-    for p, bf in zip(params, byte_flops):
-        R = p.groups.shape[0]
-        piece_bytes = int(p.pieces.numel.max(initial=0)) * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
-        out.append(R > 1 and (R - 1) * piece_bytes * bf < p.flops)
-    return out
+    """Per parameter, the "auto" rule for a mixed plan: split across replicas when the NS of a block
+    takes longer than its all-gather's bytes (both in FLOP-equivalents, `byte_flops`). Per block,
+    splitting saves R - 1 of its R computations, and the ring all-gather makes R - 1 of the R
+    members of each replica group receive their piece of the result: (R - 1) x block bytes in all."""
+    return [p.groups.shape[0] > 1 and p.flops > p.nbytes * bf for p, bf in zip(params, byte_flops)]
 
 
 def _cheaper(a: PlanStats, b: PlanStats) -> bool:
@@ -280,31 +269,40 @@ def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
 
 
 def _buckets(plan: Plan) -> int:
-    """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order."""
+    """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order
+    (bucket, shape group, parameter, block, replica).
+
+    `assign` lists instances in (parameter, block, replica) order, so both orders the step needs are
+    stable sorts of the (shape group, parameter)-ordered instances by one small key (the owner, then
+    the bucket): radix sorts when the key fits 16 bits."""
     inst, params = plan.inst, plan.params
-    nbytes = np.array([p.nbytes for p in params])[inst["param"]]
-    sg = np.array([p.shape_group for p in params])[inst["param"]]
-    order = _lexsort(inst["owner"], sg, inst["param"], inst["block"], inst["replica"])
+    sg_of = np.array([p.shape_group for p in params], dtype=np.int64)
+    by_sg = _by_shape_group(inst["param"], sg_of)
+    order = by_sg[_stable_argsort(inst["owner"][by_sg])]
+    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[inst["param"]]
     owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
-    cum = np.cumsum(bytes_sorted)
-    first = np.searchsorted(owner_sorted, owner_sorted)  # first row of each owner's run
-    offset = cum - bytes_sorted - (cum[first] - bytes_sorted[first])
+    before = np.cumsum(bytes_sorted) - bytes_sorted  # bytes of the rows before each row
+    runs = np.flatnonzero(np.r_[True, owner_sorted[1:] != owner_sorted[:-1]]) if len(order) else order
+    offset = before - np.repeat(before[runs], np.diff(np.r_[runs, len(order)]))  # from its owner's first row
     bucket = np.empty(len(order), dtype=np.int64)
     bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
     inst["bucket"] = bucket
-    canon = _lexsort(bucket, sg, inst["param"], inst["block"], inst["replica"])
+    canon = by_sg[_stable_argsort(bucket[by_sg])]
     for k in list(inst):
         inst[k] = inst[k][canon]
     return int(bucket.max()) + 1 if len(bucket) else 0
 
 
-def _lexsort(*keys) -> np.ndarray:
-    """`np.lexsort(keys[::-1])` (first key most significant) for non-negative int keys, as one stable
-    sort of a mixed-radix int64 key (5x faster on a million instances)."""
-    radix = [int(k.max()) + 1 if len(k) else 1 for k in keys]
-    if np.prod(np.array(radix, dtype=np.float64)) >= 2.0**62:
-        return np.lexsort(keys[::-1])
-    combined = np.zeros(len(keys[0]), dtype=np.int64)
-    for k, n in zip(keys, radix):
-        combined = combined * n + k
-    return np.argsort(combined, kind="stable")
+def _by_shape_group(param: np.ndarray, sg_of: np.ndarray) -> np.ndarray:
+    """Instance indices ordered by (shape group, parameter), keeping their order inside a parameter;
+    `param` is sorted (assign's order)."""
+    bounds = np.searchsorted(param, np.arange(len(sg_of) + 1))
+    ranges = [np.arange(bounds[pi], bounds[pi + 1]) for pi in np.argsort(sg_of, kind="stable")]
+    return np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+
+
+def _stable_argsort(key: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative ints; numpy radix-sorts 16-bit keys (7x faster on millions)."""
+    if len(key) and int(key.max()) < 2**16:
+        key = key.astype(np.uint16)
+    return np.argsort(key, kind="stable")

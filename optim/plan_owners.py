@@ -1,6 +1,5 @@
 """Owner assignment of the sharded Muon plan (optim/plan.py, step 3): which rank orthogonalizes each
-block instance, balancing estimated NS FLOPs (with replica split: and all-gather sends) greedily over
-all ranks. Pure numpy, no process group.
+block instance, balancing estimated NS FLOPs greedily over all ranks. Pure numpy, no process group.
 `assign` is the entry point; the heaps are fast paths that pick exactly what `_place_block` would.
 """
 
@@ -9,13 +8,12 @@ import heapq
 import numpy as np
 
 
-def assign(params, world_size, byte_flops=None, prefer_holders=False):
+def assign(params, world_size, prefer_holders=False):
     """Owner of every block instance (module docstring, step 3): a greedy pass in each of two
     orders, keeping the one with the lower maximum load (the second only if the first leaves a rank
-    1% over the mean). Each parameter's `split` says whether its blocks are split across replicas.
-
-    `byte_flops` (read for split parameters): per parameter, the NS FLOPs that cost as much time as
-    one byte its replica all-gather sends (flops_per_s / the replica axis' bytes_per_s); None = 0.
+    1% over the mean). Each parameter's `split` says whether its blocks are split across replicas:
+    then a block has one instance, whose candidates are every replica's ranks (its all-gather costs
+    each rank of a replica group its share whichever replica computes it, so FLOPs alone decide).
 
     `prefer_holders`: a block held in pieces by one replica group goes to its least loaded holder
     while that one stays under the mean load (rule 3a for whole blocks, extended to pieces): its
@@ -31,33 +29,44 @@ def assign(params, world_size, byte_flops=None, prefer_holders=False):
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
     width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
     items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
+    largest = max((p.flops for p, n in zip(params, n_blocks) if n), default=0)  # no rank can load less
     best = None
     for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, byte_flops,
-                                        prefer_holders)
+        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
-        if best[0].max() <= 1.01 * cap:  # balanced within 1%: skip the other order
+        if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
             break
     _, owner, replica = best
-    inst = {
-        "param": _cat([np.full(n * r, pi) for pi, (n, r) in enumerate(zip(n_blocks, reps))]),
-        "block": _cat([np.repeat(np.arange(n), r) for n, r in zip(n_blocks, reps)]),
-        "replica": _cat([r.ravel() for r in replica]),
-        "owner": _cat([o.ravel() for o in owner]),
-    }
-    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[inst["param"]]
+    counts = np.array([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
+    param = np.repeat(np.arange(len(params), dtype=np.int64), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)[param]
+    inst = {"param": param, "block": (np.arange(len(param)) - first) // np.array(reps, dtype=np.int64)[param],
+            "replica": replica, "owner": owner}
+    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[param]
     return inst
 
 
-def _greedy(params, items, world_size, cap, reps, byte_flops, prefer_holders=False):
+def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
+    """One greedy pass over `items`: (loads, owner and replica of every instance, flat in (parameter,
+    block, replica) order; the per-parameter [n_blocks, R] arrays written below are views of them)."""
     loads = np.zeros(world_size)
-    sends = np.zeros(world_size)  # replica split: all-gather sends so far, in FLOP-equivalents
-    owner = [np.full((len(p.block_boxes), r), -1) for p, r in zip(params, reps)]
-    replica = [np.tile(np.arange(r), (len(p.block_boxes), 1)) for p, r in zip(params, reps)]
+    counts = [len(p.block_boxes) * r for p, r in zip(params, reps)]
+    ends = np.cumsum(counts, dtype=np.int64)
+    flat_owner = np.full(int(ends[-1]) if counts else 0, -1, dtype=np.int64)
+    flat_replica = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(counts, reps)]) if counts \
+        else flat_owner.copy()
+    owner = [flat_owner[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
+    replica = [flat_replica[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
-    for _, _, pi, b in items:
+    symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
+    unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
+    i = 0
+    while i < len(items):
+        _, _, pi, b = items[i]
+        i += 1
         p = params[pi]
+        last, symmetric = symmetric, None
         t = (id(p.pieces), p.split)
         if t not in held:
             held[t] = _held_fraction(p, p.split)
@@ -74,23 +83,114 @@ def _greedy(params, items, world_size, cap, reps, byte_flops, prefer_holders=Fal
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
         masks, pattern, share = shares[t]
+        if not p.split and p.groups.shape[0] > 1 and (last is p.groups or _symmetric(p.groups, loads, unequal)):
+            pos = _place_in_row0(share_heaps, p, whole, masks, pattern[b], share[b], held[t][b], loads, cap)
+            loads[p.groups[1:, pos]] += p.flops  # every replica the same: rows stay equal
+            owner[pi][b], symmetric = p.groups[:, pos], p.groups
+            continue
+        if p.split:  # fast paths over every replica's ranks as one row
+            pos = _split_owner(heaps, share_heaps, p, whole, masks, pattern[b], share[b], loads, cap)
+            if pos is not None:
+                owner[pi][b, 0], replica[pi][b, 0] = p.groups.flat[pos], pos // p.groups.shape[1]
+                continue
         if prefer_holders and whole < 0 and p.groups.shape[0] == 1:
             own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[t][b], loads, cap)
             if own is not None:
                 owner[pi][b, 0] = own
                 continue
-        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
-            own = _least_loaded_equal(share_heaps, p, masks, pattern[b], share[b], loads)
-            if own is not None:
-                owner[pi][b, 0] = own
+        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0 and not prefer_holders:  # a run of experts
+            run = _equal_run(items, i, pi, b, pattern, share, whole_on[t])
+            pos = _water_fill(p.groups[0], loads, p.flops, masks[pattern[b]][0], share[b], 1 + len(run))
+            if pos is not None:
+                owner[pi][[b, *run], 0] = p.groups[0][pos]
+                i += len(run)
                 continue
-        if p.split and p.groups.shape[0] > 1 and byte_flops is not None:
-            own, rep = _place_split_block(p, b, loads, sends, cap, held[t][b], byte_flops[pi])
-        else:
-            own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
+        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
+            pos = _least_loaded_equal(share_heaps, p.groups[0], id(p.groups), p.flops, masks, pattern[b], share[b],
+                                      loads)
+            if pos is not None:
+                owner[pi][b, 0] = p.groups[0, pos]
+                continue
+        own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
-    return loads, owner, replica
+    return loads, flat_owner, flat_replica
+
+
+def _symmetric(groups, loads, unequal) -> bool:
+    """Whether every replica row of `groups` [R, S] holds the same loads, position by position: then
+    `_place_block` picks the same position in every row (each row's argmin sees the same numbers),
+    so placing the block in row 0 places it everywhere (the rows of Kimi K2's dense parameters, 512
+    replicas at W = 4096, are equal while the greedy places them). `unequal`: group arrays found
+    unequal before in this pass, not checked again (the caller's slow path picks the same)."""
+    if id(groups) in unequal:
+        return False
+    load = loads[groups]
+    if not (load == load[:1]).all():
+        unequal.add(id(groups))
+        return False
+    return True
+
+
+def _place_in_row0(share_heaps, p, whole, masks, k, share, held, loads, cap) -> int:
+    """`_place_block`'s pick in row 0 of a block without replica split (a position of the row):
+    its holder while under `cap`, else the least loaded rank (ties: the largest piece), by the
+    holders' heaps when their shares are equal. Adds the block's FLOPs to that rank's load."""
+    row = p.groups[0]
+    if whole >= 0 and loads[row[whole]] + p.flops <= cap:
+        pos = whole
+    else:
+        pos = _least_loaded_equal(share_heaps, row, (id(p.groups), "row0"), p.flops, masks, k, share, loads) \
+            if k >= 0 else None
+        if pos is not None:
+            return pos
+        pos = int(np.argmin(loads[row] - 1e-9 * p.flops * held))
+    loads[row[pos]] += p.flops
+    return pos
+
+
+def _equal_run(items, i, pi, b, pattern, share, whole_on) -> list[int]:
+    """The blocks of items[i:] that follow block b of parameter pi in a run it can be placed with:
+    same parameter, held in pieces by the same ranks with the same shares."""
+    run = []
+    while i < len(items) and items[i][2] == pi:
+        c = items[i][3]
+        if pattern[c] != pattern[b] or share[c] != share[b] or whole_on[c] >= 0:
+            break
+        run.append(c)
+        i += 1
+    return run
+
+
+def _water_fill(ranks, loads, flops, mask, share, k) -> np.ndarray | None:
+    """Positions in `ranks` of k equal blocks placed one after the other as `_place_block` places
+    each (argmin of load - 1e-9 * flops * held, first position on ties; the holders `mask` hold
+    `share` of each), their FLOPs added to `loads`; None above 2**51 (the caller falls back).
+
+    Each pick is the smallest (load + j flops - bonus, position) over ranks and j >= 0, so the k picks
+    are the k smallest of these sequences merged, which only the ranks whose first term is among the
+    k smallest can supply: a small heap over those replaces k steps over all ranks."""
+    bonus = np.where(mask, 1e-9 * flops * share, 0.0)  # the very float `_place_block` subtracts
+    load = loads[ranks]
+    if load.max(initial=0.0) + k * flops >= 2.0**51:
+        return None
+    first = load - bonus
+    cand = np.arange(len(ranks))
+    if k < len(ranks):  # the k smallest (first term, position): ties at the k-th value by position
+        kth = np.partition(first, k - 1)[k - 1]
+        below = np.nonzero(first < kth)[0]
+        cand = np.concatenate([below, np.nonzero(first == kth)[0][: k - len(below)]])
+    heap = [(first[c], c) for c in cand.tolist()]
+    heapq.heapify(heap)
+    now = {c: load[c] for c in cand.tolist()}
+    picks = []
+    for _ in range(k):
+        _, c = heap[0]
+        picks.append(c)
+        now[c] += flops
+        heapq.heapreplace(heap, (now[c] - bonus[c], c))
+    np.add.at(loads, ranks[picks], flops)
+    return np.array(picks)
 
 
 def _least_loaded(heaps, groups, loads, holder) -> int:
@@ -121,10 +221,29 @@ def _equal_shares(held):
     return masks, np.where(equal, pattern.ravel(), -1).tolist(), share.tolist()
 
 
-def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
-    """`_place_block` for a block of a one-replica group whose holders (mask k) hold equal shares,
-    via lazy heaps over the whole row and over the holders; adds the block's FLOPs to the chosen
-    rank's load.
+def _split_owner(heaps, share_heaps, p, whole, masks, k, share, loads, cap) -> int | None:
+    """`_place_block` for a block split across replicas, as a position in `p.groups.flat`, via lazy
+    heaps (None: the caller falls back): a block held whole goes to the least loaded holder over the
+    replicas (first replica on ties) while under `cap`; otherwise, and for a block whose holders hold
+    equal shares, `_least_loaded_equal` over every replica's ranks. Adds the block's FLOPs."""
+    ranks = p.groups.ravel()
+    if whole >= 0:
+        column = np.zeros(len(ranks), dtype=bool)
+        column[whole :: p.groups.shape[1]] = True
+        top = _heap_top(heaps, (id(p.groups), "column", whole), ranks, column, loads)
+        if top[0] + p.flops <= cap:
+            loads[ranks[top[1]]] += p.flops
+            return top[1]
+    if k < 0:
+        return None
+    return _least_loaded_equal(share_heaps, ranks, (id(p.groups), "all"), p.flops, masks, k, share, loads)
+
+
+def _least_loaded_equal(heaps, ranks, key, flops, masks, k, share, loads) -> int | None:
+    """`_place_block` for a block whose candidates are the one row `ranks` (a one-replica group, or
+    every replica's ranks of a split block) and whose holders (mask k) hold equal shares, via lazy
+    heaps over the row and over the holders (keyed by `key`): the chosen position in `ranks`, whose
+    load gets the block's FLOPs.
 
     `_place_block` picks argmin(load - 1e-9 * flops * held), first position on ties. Loads are
     integers (sums of integer FLOPs); below 2**51 they stay distinct after the equal term is taken
@@ -132,22 +251,21 @@ def _least_loaded_equal(heaps, p, masks, k, share, loads) -> int | None:
     the others, whose term is 0: the row's minimum when that is not a holder (else a holder wins).
     The two are compared with `_place_block`'s own arithmetic. None (caller falls back) above 2**51.
     """
-    ranks, (mask, mask_key) = p.groups[0], masks[k]
-    row_key, holder_key = (id(p.groups), b"row"), (id(p.groups), mask_key)
+    mask, mask_key = masks[k]
+    row_key, holder_key = (key, b"row"), (key, mask_key)
     low = _heap_top(heaps, row_key, ranks, None, loads)
     best = _heap_top(heaps, holder_key, ranks, mask, loads) if share > 0 and not mask[low[1]] else None
     if low[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
         return None
-    pos = low[1]
+    _, pos, own = low  # positions differ (best only when low is no holder): ranks never compared
     if best is not None:
-        pos = min((best[0] - 1e-9 * p.flops * share, best[1]), (low[0] - 1e-9 * p.flops * 0.0, low[1]))[1]
-    own = int(ranks[pos])
-    loads[own] += p.flops
+        _, pos, own = min((best[0] - 1e-9 * flops * share, best[1], best[2]), (low[0] - 1e-9 * flops * 0.0, *low[1:]))
+    loads[own] += flops
     for key in (row_key, holder_key):  # refresh the chosen rank where it is on top; elsewhere lazily
         heap = heaps.get(key)
         if heap and heap[0][1] == pos:
-            heapq.heapreplace(heap, (loads[own], pos))
-    return own
+            heapq.heapreplace(heap, (loads[own], pos, own))
+    return pos
 
 
 def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
@@ -174,26 +292,24 @@ def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
 
 
 def _heap_top(heaps, key, ranks, member, loads):
-    """(load, position) of the least loaded rank of ranks[member] (all when None; first position on
-    ties), or None when there is none.
+    """(load, position, rank) of the least loaded rank of ranks[member] (all when None; first
+    position on ties), or None when there is none.
 
     A lazy heap, one entry per rank: loads only grow, so an entry is never above its rank's load;
     a current top entry is the true minimum, a stale one is refreshed in place.
     """
     heap = heaps.get(key)
     if heap is None:
-        member = np.ones(len(ranks), dtype=bool) if member is None else member
-        heap = heaps[key] = [(loads[r], int(i)) for i, r in zip(np.nonzero(member)[0], ranks[member])]
+        where = np.arange(len(ranks)) if member is None else np.nonzero(member)[0]
+        heap = heaps[key] = [(loads[r], i, r) for i, r in zip(where.tolist(), ranks[where].tolist())]
         heapq.heapify(heap)
     if not heap:
         return None
-    while heap[0][0] != loads[ranks[heap[0][1]]]:
-        heapq.heapreplace(heap, (loads[ranks[heap[0][1]]], heap[0][1]))
-    return heap[0]
-
-
-def _cat(arrays) -> np.ndarray:
-    return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
+    top = heap[0]
+    while top[0] != loads[top[2]]:
+        heapq.heapreplace(heap, (loads[top[2]], top[1], top[2]))
+        top = heap[0]
+    return top
 
 
 def _held_fraction(p, split):
@@ -215,6 +331,10 @@ def _place_block(p, b, loads, cap, split, held):
     """
     R, S = p.groups.shape
     whole = p.pieces.whole_on[b]
+    if whole >= 0 and R > 1 and not split:  # every replica's holder under cap: no argmin needed
+        holders = p.groups[:, whole]
+        if (loads[holders] + p.flops <= cap).all():
+            return holders, np.arange(R)
     cands = p.groups.reshape(1, -1) if split else p.groups  # [rows, candidates]
     rows = np.arange(len(cands))
     load = loads[cands]
@@ -223,25 +343,3 @@ def _place_block(p, b, loads, cap, split, held):
         holder = (whole + np.argmin(load[:, whole::S], axis=1) * S) if split else np.full(R, whole)
         pick = np.where(load[rows, holder] + p.flops <= cap, holder, pick)
     return cands[rows, pick], (pick // S if split else rows)
-
-
-def _place_split_block(p, b, loads, sends, cap, held, byte_flops):
-    """Replica split: the (replica, owner) of block b that minimizes the largest time of the ranks it
-    touches: the owner's NS FLOPs plus its sends, and each holder in the chosen replica, who sends
-    its piece of the result to the R - 1 other replicas (sends as FLOP-equivalents, `byte_flops`
-    per byte). A block held whole stays on its least costly holder while that one's FLOPs stay
-    under `cap`; ties go to the rank holding the largest piece. Adds the sends to `sends`."""
-    R, S = p.groups.shape
-    frac = held[:S]  # the same fraction at each shard position in every replica
-    add = frac * p.nbytes * (R - 1) * byte_flops  # [S] sends of each holder of the computing replica
-    busy = loads[p.groups] + sends[p.groups] + add  # [R, S] after the block's all-gather
-    holders = np.where(frac > 0, busy, 0.0).max(axis=1, keepdims=True)  # [R, 1]
-    score = np.maximum(busy + p.flops, holders) - 1e-9 * p.flops * frac
-    whole = p.pieces.whole_on[b]
-    rep, pos = np.unravel_index(np.argmin(score), score.shape)
-    if whole >= 0:
-        r = int(np.argmin(score[:, whole]))
-        if loads[p.groups[r, whole]] + p.flops <= cap:
-            rep, pos = r, whole
-    sends[p.groups[rep]] += add
-    return np.array([p.groups[rep, pos]]), np.array([rep])

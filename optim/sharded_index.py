@@ -36,12 +36,15 @@ class ParamMap:
 
 @dataclass
 class GatherMap:
-    """Replica all-gather of one group: send my results (rows of back), receive into its own buffer."""
+    """Replica all-gather of one group (sharded_schedule.Gather): my segment (rows of back) goes into
+    the chunks by an all-to-all, the chunks are all-gathered into one buffer of every segment."""
 
     send_rows: torch.Tensor
-    repeat: int  # members that receive my segment
-    recv_numel: int
-    apply: list[ParamMap]  # buffer_rows: rows of the receive buffer
+    send_sizes: list[int]  # the all-to-all into the chunks
+    recv_sizes: list[int]
+    chunk: int  # elements per member in the all-gather
+    total: int  # elements of all segments (the all-gather's output beyond is padding)
+    apply: list[ParamMap]  # buffer_rows: rows of the all-gathered buffer (the other members' segments)
 
 
 @dataclass
@@ -78,10 +81,13 @@ def bucket_index(plan, bucket, local_shapes, device) -> BucketIndex:
     at = dict(zip(stage_order, offsets[:-1].tolist()))
     for gx, recvs in zip(bucket.gathers, gathered):
         send = [_rows(at[h], _numel(held[h].shape), g_stage) for h in gx.sends]
-        recv_offsets = _offsets([_numel(held[h].shape) for h in recvs])
+        mine = sum(gx.segments[: gx.me])  # the others' segments before mine, then mine, then the rest
+        sizes = [_numel(held[h].shape) for h in recvs]
+        recv_offsets = _offsets(sizes)
+        recv_offsets += np.where(recv_offsets >= mine, gx.segments[gx.me], 0)  # pieces have numel > 0
         ix.gathers.append(GatherMap(
             _tensor(np.concatenate(send) if send else np.zeros(0, np.int64), device),
-            sum(1 for n in gx.send_sizes if n), int(recv_offsets[-1]),
+            *gx.balance_sizes(), gx.chunk, sum(gx.segments),
             _param_maps(held, recvs, recv_offsets, held_runs, g_stage, device)))
     return ix
 

@@ -98,7 +98,8 @@ class ShardedMuon(torch.optim.Optimizer):
            buckets), one uneven all_to_all_single per group (async);
         c. owners assemble full blocks, one batched orthogonalize per shape group and bucket;
         d. all-to-all back (async; bucket k+1 launched before bucket k computes); with replica
-           split, all-gather of the results over the replica axis;
+           split, the results reach the other replicas by an all-to-all into equal chunks and an
+           all-gather of the chunks over the replica axis (a ring on NCCL);
         e. apply p[piece] -= lr * lr_scale(block) * O[piece] to the local shards;
         then AdamW on the local shards of the other parameters (torch's multi-tensor AdamW).
         """

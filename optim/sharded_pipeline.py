@@ -12,9 +12,10 @@ Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, no
   return(k)   gather the results in the received layout (ONE index_select; own copies: one more) and issue the reverse
               all_to_all_single (async): result pieces travel back to holders.
   finish(k)   wait for the return, apply the results (per parameter: the caller's `apply` of its
-              rows); for the parameters split across replicas, issue the all-gather over the
-              replica axis (all_to_all_single with the same segment for every member).
-  gathered(k) wait for that all-gather and apply what other replicas computed.
+              rows); for the parameters split across replicas, issue the all-to-all that moves
+              each member's results into equal chunks of the replica group (async).
+  gathered(k) wait for it, issue the all-gather of the chunks (all_gather_single, async: a ring on
+              NCCL); wait for bucket k-1's all-gather and apply what other replicas computed.
 
 With overlap: launch(k+1) is issued before compute(k), and return(k) is waited only after
 compute(k+1), so while bucket k is orthogonalized bucket k+1's pieces are in flight and bucket
@@ -39,6 +40,7 @@ class BucketPipeline:
         self.index = [bucket_index(plan, b, local_shapes, device) for b in buckets]
         self.events = events  # list to append (event, bucket) to, or None
         self.flight = {}
+        self.pending = []  # the last bucket's all-gathers: (GatherMap, buffer of all segments, g, work)
 
     def run(self, direction, apply, overlap: bool) -> None:
         """Orthogonalize every block of the update direction and apply the results.
@@ -51,7 +53,7 @@ class BucketPipeline:
         if not overlap:
             for k in range(K):
                 self._launch(k, direction), self._compute(k), self._return(k), self._finish(k, apply)
-                self._gathered(k, apply)
+                self._gathered(k, apply), self._gathered(None, apply)
             return
         if K:
             self._launch(0, direction)
@@ -68,6 +70,7 @@ class BucketPipeline:
             self._finish(K - 1, apply)
         for k in range(max(0, K - 2), K):
             self._gathered(k, apply)
+        self._gathered(None, apply)
 
     def _log(self, event: str, k: int) -> None:
         if self.events is not None:
@@ -136,19 +139,28 @@ class BucketPipeline:
             work.wait()
         back = flight.pop("back")
         _apply_rows(back, ix.pack, ix.g_stage, apply)
-        flight["gather"] = []
-        for gm, ex in zip(ix.gathers, b.gathers):  # split parameters: my replica's results to the other replicas
+        flight["balance"] = []
+        for gm, gx in zip(ix.gathers, b.gathers):  # split parameters: my replica's results into the chunks
             mine = back.view(-1, ix.g_stage).index_select(0, gm.send_rows).view(-1)
-            send = mine.repeat(gm.repeat) if mine.numel() else mine
-            recv = torch.empty(gm.recv_numel, dtype=self.ns_dtype, device=self.device)
-            flight["gather"].append((gm, recv, self._exchange([ex], send, recv, forward=True)[0]))
+            chunk = torch.empty(gm.chunk, dtype=self.ns_dtype, device=self.device)
+            work = dist.all_to_all_single(chunk[: sum(gm.recv_sizes)], mine, gm.recv_sizes, gm.send_sizes,
+                                          group=self.groups[gx.group], async_op=True)
+            flight["balance"].append((gm, gx, chunk, work))
         self._log("applied", k)
 
     def _gathered(self, k, apply):
-        ix, flight = self.index[k], self.flight.pop(k)
-        for gm, recv, work in flight["gather"]:
+        """Issue bucket k's all-gathers, then apply bucket k-1's (so one is in flight while the next
+        bucket's chunks arrive); k = None: apply the last one."""
+        issued = []
+        for gm, gx, chunk, work in self.flight.pop(k)["balance"] if k is not None else []:
             work.wait()
-            _apply_rows(recv, gm.apply, ix.g_stage, apply)
+            out = torch.empty(gm.chunk * len(gx.group), dtype=self.ns_dtype, device=self.device)
+            work = dist.all_gather_single(out, chunk, group=self.groups[gx.group], async_op=True)
+            issued.append((gm, out[: gm.total], self.index[k].g_stage, work))
+        pending, self.pending = self.pending, issued
+        for gm, segments, g, work in pending:
+            work.wait()
+            _apply_rows(segments, gm.apply, g, apply)
 
 
 def _batch(blocks, offset, n_wide, n_tall, s, l) -> torch.Tensor:

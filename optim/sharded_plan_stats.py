@@ -4,8 +4,8 @@ of the module docstring of `optim/plan.py`, summed and overlapped. Pure numpy ov
 
 Traffic counted per step, both directions: a piece whose holder is not its block's owner crosses
 once to the owner (forward all-to-all) and once back (return all-to-all); for a parameter split across
-replicas (`ParamLayout.split`), every piece of a result also goes from its holder to the same shard
-position in each other replica.
+replicas (`ParamLayout.split`), every piece of a result also reaches the same shard position in each
+other replica, by a balancing all-to-all and a ring all-gather over the replica group (`_replica_gather`).
 """
 
 from dataclasses import dataclass
@@ -42,34 +42,39 @@ def param_pieces(plan, pi: int, idx: np.ndarray) -> dict[str, np.ndarray]:
 
 def instances_by_param(plan) -> list[np.ndarray]:
     """Instance indices of each parameter, in the plan's (canonical) order."""
-    by_param = np.argsort(plan.inst["param"], kind="stable")
-    bounds = np.searchsorted(plan.inst["param"][by_param], np.arange(len(plan.params) + 1))
-    return [by_param[bounds[pi] : bounds[pi + 1]] for pi in range(len(plan.params))]
+    return instances_by(plan.inst["param"], np.arange(len(plan.params)))
 
 
-def plan_stats(plan) -> PlanStats:
+def instances_by(param: np.ndarray, key_of_param: np.ndarray) -> list[np.ndarray]:
+    """Instance indices per key (0..max key) of their parameter, each in the instances' order."""
+    key = key_of_param[param]
+    n = int(key_of_param.max()) + 1 if len(key_of_param) else 0
+    if n < 2**16:  # numpy radix-sorts 16-bit keys
+        key = key.astype(np.uint16)
+    order = np.argsort(key, kind="stable")
+    bounds = np.searchsorted(key[order], np.arange(n + 1))
+    return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+
+def plan_stats(plan, cache: dict | None = None) -> PlanStats:
+    """`cache`: a dict kept across plans of the same parameter layouts (the piece templates' arrays)."""
     world, inst, opt = plan.world_size, plan.inst, plan.options
     flops = np.bincount(inst["owner"], weights=inst["flops"], minlength=world)
     blocks = np.bincount(inst["owner"], minlength=world)
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
-    communicated, gathered = set(), {}
-    for pi, idx in enumerate(instances_by_param(plan)):
+    communicated, gathered, cache = set(), {}, {} if cache is None else cache
+    batch_of, batches = _batches(plan.params)
+    for idx, pi in zip(instances_by(inst["param"], batch_of), batches):  # params sharing template, groups, dtype
         p = plan.params[pi]
-        rows = param_pieces(plan, pi, idx)
-        nbytes = rows["numel"] * (p.nbytes // (p.block_shape[0] * p.block_shape[1]))
-        moving = rows["holder"] != rows["owner"]
-        _count_both_ways(traffic, rows["holder"][moving], rows["owner"][moving], nbytes[moving], opt.ranks_per_node,
-                         world)
-        if moving.any():
+        computed, moving = _all_to_all_traffic(traffic, plan, p, idx, opt.ranks_per_node, cache)
+        if moving:
             communicated.add(p.shape_group)
         if p.split and p.groups.shape[0] > 1 and len(idx):
-            R, S = p.groups.shape
-            at = plan.inst["replica"][rows["inst"]] * S + rows["shard"]
-            entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(R * S)])
-            entry[1] += np.bincount(at, weights=nbytes, minlength=R * S)
+            entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(p.groups.shape)])
+            entry[1] += computed
             communicated.add(p.shape_group)
     for groups, computed in gathered.values():
-        _replica_gather(traffic, groups, computed.reshape(groups.shape), opt.ranks_per_node, world)
+        _replica_gather(traffic, groups, computed, opt.ranks_per_node, world)
     comm_free = [g for g in range(len(plan.shape_groups)) if g not in communicated]
     mean = flops.mean() if world else 0.0
     parts = (
@@ -85,34 +90,154 @@ def plan_stats(plan) -> PlanStats:
     )
 
 
-def _count_both_ways(traffic, holder, owner, nbytes, ranks_per_node, world):
-    """Forward (holder -> owner) and return (owner -> holder): each rank sends what it receives."""
-    inter = ((holder // ranks_per_node) != (owner // ranks_per_node)).astype(np.int64)
-    both = (np.bincount(holder * 2 + inter, weights=nbytes, minlength=2 * world)
-            + np.bincount(owner * 2 + inter, weights=nbytes, minlength=2 * world)).reshape(world, 2)
-    for i, kind in enumerate(("intra", "inter")):
-        traffic[f"sent_{kind}"] += both[:, i]
-        traffic[f"recv_{kind}"] += both[:, i]
+def _batches(params) -> tuple[np.ndarray, list[int]]:
+    """(batch of each parameter, first parameter of each batch): parameters whose instances the
+    stats count together (same piece template, groups, split, NS dtype and shape group)."""
+    keys = {}
+    batch_of = np.array([keys.setdefault((id(p.pieces), id(p.groups), p.split, p.nbytes, p.shape_group), pi)
+                         for pi, p in enumerate(params)], dtype=np.int64)
+    firsts = sorted(set(batch_of.tolist()))
+    renumber = {f: i for i, f in enumerate(firsts)}
+    return np.array([renumber[f] for f in batch_of.tolist()], dtype=np.int64), firsts
+
+
+def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[np.ndarray, bool]:
+    """Add the forward and return all-to-all bytes of instances `idx` of parameter p (or of
+    parameters with p's template, groups and dtype) to `traffic`
+    (each rank sends what it receives). Returns (bytes held at each [replica, shard position] of the
+    blocks that replica computes, whether any piece moves).
+
+    Per instance, not per piece: with the owner at position `pos` of its replica's row, the owner
+    receives every piece but its own (from its node: the pieces at positions of its node), and the
+    holder at (r, s) sends all it holds of replica r's instances except where it owns the block; of
+    that, it sends inside its node what goes to owners on its node, found from the few pieces of
+    each block on its owner's node (none to look up when a row is one node or one node per position).
+    """
+    R, S = p.groups.shape
+    H, part = _template(cache, p, ranks_per_node)
+    eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
+    b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
+    pos = part["pos_of"][owner]
+    rows = R
+    if not p.split and R > 1 and len(part["patterns"]) == 1 and _replicas_alike(b, r, pos, R):
+        b, r, pos, rows = b[::R], np.zeros(len(idx) // R, dtype=np.int64), pos[::R], 1  # count replica 0
+    own = H[b, pos]
+    total = part["block_total"][b]
+    at = r * S + pos
+    own_rs = np.bincount(at, weights=own, minlength=rows * S)
+    computed = np.bincount(r * len(H) + b, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
+    held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
+    same, same_rs = np.zeros(len(b)), np.zeros(rows * S)  # same-node elements: per owner, per holder
+    for k, pattern in enumerate(part["patterns"]):
+        mine = np.nonzero(part["pattern_of_row"][r] == k)[0] if len(part["patterns"]) > 1 else slice(None)
+        cls = pattern[pos[mine]]
+        same[mine] = part["H_cls"][k][b[mine], cls]
+        if part["one_node"]:
+            same_rs = computed.ravel()
+        elif not part["own_node_only"]:
+            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, rows * S)
+    held_intra = held if part["one_node"] else (np.zeros(rows * S) if part["own_node_only"] else same_rs - own_rs)
+    per_position = {  # [rows * S]: as owner plus as holder
+        "intra": np.bincount(at, weights=same - own, minlength=rows * S) + held_intra,
+        "inter": np.bincount(at, weights=total - same, minlength=rows * S) + held - held_intra,
+    }
+    world = len(traffic["sent_intra"])
+    for kind, v in per_position.items():
+        both = np.bincount(p.groups.ravel(), weights=np.tile(v, R // rows), minlength=world) * eb
+        traffic[f"sent_{kind}"] += both
+        traffic[f"recv_{kind}"] += both
+    return np.broadcast_to(computed, (R, S)) * eb, bool((total > own).any())
+
+
+def _replicas_alike(b, r, pos, R) -> bool:
+    """Whether instances (b, r, pos) list each block's R replicas in a row (assign's order) and
+    every replica puts it at the same position: then replica 0 counts for all (the node partition
+    of every row being the same)."""
+    if len(b) % R:
+        return False
+    grid = lambda a: a.reshape(-1, R)  # noqa: E731
+    return bool((grid(r) == np.arange(R)).all() and (grid(b) == grid(b)[:, :1]).all()
+                and (grid(pos) == grid(pos)[:, :1]).all())
+
+
+def _template(cache, p, ranks_per_node):
+    """H [n_blocks, S] (elements of each block at each shard position) and the rows' node
+    partitions (`patterns`: class of each position, its node's rank among the row's nodes; per
+    pattern the elements of each block per class, and the block's pieces ordered by class), cached
+    per piece template and group array."""
+    key = (id(p.pieces), id(p.groups))
+    if key not in cache:
+        R, S = p.groups.shape
+        n = len(p.block_boxes)
+        block_of = np.repeat(np.arange(n), np.diff(p.pieces.start))
+        H = np.zeros((n, S))
+        H[block_of, p.pieces.shard] = p.pieces.numel
+        node = p.groups // ranks_per_node
+        order = np.argsort(node, axis=1, kind="stable")
+        sorted_node = np.take_along_axis(node, order, axis=1)
+        new_node = np.concatenate([np.zeros((R, 1), bool), sorted_node[:, 1:] != sorted_node[:, :-1]], axis=1)
+        cls = np.empty_like(node)
+        np.put_along_axis(cls, order, np.cumsum(new_node, axis=1), axis=1)  # the node's rank in the row
+        patterns, pattern_of_row = np.unique(cls, axis=0, return_inverse=True)
+        part = dict(patterns=list(patterns), pattern_of_row=pattern_of_row.ravel(),
+                    one_node=bool((cls == 0).all()), own_node_only=bool((patterns.max(axis=1) == S - 1).all()),
+                    pos_of=np.full(int(p.groups.max()) + 1, -1, dtype=np.int64), H_cls=[], csr=[])
+        part["pos_of"][p.groups.ravel()] = np.tile(np.arange(S), R)
+        part["block_total"] = H.sum(axis=1)
+        for pattern in patterns:
+            C = int(pattern.max()) + 1
+            part["H_cls"].append(np.stack([np.bincount(pattern, weights=h, minlength=C) for h in H]) if n
+                                 else np.zeros((0, C)))
+            key_of = block_of * C + pattern[p.pieces.shard]
+            order = np.argsort(key_of, kind="stable")
+            part["csr"].append((C, order, np.searchsorted(key_of[order], np.arange(n * C + 1))))
+        cache[key] = H, part
+    return cache[key]
+
+
+def _same_node_pieces(csr, p, b, r, cls, size) -> np.ndarray:
+    """Per (replica, shard position): elements held there of the instances (b, r) whose owner is on
+    the holder's node (owner's class `cls`), the owner's own piece included."""
+    C, order, start = csr
+    lo, hi = start[b * C + cls], start[b * C + cls + 1]
+    count = hi - lo
+    rows = np.repeat(np.arange(len(b)), count)
+    piece = order[np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())]
+    S = p.groups.shape[1]
+    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece], minlength=size)
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):
-    """Traffic of the all-gather over the replica axis: every piece of a result goes from its holder
-    groups[r, s] to the same shard position s of each other replica. `computed` [R, S]: bytes of the
-    pieces held at (replica r, shard position s) of the blocks replica r computed. Counted per
-    (replica, shard position), not per piece: byte counts are integers, so the sums are exact."""
+    """Traffic of the all-gather over the replica axis as the pipeline runs it (sharded_pipeline.py),
+    counted on the step's totals (the runtime does this per bucket). Per shard position s, the R
+    members of the replica group groups[:, s], in rank order, hold segments of computed results
+    (`computed` [R, S] bytes) laid end to end, T bytes in all: an all-to-all moves them into R
+    equal chunks of T / R (a member keeps the part of its segment that falls in its own chunk), then
+    an all-gather of the chunks runs as a ring, each member sending (R - 1) T / R to the next one
+    (inside the node when the next one shares it) and receiving as much from the previous one."""
     R, S = groups.shape
-    node = groups // ranks_per_node
-    key = (node * S + np.arange(S)).ravel()  # (node, shard position): the ranks one node holds of column s
-    _, key = np.unique(key, return_inverse=True)
-    same_node = np.bincount(key)[key].reshape(R, S)  # replicas whose rank at s shares my node (me included)
-    node_bytes = np.bincount(key, weights=computed.ravel())[key].reshape(R, S)
-    column = computed.sum(axis=0, keepdims=True)
+    order = np.argsort(groups, axis=0, kind="stable")
+    ranks = np.take_along_axis(groups, order, axis=0).T  # [S, R] members of each replica group, in rank order
+    c = np.take_along_axis(computed, order, axis=0).T  # [S, R] bytes of each member's segment
+    chunk = c.sum(axis=1, keepdims=True) / R  # [S, 1]
+    start = np.cumsum(c, axis=1) - c
+    j = np.arange(R)
+    lo = np.maximum(start[:, :, None], j * chunk[:, :, None])
+    hi = np.minimum((start + c)[:, :, None], (j + 1) * chunk[:, :, None])
+    move = np.maximum(hi - lo, 0.0)  # [S, m, j] bytes of m's segment in j's chunk
+    move[:, j, j] = 0.0
+    node = ranks // ranks_per_node
+    same = node[:, :, None] == node[:, None, :]
+    ring = np.broadcast_to((R - 1) * chunk, (S, R))
+    to_next = node == np.roll(node, -1, axis=1)  # [S, R] member m's ring link to m + 1 stays in the node
     parts = {
-        "sent_intra": computed * (same_node - 1), "sent_inter": computed * (R - same_node),
-        "recv_intra": node_bytes - computed, "recv_inter": column - node_bytes,
+        "sent_intra": (move * same).sum(axis=2) + np.where(to_next, ring, 0.0),
+        "sent_inter": (move * ~same).sum(axis=2) + np.where(to_next, 0.0, ring),
+        "recv_intra": (move * same).sum(axis=1) + np.where(np.roll(to_next, 1, axis=1), ring, 0.0),
+        "recv_inter": (move * ~same).sum(axis=1) + np.where(np.roll(to_next, 1, axis=1), 0.0, ring),
     }
     for k, v in parts.items():
-        traffic[k] += np.bincount(groups.ravel(), weights=v.ravel(), minlength=world)
+        traffic[k] += np.bincount(ranks.ravel(), weights=v.ravel(), minlength=world)
 
 
 def _split_word(plan) -> str:

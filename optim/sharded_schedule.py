@@ -8,10 +8,14 @@ A piece this rank both holds and owns is a copy (no communication).
 Buffer order, identical on both ends of every collective: forward all-to-all segments by group
 member (destination on the sender, source on the receiver), inside a segment by (instance, piece)
 in the plan's canonical order; the return all-to-all is the same exchange with roles swapped.
-Replica all-gather (for each parameter split across replicas, `ParamLayout.split`): each member sends
-its replica's results for its shard position, ordered by (instance, piece), to every other member;
-the pieces of parameters each replica computes itself (not split) never enter it, even when they
-share the bucket and the replica group.
+Replica all-gather (for each parameter split across replicas, `ParamLayout.split`), per replica group
+and bucket: each member's segment is its replica's results at its shard position, ordered by
+(instance, piece); the segments, members in group order, are laid end to end (T elements) and cut
+into R equal chunks of ceil(T / R); an uneven all-to-all moves every segment into the chunks, and
+an all-gather of the chunks (a ring on NCCL) gives every member all segments: each member sends and
+receives about (R - 1) T / R, however unevenly the replicas computed, instead of a holder sending
+its segment R - 1 times. The pieces of parameters each replica computes itself (not split) never
+enter it, even when they share the bucket and the replica group.
 """
 
 from dataclasses import dataclass, field
@@ -48,8 +52,34 @@ class Exchange:
     group: tuple[int, ...]  # sorted global ranks
     send_sizes: list[int]  # elements per member
     recv_sizes: list[int]
-    sends: list[int]  # Held indices in buffer order (all-gather: the same list to every member)
-    recvs: list[int]  # Owned indices (all-to-all) or Held indices (all-gather) in buffer order
+    sends: list[int]  # Held indices in buffer order
+    recvs: list[int]  # Owned indices in buffer order
+
+
+@dataclass
+class Gather:
+    """One replica all-gather in one group (module docstring): my segment, the others' in buffer order."""
+
+    group: tuple[int, ...]  # sorted global ranks
+    segments: list[int]  # elements of each member's segment
+    me: int  # my position in the group
+    sends: list[int]  # Held indices of my segment, in order
+    recvs: list[int]  # Held indices of the other members' segments, members in group order
+
+    @property
+    def chunk(self) -> int:
+        return -(-sum(self.segments) // len(self.group))
+
+    def balance_sizes(self) -> tuple[list[int], list[int]]:
+        """(send, recv) elements per member of the all-to-all that moves the segments into the
+        chunks: what of my segment falls in each member's chunk, and of each segment in mine."""
+        q, starts = self.chunk, np.cumsum([0] + self.segments)
+        return ([_overlap(starts[self.me], starts[self.me + 1], j * q, (j + 1) * q) for j in range(len(self.group))],
+                [_overlap(starts[i], starts[i + 1], self.me * q, (self.me + 1) * q) for i in range(len(self.group))])
+
+
+def _overlap(lo, hi, lo2, hi2) -> int:
+    return int(max(0, min(hi, hi2) - max(lo, lo2)))
 
 
 @dataclass
@@ -59,7 +89,7 @@ class Bucket:
     batches: list[Batch] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (held, owned)
     exchanges: list[Exchange] = field(default_factory=list)  # all-to-all, forward direction
-    gathers: list[Exchange] = field(default_factory=list)  # replica all-gather
+    gathers: list[Gather] = field(default_factory=list)  # replica all-gather
 
 
 def group_keys(plan) -> tuple[list[tuple[int, ...]], list[np.ndarray], list[np.ndarray]]:
@@ -183,15 +213,13 @@ def _exchange(group, rows, me, held_at, owned_at) -> Exchange:
     )
 
 
-def _gather(group, rows, me, held_at, owned_at) -> Exchange:
+def _gather(group, rows, me, held_at, owned_at) -> Gather:
     pos = {r: i for i, r in enumerate(group)}
     sends = [r for r in rows if r["held"] and not r["gathered"]]
     recvs = sorted((r for r in rows if r["gathered"]), key=lambda r: pos[r["source"]])
-    n = sum(r["numel"] for r in sends)
-    return Exchange(
-        group, [0 if m == me else n for m in group], _sizes(recvs, "source", pos),
-        [held_at[r["id"]] for r in sends], [held_at[r["id"]] for r in recvs],
-    )
+    segments = _sizes(recvs, "source", pos)
+    segments[pos[me]] = sum(r["numel"] for r in sends)
+    return Gather(group, segments, pos[me], [held_at[r["id"]] for r in sends], [held_at[r["id"]] for r in recvs])
 
 
 def _sizes(rows, who, pos) -> list[int]:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import preset
 from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
+from optim import plan_owners
 from optim.plan import ParamSpec, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, local_box, strided_shard
 from optim.sharded_schedule import group_keys, rank_schedule
@@ -118,9 +119,13 @@ def test_every_rank_issues_the_same_collectives_with_matching_splits(replica_spl
             for group, members in per_group.items():
                 assert sorted(members) == list(group), (k, kind, group)  # every member issues it
                 n_collectives += 1
+                sizes = {r: (ex.send_sizes, ex.recv_sizes) if kind == "exchanges" else ex.balance_sizes()
+                         for r, (_, ex) in members.items()}
                 for a, b in itertools.product(range(len(group)), repeat=2):
-                    sent = members[group[a]][1].send_sizes[b]
-                    assert sent == members[group[b]][1].recv_sizes[a], (k, kind, group, a, b)
+                    assert sizes[group[a]][0][b] == sizes[group[b]][1][a], (k, kind, group, a, b)
+                if kind == "gathers":  # every member lays out the same segments and chunks
+                    assert len({tuple(ex.segments) for _, ex in members.values()}) == 1, (k, group)
+                    assert [ex.me for _, ex in members.values()] == [group.index(r) for r in members]
             orders = {}  # same relative order of shared collectives on every rank
             for group, members in per_group.items():
                 for rank, (order, _) in members.items():
@@ -206,11 +211,11 @@ def test_kimi_k2_on_256_ranks_balances_without_allocating():
         assert plan.stats.load_ratio <= 1.05
         assert plan.stats.flops.min() > 0
     assert fingerprint(plans["off"]) == "730d81fc790931c4"  # pinned before the planner was vectorized
-    # replica split, replicas chosen by all-gather sends too: the busiest sender sends no more than
-    # the busiest receiver receives (17.7 GB; 22.6 GB when replicas were chosen by FLOPs alone)
+    # replica split: the all-gather is balanced (an all-to-all into equal chunks, then a ring), so the
+    # busiest sender sends no more than the busiest receiver receives
     on = plans["on"].stats
     assert on.sent_inter.max() <= 1.01 * on.recv_inter.max()
-    assert fingerprint(plans["on"]) == "9cf766aac14d56d4"
+    assert fingerprint(plans["on"]) == "c1cbe3099ea04acf"
 
 
 def fingerprint(plan) -> str:
@@ -228,13 +233,14 @@ def fingerprint(plan) -> str:
 
 # Computed with the per-block planner before it was vectorized (heaps, one sort key, per-replica
 # gather counts): the faster planner must make the very same plans. Replica-split plans with more
-# than one replica were re-pinned when replicas started being chosen by all-gather sends too. The
-# debug model's specs are given as before the w1/w3 fusion (`pre_fusion`).
+# than one replica were re-pinned when the replica all-gather became a balanced ring (owners chosen
+# by FLOPs alone, `test_fast_paths_pick_what_place_block_picks`; stats of the ring). The debug
+# model's specs are given as before the w1/w3 fusion (`pre_fusion`).
 PINNED = {
-    ("awkward", "off"): "b6f0c1ed80f702f9", ("awkward", "on"): "ed1ce05664f736b4",
+    ("awkward", "off"): "b6f0c1ed80f702f9", ("awkward", "on"): "c7893ce13ecb254b",
     (0, "off"): "7470ceac6cc9fd8e", (1, "off"): "d39feb14b1c986da", (2, "off"): "3837affe7ad07694",
-    (3, "off"): "ff165c7060240c81", (0, "on"): "1d7e754b159afc43", (1, "on"): "b1448a9e74bb3304",
-    (2, "on"): "b65734bdc900e7b4", (3, "on"): "216afb40e3da6ba2",
+    (3, "off"): "ff165c7060240c81", (0, "on"): "1d7e754b159afc43", (1, "on"): "5a0f295aea34cedd",
+    (2, "on"): "67e176b6cab3a8c2", (3, "on"): "216afb40e3da6ba2",
 }
 
 
@@ -298,3 +304,106 @@ def test_prefer_holders_keeps_expert_pieces_inside_the_node():
     balanced, holders = plans[False].stats, plans[True].stats
     assert holders.sent_inter.sum() < balanced.sent_inter.sum() / 2
     assert holders.flops.max() <= balanced.flops.max()
+
+
+def narrow_debug_specs():
+    """The debug model on 16 ranks, 4 per node, expert mesh with edp_shard inside a node (the
+    "narrow" layout of benchmarks/projection.py), dense dp_replicate = 4 across nodes."""
+    layout = ParallelConfig(dp_replicate=4, dp_shard=4, cp=1, ep=4, edp_replicate=1, edp_shard=4).resolve(16)
+    ranks = np.arange(16).reshape(1, 4, 4).transpose(0, 2, 1)
+    return [dataclasses.replace(s, mesh_ranks=ranks) if s.mesh_dim_names == EXPERT_NAMES else s
+            for s in model_specs(preset("debug"), layout)]
+
+
+@pytest.mark.parametrize("replica_split", ["off", "on", "auto"])
+def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split):
+    """The heaps (experts split on a matrix dim, blocks split across replicas), the water-filling of
+    runs of equal expert blocks and the placement in one replica row for all (replica rows with
+    equal loads) against the plain argmin of `_place_block` they stand for, fast paths turned off."""
+    cases = [(awkward_specs(), 8, {}), (narrow_debug_specs(), 16, dict(ranks_per_node=4))]
+    fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
+    monkeypatch.setattr(plan_owners, "_split_owner", lambda *args: None)
+    monkeypatch.setattr(plan_owners, "_least_loaded_equal", lambda *args: None)
+    monkeypatch.setattr(plan_owners, "_water_fill", lambda *args: None)
+    monkeypatch.setattr(plan_owners, "_symmetric", lambda *args: False)
+    plain = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
+    assert fast == plain
+
+
+def plain_all_to_all_traffic(plan):
+    """Per rank (sent = received) intra- and inter-node bytes of the forward and return all-to-alls,
+    one piece at a time."""
+    out = {"intra": np.zeros(plan.world_size), "inter": np.zeros(plan.world_size)}
+    node = lambda rank: rank // plan.options.ranks_per_node  # noqa: E731
+    for i in range(len(plan.inst["owner"])):
+        p = plan.params[plan.inst["param"][i]]
+        b, rep, owner = plan.inst["block"][i], plan.inst["replica"][i], plan.inst["owner"][i]
+        for j in range(p.pieces.start[b], p.pieces.start[b + 1]):
+            holder = p.groups[rep, p.pieces.shard[j]]
+            if holder != owner:
+                nbytes = p.pieces.numel[j] * p.nbytes // (p.block_shape[0] * p.block_shape[1])
+                kind = "intra" if node(holder) == node(owner) else "inter"
+                out[kind][holder] += nbytes
+                out[kind][owner] += nbytes
+    return out
+
+
+def schedule_gather_traffic(plan):
+    """Per rank bytes of the replica all-gathers as the ranks' schedules issue them: the all-to-all
+    into the chunks (self excluded) and the ring all-gather ((R - 1) chunks to the next member)."""
+    traffic = {k: np.zeros(plan.world_size) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
+    node = lambda rank: rank // plan.options.ranks_per_node  # noqa: E731
+    itemsize = torch.empty((), dtype=plan.options.ns_dtype or torch.float32).element_size()
+    for rank in range(plan.world_size):
+        for bucket in rank_schedule(plan, rank):
+            for gx in bucket.gathers:
+                sends, recvs = gx.balance_sizes()
+                R = len(gx.group)
+                for m, peer in enumerate(gx.group):
+                    if peer != rank:
+                        kind = "intra" if node(peer) == node(rank) else "inter"
+                        traffic[f"sent_{kind}"][rank] += sends[m] * itemsize
+                        traffic[f"recv_{kind}"][rank] += recvs[m] * itemsize
+                for direction, peer in (("sent", gx.group[(gx.me + 1) % R]), ("recv", gx.group[gx.me - 1])):
+                    kind = "intra" if node(peer) == node(rank) else "inter"
+                    traffic[f"{direction}_{kind}"][rank] += (R - 1) * gx.chunk * itemsize
+    return traffic
+
+
+@pytest.mark.parametrize("replica_split", ["off", "on", "mixed"])
+def test_stats_count_the_bytes_the_schedule_moves(replica_split):
+    """Plan stats (per instance, step totals) against a plain loop over pieces for the all-to-alls
+    and against the ranks' own schedules for the replica all-gathers (one bucket: the stats count
+    the step's totals, the runtime each bucket; T / R against ceil(T / R) per chunk, so up to R
+    elements per member and chunk boundary apart)."""
+    specs = narrow_debug_specs()
+    options = PlanOptions(replica_split="on" if replica_split == "mixed" else replica_split, ranks_per_node=4,
+                          bucket_mb=1024)
+    mixed = {"layers.0.attention.wq_b.weight", "layers.1.feed_forward.shared_experts.w1.weight"}
+    plan = make_plan(specs, 16, options, split=mixed if replica_split == "mixed" else None)
+    s = plan.stats
+    a2a = plain_all_to_all_traffic(plan)
+    gathers = schedule_gather_traffic(plan)
+    assert plan.num_buckets == 1 and (replica_split == "off") == (sum(v.sum() for v in gathers.values()) == 0)
+    for kind in ("intra", "inter"):
+        for direction in ("sent", "recv"):
+            got, want = getattr(s, f"{direction}_{kind}"), a2a[kind] + gathers[f"{direction}_{kind}"]
+            np.testing.assert_allclose(got, want, rtol=0, atol=4 * 4 * 4, err_msg=f"{direction}_{kind}")  # R^2 fp32
+    assert s.sent_inter.sum() > 0 and s.sent_intra.sum() > 0
+
+
+def test_water_fill_places_a_run_as_one_block_at_a_time():
+    """Runs of equal blocks (loads with many ties, holders with the piece bonus) against a plain loop
+    of `_place_block`'s argmin, one block at a time."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, k, flops = int(rng.integers(1, 40)), int(rng.integers(1, 60)), 1000 * int(rng.integers(1, 4))
+        ranks, mask = rng.permutation(100)[:n], rng.random(n) < 0.3
+        loads = np.zeros(100)
+        loads[ranks] = 1000.0 * rng.integers(0, 5, n)
+        want, picks = loads.copy(), []
+        for _ in range(k):
+            picks.append(int(np.argmin(want[ranks] - 1e-9 * flops * 0.25 * mask)))
+            want[ranks[picks[-1]]] += flops
+        assert plan_owners._water_fill(ranks, loads, flops, mask, 0.25, k).tolist() == picks
+        assert np.array_equal(loads, want)

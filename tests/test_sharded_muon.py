@@ -78,6 +78,10 @@ CASES = [
     Case("dense dp_shard=8, synchronous buckets", (1, 8), bucket_mb=0.0004, overlap=False),
     Case("dense dp_replicate=2 x dp_shard=4 (and x dp_shard=2 x cp=2)", (2, 4)),
     Case("dense dp_replicate=2 x dp_shard=4, replica split", (2, 4), replica_split="on", bucket_mb=0.0004),
+    # 4 replicas: each segment spreads over the chunks of other members before the all-gather
+    Case("dense dp_replicate=4 x dp_shard=2, replica split", (4, 2), replica_split="on", bucket_mb=0.0004),
+    Case("dense dp_replicate=4 x dp_shard=2, mixed split, Gram NS", (4, 2), ns_method="gram", bucket_mb=0.001,
+         split=frozenset({"wq", "w_big"})),
     Case("expert ep=8", (1, 1, 8), n_experts=8),
     Case("expert edp_shard=2 x ep=4, 6 experts (an ep rank without experts)", (1, 2, 4), n_experts=6, bucket_mb=0.001),
     Case("expert edp_replicate=2 x edp_shard=2 x ep=2", (2, 2, 2), n_experts=6),
