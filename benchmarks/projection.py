@@ -28,8 +28,8 @@ rank's experts: ~19 GB in bf16 into every rank, 0.58 s at W = 512), against 0.26
 "narrow" turns the expert mesh around: edp_shard = 8 inside a node, ep = gcd(W / 8, 384) across nodes
 (edp_replicate = the rest): an expert's pieces then stay on NVLink (its Muon all-to-all never leaves
 the node) while the token all-to-all of ep crosses nodes (not modelled here: this is the optimizer
-step only). The runtime builds this numbering with `parallel.expert_inner = "edp_shard"`; the
-projection gives the planner `expert_ranks_narrow`'s numbering. Its plans keep each expert block
+step only). The runtime builds this numbering with `parallel.expert_inner = "edp_shard"`, and so does the
+projection's layout. Its plans keep each expert block
 with its holders while their load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
 that the balancing greedy sends pieces to any rank of the world and the traffic crosses nodes again
 (Kimi K2, W = 256, Gram: 0.418 s and 14.5 GB inter-node per rank, against 0.295 s and 0.1 GB).
@@ -49,7 +49,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 
 if __package__ in (None, ""):  # `python benchmarks/projection.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,7 +61,7 @@ from models import preset
 from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan import REPLICA_SPLIT, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, placement_kind
-from optim.sharded_specs import EXPERT_NAMES, model_specs
+from optim.sharded_specs import model_specs
 from parallel.layout import ParallelConfig
 
 WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -83,17 +82,10 @@ def kimi_layout(world: int, expert_layout: str = "wide"):
     if expert_layout == "narrow":
         ep = math.gcd(nodes, N_EXPERTS)
         return ParallelConfig(dp_replicate=nodes, dp_shard=GPUS_PER_NODE, cp=1, ep=ep, edp_replicate=nodes // ep,
-                              edp_shard=GPUS_PER_NODE).resolve(world)
+                              edp_shard=GPUS_PER_NODE, expert_inner="edp_shard").resolve(world)
     edp_shard = nodes if expert_layout == "wide" else min(nodes, 16)
     return ParallelConfig(dp_replicate=nodes, dp_shard=GPUS_PER_NODE, cp=1, ep=GPUS_PER_NODE,
                           edp_replicate=nodes // edp_shard, edp_shard=edp_shard).resolve(world)
-
-
-def expert_ranks_narrow(layout) -> np.ndarray:
-    """Rank mesh (edp_replicate, edp_shard, ep) with edp_shard innermost: rank = (r * ep + e) * edp_shard + s,
-    so an edp_shard group is one node and an ep group spans nodes."""
-    r, s, e = layout.edp_replicate, layout.edp_shard, layout.ep
-    return np.arange(r * s * e).reshape(r, e, s).transpose(0, 2, 1)
 
 
 def total_ns_flops(specs, method: str = "standard") -> int:
@@ -106,10 +98,7 @@ def plan_world(config, world: int, device, *, expert_layout="wide", replica_spli
                ns_method="standard"):
     """(specs, plan) of Kimi K2 on `world` GPUs, planned with the device's own numbers."""
     layout = kimi_layout(world, expert_layout)
-    specs = model_specs(config, layout, dtype=torch.float32)
-    if expert_layout == "narrow":
-        ranks = expert_ranks_narrow(layout)
-        specs = [replace(s, mesh_ranks=ranks) if s.mesh_dim_names == EXPERT_NAMES else s for s in specs]
+    specs = model_specs(config, layout, dtype=torch.float32)  # narrow: edp_shard innermost (parallel.expert_inner)
     options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=NS_DTYPE, ns_method=ns_method,
                           prefer_holders=expert_layout == "narrow",
                           ranks_per_node=GPUS_PER_NODE, flops_per_s=device.sustained_tflops * 1e12,

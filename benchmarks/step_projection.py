@@ -308,13 +308,9 @@ def optimizer_step_s(model_config, layout, device) -> float:
     from benchmarks.device_model import project
     from benchmarks.projection import NS_DTYPE, local_elements
     from optim.plan import PlanOptions, make_plan
-    from optim.sharded_specs import EXPERT_NAMES, model_specs
-    from parallel.layout import EXPERT_AXES
-    from parallel.meshes import rank_mesh
+    from optim.sharded_specs import model_specs
 
-    expert_ranks = rank_mesh(layout, EXPERT_AXES)  # model_specs numbers ep innermost; follow parallel.expert_inner
-    specs = [dataclasses.replace(s, mesh_ranks=expert_ranks) if s.mesh_dim_names == EXPERT_NAMES else s
-             for s in model_specs(model_config, layout, dtype=torch.float32)]
+    specs = model_specs(model_config, layout, dtype=torch.float32)  # expert ranks follow parallel.expert_inner
     options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE,
                           flops_per_s=device.sustained_tflops * 1e12,
                           intra_node_bytes_per_s=device.nvlink_gbs * 1e9,

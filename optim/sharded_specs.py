@@ -36,8 +36,8 @@ def param_spec(name: str, param: torch.Tensor, split: MatrixSplit) -> ParamSpec:
 
 def model_specs(config, layout, dtype: torch.dtype = torch.float32) -> list[ParamSpec]:
     """Specs of every Muon parameter of `Transformer(config)` under `layout` (a
-    parallel.layout.Layout: dp_replicate, dp_shard, cp, ep, edp_replicate, edp_shard, world_size),
-    built on the meta device (no storage)."""
+    parallel.layout.Layout: dp_replicate, dp_shard, cp, ep, edp_replicate, edp_shard, world_size,
+    expert_inner), built on the meta device (no storage)."""
     from models import Transformer
     from models.experts import GroupedExperts
 
@@ -48,9 +48,12 @@ def model_specs(config, layout, dtype: torch.dtype = torch.float32) -> list[Para
         f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, GroupedExperts)
         for n, _ in m.named_parameters(recurse=False)
     }
+    from parallel.layout import EXPERT_AXES
+    from parallel.meshes import rank_mesh
+
     world = layout.world_size
     dense_ranks = np.arange(world).reshape(layout.dp_replicate, layout.dp_shard * layout.cp)
-    expert_ranks = np.arange(world).reshape(layout.edp_replicate, layout.edp_shard, layout.ep)
+    expert_ranks = rank_mesh(layout, EXPERT_AXES)  # follows parallel.expert_inner, like the runtime's mesh
     expert_placements = _expert_placements(config.n_routed_experts, layout)
     specs = []
     for name, param in model.named_parameters():
