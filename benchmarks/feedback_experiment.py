@@ -192,8 +192,11 @@ class Learner:
         torch.manual_seed(config.training.seed)
         self.model = build_model(config, meshes, layout, self.device)
         self.objective = posttrain.build_objective(config, self.model, meshes, layout, self.device)  # loads the base
-        self.start = build_model(config, meshes, layout, self.device)
-        posttrain.copy_weights(self.model, self.start)
+        if config.posttrain.teacher == "initial":  # the objective already holds a frozen copy of the start
+            self.start = self.objective.teacher
+        else:
+            self.start = build_model(config, meshes, layout, self.device)
+            posttrain.copy_weights(self.model, self.start)
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config.training)
 

@@ -4,7 +4,6 @@ objective, measurement) for every arm; and one feedback step on a turn that call
 moves the student's probability of that tool's name the way the hint moves the teacher's (down, when
 the hint makes the name less likely)."""
 
-import dataclasses
 import json
 import random
 

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from examples.tool_env import (GOALS, HEADER, MAX_ASSISTANT_TURNS, new_episode, play, rollout_record, step,
-                               transcript)
+from examples.tool_env import GOALS, HEADER, new_episode, play, rollout_record, step, transcript
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
 from runtime.rollouts import trajectory_from_record
