@@ -31,6 +31,7 @@ and the group size.
 """
 
 import contextlib
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -40,6 +41,10 @@ from torch.distributed import distributed_c10d
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from optim.newton_schulz import orthogonalize
+
+_ORTHOGONALIZE_CODE = orthogonalize.__code__
 
 CHECKED_TORCH_VERSION = "2.13.0"
 
@@ -52,6 +57,8 @@ class StepCounts:
     collectives: int = 0
     ops: int = 0  # aten ops dispatched (a proxy for kernel launches; a _foreach_ op counts once)
     peak_extra_bytes: int = 0  # most bytes of tensors allocated during the step alive at once
+    memory_bytes: int = 0  # bytes read + written by the memory-bound ops outside Newton-Schulz
+    ns_memory_bytes: int = 0  # the same inside `orthogonalize` (its elementwise ops; matmuls are FLOPs)
     uncounted: list = field(default_factory=list)  # collectives whose bytes this module does not model
 
     @property
@@ -69,6 +76,12 @@ class _CommCounter(TorchDispatchMode):
         self.counts.ops += 1
         self._collective(func, args)
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten" and not func.is_view and func.overloadpacket not in _MATMULS:
+            moved = _memory_bytes(func, args, kwargs or {}, out)
+            if _in_newton_schulz():
+                self.counts.ns_memory_bytes += moved
+            else:
+                self.counts.memory_bytes += moved
         self.memory.track(args, out)
         self.counts.peak_extra_bytes = self.memory.peak
         return out
@@ -90,6 +103,53 @@ class _CommCounter(TorchDispatchMode):
         self.counts.bytes_sent += int(sent_received[0])
         self.counts.bytes_received += int(sent_received[1])
         self.counts.collectives += 1
+
+
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm}
+_NO_TRAFFIC = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+               torch.ops.aten._unsafe_view}
+_WRITE_ONLY = {torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.zero_, torch.ops.aten.fill_,
+               torch.ops.aten.full, torch.ops.aten.copy_}  # copy_ reads its source (below), not self
+_INDEXED = {torch.ops.aten.index_copy_: 3, torch.ops.aten.index_add_: 3, torch.ops.aten.index_put_: 2}
+
+
+def _memory_bytes(func, args, kwargs, out) -> int:
+    """Bytes an aten op reads + writes in device memory: what a memory-bound kernel costs.
+
+    Default: every tensor argument is read whole (but an out= argument), and the arguments the schema
+    marks as written (in-place self, out=) or else the outputs are written whole (elementwise ops, casts, `cat`).
+    Exceptions: allocation moves nothing; `copy_`, fills and `zeros` do not read the destination;
+    `index_select` reads only the rows it selects (= what it writes) and the index; `index_copy_`,
+    `index_add_` and `index_put_` read the source and the index and write (`index_add_`: read and
+    write) only the destination rows, not the whole destination.
+    """
+    packet = func.overloadpacket
+    if packet in _NO_TRAFFIC:
+        return 0
+    schema = func._schema.arguments
+    named = dict(zip((a.name for a in schema), args)) | kwargs
+    mutated = [a for a in schema if a.alias_info is not None and a.alias_info.is_write and a.name in named]
+    written = sum(_nbytes(t) for t in _plain_tensors([named[a.name] for a in mutated] or out))
+    outs = {a.name for a in mutated if a.kwarg_only}  # out=: written, not read (in-place self is both)
+    if packet in _WRITE_ONLY:
+        return written + (_nbytes(args[1]) if packet is torch.ops.aten.copy_ else 0)
+    if packet is torch.ops.aten.index_select:
+        return 2 * written + _nbytes(args[2])
+    if packet in _INDEXED:
+        source = args[_INDEXED[packet]]
+        reads = 2 if packet is torch.ops.aten.index_add_ else 1
+        return (reads + 1) * _nbytes(source) + sum(_nbytes(t) for t in _plain_tensors(args[_INDEXED[packet] - 1]))
+    return sum(_nbytes(t) for t in _plain_tensors([v for k, v in named.items() if k not in outs])) + written
+
+
+def _in_newton_schulz() -> bool:
+    """Whether the op is dispatched from inside `optim.newton_schulz.orthogonalize` (a stack walk)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _ORTHOGONALIZE_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _LiveMemory:

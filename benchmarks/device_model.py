@@ -24,7 +24,8 @@ forward all-to-all and bucket k-1's return):
     step = max(compute, comm) + comm / B + B * latency + elementwise
 compute = its NS FLOPs / sustained; comm / B = the first bucket's forward plus the last bucket's
 return, which nothing overlaps; elementwise = its local Muon elements x ELEMENTWISE_BYTES / HBM
-(momentum, Nesterov direction, packing, update: memory-bound, not overlapped). The projected step is
+(momentum, Nesterov direction, packing, update: memory-bound, not overlapped; the bytes are the
+step's own, counted on CPU). The projected step is
 the slowest rank's.
 """
 
@@ -33,9 +34,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-# fp32 master weights and momentum: read grad (4), read+write momentum (8), write+read the direction
-# (8), pack/unpack it in bf16 for the all-to-all (2 x 2 x 2), read the update (2), read+write the weight (8)
-ELEMENTWISE_BYTES = 38
+# Bytes the sharded Muon step reads + writes per local Muon element outside Newton-Schulz (fp32
+# master weights and momentum, bf16 NS): MEASURED, not assumed. `benchmarks/counters.py` counts every
+# memory-bound op of the step; Kimi K2's shapes scaled down (`kimi_slice`, bf16 NS) give 64.3 on 1
+# process and 64.3 on the busiest of 2 ranks (`optimizer_step.py --ns-dtype bfloat16`), debug 65.5.
+# Per element: momentum mul + add (8 + 12), weight decay (8), the Nesterov direction written in bf16
+# into the send buffer (4 + 4 + 2), block assembly (2 + 2), tall blocks batched with wide ones (cat
+# and copy back: 8 on mixed groups), the return gather (2 + 2), the update (4 + 2 + 4).
+# tests/test_benchmarks.py re-measures it. A fused kernel would need about 24 (read grad, momentum
+# and weight once, write momentum and weight once, the direction once in bf16, read the result).
+# Pieces moved by index maps instead of runs (optim/sharded_index.py) cost 32 more: 9% of Kimi K2's
+# elements at W = 256 (narrow), about +3 bytes not counted here.
+ELEMENTWISE_BYTES = 64
 
 
 @dataclass(frozen=True)

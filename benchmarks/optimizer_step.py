@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # `torchrun benchmarks/optimizer_step.py`: make t
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from benchmarks import harness, report
 from benchmarks.matmul_rate import block_shape_counts, ns_rate
@@ -121,16 +122,33 @@ def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) ->
     rates = _ns_rates(param_set, methods, device)
     rows = {m: report.method_row(methods[m], times[m], counts[m], checks[m], rates[methods[m].ns_dtype])
             for m in methods}
+    elements = _local_elements(methods)
     for m in methods:  # host-side proxies (counters.py), busiest rank
         rows[m].update(ops_per_step=max(c.ops for c in counts[m]),
                        collectives_per_step=max(c.collectives for c in counts[m]),
-                       peak_extra_mb=max(c.peak_extra_bytes for c in counts[m]) / 2**20)
+                       peak_extra_mb=max(c.peak_extra_bytes for c in counts[m]) / 2**20,
+                       memory_bytes_per_element=_per_element(counts[m], elements[m], "memory_bytes"),
+                       ns_memory_bytes_per_element=_per_element(counts[m], elements[m], "ns_memory_bytes"))
     rows.update({m: {"skipped": x.reason} for m, x in built.items() if isinstance(x, Skipped)})
     shapes = {fqn: tuple(p.shape) for fqn, p in param_set.params.items()}
     blocks = block_shape_counts(shapes, param_set.splits)
     return {"blocks": {f"{r}x{c}": n for (r, c), n in blocks.items()},
             "matmul_gflops": {str(k).replace("torch.", ""): v for k, v in rates.items()},
             "methods": rows, "speedup_vs": report.speedups(rows)}
+
+
+def _local_elements(methods: dict) -> dict:
+    """name -> per rank, the parameter elements the method updates there (`single`: all on rank 0)."""
+    mine = {m: sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in x.params.values())
+            for m, x in methods.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {m: [e[m] for e in every] for m in methods}
+
+
+def _per_element(counts, elements, field) -> float:
+    """Bytes of `field` per parameter element the rank updates, busiest rank (ranks with none skipped)."""
+    return max((getattr(c, field) / n for c, n in zip(counts, elements) if n), default=0.0)
 
 
 def _ns_rates(param_set, methods: dict, device: torch.device) -> dict:

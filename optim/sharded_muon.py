@@ -93,9 +93,9 @@ class ShardedMuon(torch.optim.Optimizer):
     def step(self, closure=None):
         """One step. Flow (communication only in b and d; see optim/sharded_pipeline.py):
         a. momentum on local shards: buf = mu buf + g; p *= 1 - lr wd (multi-tensor ops);
-        b. per bucket: gather u = g + mu buf (Nesterov) at the bucket's local pieces straight into
-           the bucket's send buffer (u is never materialized whole: the step's extra memory is a few
-           buckets), one uneven all_to_all_single per group (async);
+        b. per bucket: u = g + mu buf (Nesterov) at the bucket's local pieces, written in the NS
+           dtype straight into the bucket's send buffer (u is never materialized whole: the step's
+           extra memory is a few buckets), one uneven all_to_all_single per group (async);
         c. owners assemble full blocks, one batched orthogonalize per shape group and bucket;
         d. all-to-all back (async; bucket k+1 launched before bucket k computes); with replica
            split, the results reach the other replicas by an all-to-all into equal chunks and an
@@ -120,17 +120,32 @@ class ShardedMuon(torch.optim.Optimizer):
             torch._foreach_add_([bufs[i] for i in live], [grads[i] for i in live])
             torch._foreach_mul_([local[i] for i in live], 1 - lr * group["weight_decay"])
 
-        def direction(pi, rows, g):  # the update direction u at some rows, never all of u at once
-            if grads[pi] is None:
-                return None
-            if not group["nesterov"]:
-                return bufs[pi].reshape(-1, g).index_select(0, rows)
-            u = grads[pi].reshape(-1, g).index_select(0, rows)  # u = g + mu * buf (reshape: a view when contiguous)
-            return u.add_(bufs[pi].reshape(-1, g).index_select(0, rows), alpha=mu)
+        flat = {}  # (kind, param) -> the flat view of a local shard, made once per step
 
-        def apply(pi, rows, g, values):  # e. p[rows] -= lr * lr_scale(block) * O[rows]
-            if grads[pi] is not None:
-                local[pi].view(-1, g).index_add_(0, rows, values.to(local[pi].dtype), alpha=-lr * self._scales[pi])
+        def view(kind, pi, tensors):
+            if (kind, pi) not in flat:
+                t = tensors[pi]  # written in place: a view; only read: a copy if not contiguous
+                flat[kind, pi] = t.view(-1) if kind == "param" else t.reshape(-1)
+            return flat[kind, pi]
+
+        def direction(pi, where, g, out):  # u = g + mu * buf at `where` into out, never all of u at once
+            if grads[pi] is None:
+                return False
+            buf, grad = _at(view("buf", pi, bufs), where, g), _at(view("grad", pi, grads), where, g)
+            if group["nesterov"]:
+                torch.add(grad, buf, alpha=mu, out=out)  # computed in fp32, rounded once to out's dtype
+            else:
+                out.copy_(buf)
+            return True
+
+        def apply(pi, where, g, values):  # e. p[where] -= lr * lr_scale(block) * O[where]
+            if grads[pi] is None:
+                return
+            p, alpha = view("param", pi, local), -lr * self._scales[pi]
+            if g is None:
+                p[where].add_(values, alpha=alpha)  # values in the NS dtype, promoted in the kernel
+            else:
+                p.view(-1, g).index_add_(0, where, values.to(p.dtype), alpha=alpha)
 
         self._pipeline.run(direction, apply, self.overlap)  # b-d
 
@@ -142,6 +157,11 @@ class ShardedMuon(torch.optim.Optimizer):
                    "exp_avg_sq": _local(self.state[p]["exp_avg_sq"])} for p in live]
         adamw_multi_tensor([_local(p) for p in live], [_local(p.grad) for p in live], states, lr=group["lr"],
                            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+def _at(flat: torch.Tensor, where, g: int | None) -> torch.Tensor:
+    """A slice of a flat shard (g None), or the rows `where` of it viewed as [-1, g] (gathered)."""
+    return flat[where] if g is None else flat.view(-1, g).index_select(0, where)
 
 
 def _check_grad(p):

@@ -2,10 +2,10 @@
 for what each bucket holds and optim/sharded_muon.py for the step around it).
 
 Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, not per piece):
-  launch(k)   gather the held pieces of the update direction u into the bucket's stage buffer (per
-              parameter: the caller's `direction` rows, one index_copy_), cast it to the NS dtype
-              once and issue ONE uneven all_to_all_single per group (async): pieces travel to their
-              blocks' owners.
+  launch(k)   write the held pieces of the update direction u, in the NS dtype, into the bucket's
+              stage buffer (per parameter: the caller's `direction` per run, or at its rows and one
+              index_copy_) and issue ONE uneven all_to_all_single per group (async): pieces travel
+              to their blocks' owners.
   compute(k)  wait for bucket k's all-to-alls, assemble every block of the bucket with ONE
               index_copy_ of the received pieces and one of its own copies, then ONE batched `orthogonalize`
               per shape group ([n, short, long]: tall blocks transposed into the batch).
@@ -45,9 +45,11 @@ class BucketPipeline:
     def run(self, direction, apply, overlap: bool) -> None:
         """Orthogonalize every block of the update direction and apply the results.
 
-        direction(param, rows, g) -> [len(rows), g] fp32 values of the update direction at those
-        rows of the param's local shard viewed as [-1, g] (None: the param has no gradient, zeros);
-        apply(param, rows, g, values) applies orthogonalized values [len(rows), g] (fp32) there.
+        direction(param, where, g, out) writes the update direction at `where` of the param's local
+        shard into `out` (NS dtype) and returns True, or returns False (no gradient: zeros are
+        sent); `where` is a slice of the flat shard (g None, out flat) or an index tensor of rows of
+        the shard viewed as [-1, g] (out [n, g]);
+        apply(param, where, g, values) applies orthogonalized values (NS dtype, shaped like out) there.
         """
         K = len(self.buckets)
         if not overlap:
@@ -89,14 +91,17 @@ class BucketPipeline:
 
     def _launch(self, k, direction):
         b, ix, flight = self.buckets[k], self.index[k], self.flight.setdefault(k, {})
-        values = [(m.buffer_rows, direction(m.param, m.local_rows, ix.g_stage)) for m in ix.pack]
-        dtype = next((v.dtype for _, v in values if v is not None), torch.float32)
-        alloc = torch.empty if all(v is not None for _, v in values) else torch.zeros
-        stage = alloc(ix.n_stage, dtype=dtype, device=self.device)
-        for rows, v in values:
-            if v is not None:
-                stage.view(-1, ix.g_stage).index_copy_(0, rows, v)
-        stage = stage.to(self.ns_dtype)
+        stage = torch.empty(ix.n_stage, dtype=self.ns_dtype, device=self.device)
+        for m in ix.pack:  # the direction straight into stage (runs) or through one gather per parameter
+            if m.runs is not None:
+                for local, at in m.runs:
+                    if not direction(m.param, local, None, stage[at]):
+                        stage[at].zero_()
+                continue
+            values = torch.empty(len(m.local_rows), ix.g_stage, dtype=self.ns_dtype, device=self.device)
+            if not direction(m.param, m.local_rows, ix.g_stage, values):
+                values.zero_()
+            stage.view(-1, ix.g_stage).index_copy_(0, m.buffer_rows, values)
         incoming = torch.empty(ix.n_recv, dtype=self.ns_dtype, device=self.device)
         flight["fwd"] = self._exchange(b.exchanges, stage, incoming, forward=True)
         flight["incoming"], flight["copies"] = incoming, stage[ix.n_send:]
@@ -191,7 +196,11 @@ def _blocks_layout(outs: list, batches, dtype, device) -> torch.Tensor:
 
 
 def _apply_rows(buffer, maps, g, apply) -> None:
-    """apply(param, local rows, g, fp32 values) for each parameter's rows of `buffer`."""
-    rows_g = buffer.view(-1, g).float()
+    """apply(param, where, g, values) for each parameter's pieces in `buffer` (NS dtype): per run a
+    slice of `buffer` for a slice of the flat shard, else the gathered rows for an index tensor."""
     for m in maps:
-        apply(m.param, m.local_rows, g, rows_g.index_select(0, m.buffer_rows))
+        if m.runs is None:
+            apply(m.param, m.local_rows, g, buffer.view(-1, g).index_select(0, m.buffer_rows))
+            continue
+        for local, at in m.runs:
+            apply(m.param, local, None, buffer[at])

@@ -140,6 +140,51 @@ def test_counters_count_ops_and_peak_live_memory():
     assert w.shape == (10, 1024)
 
 
+def test_counters_count_memory_bytes_of_each_op_by_hand():
+    a, b, rows = torch.randn(1000), torch.randn(1000), torch.arange(0, 1000, 2)  # rows: 500 x 8 bytes
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    cases = [  # (op, bytes read + written, counted by hand)
+        (lambda: a.mul_(2), 4000 + 4000),
+        (lambda: a + b, 8000 + 4000),
+        (lambda: torch._foreach_add_([a, b], [b, a]), 2 * (8000 + 4000)),
+        (lambda: torch.add(a, b, alpha=2, out=out), 8000 + 2000),  # out= is written, not read
+        (lambda: a.to(torch.bfloat16), 4000 + 2000),
+        (lambda: b.index_select(0, rows), 2000 + 4000 + 2000),  # the selected rows, the index, the output
+        (lambda: a.index_add_(0, rows, b[:500]), 2000 + 4000 + 2000 + 2000),  # source, index, rows read + written
+        (lambda: a.copy_(b), 4000 + 4000),
+        (lambda: a.view(10, 100).mT, 0),
+        (lambda: torch.empty(1000), 0),
+    ]
+    for i, (op, expected) in enumerate(cases):
+        with count_step() as counts:
+            op()
+        assert counts.memory_bytes == expected, (i, counts.memory_bytes, expected)
+
+
+def _elementwise_bytes(rank, world_size):
+    """Memory bytes per local Muon element of one sharded-Muon step on kimi_slice, bf16 NS."""
+    from optim.sharded_muon import ShardedMuon
+
+    param_set = build_param_set("kimi_slice", world_size)
+    params = {fqn: torch.nn.Parameter(p.to_local().clone()) for fqn, p in param_set.params.items()}
+    for fqn, p in params.items():
+        p.grad = param_set.grads[fqn].to_local().clone()
+    opt = ShardedMuon(list(params.items()), param_set.splits, OptimConfig(ns_dtype="bfloat16"), bucket_mb=4.0)
+    with count_step() as counts:
+        opt.step()
+    return counts.memory_bytes / sum(p.numel() for p in params.values()), counts.ns_memory_bytes
+
+
+def test_projection_elementwise_bytes_are_the_steps_own():
+    """The device model's ELEMENTWISE_BYTES is what the sharded step moves per element (counted on
+    one process; the busiest of 2 ranks measured the same 64.3): it must move with the code."""
+    from benchmarks.device_model import ELEMENTWISE_BYTES
+
+    [(per_element, ns_bytes)] = run_ranks(_elementwise_bytes, 1, timeout=180)
+    assert abs(per_element - ELEMENTWISE_BYTES) < 0.5, per_element
+    assert ns_bytes > 0  # the stack walk sees orthogonalize's own ops (kept out of per_element)
+
+
 def test_ns_kernels_rows_side_by_side():
     from benchmarks import ns_kernels
 
