@@ -29,10 +29,11 @@ rank's experts: ~19 GB in bf16 into every rank, 0.58 s at W = 512), against 0.26
 (edp_replicate = the rest): an expert's pieces then stay on NVLink (its Muon all-to-all never leaves
 the node) while the token all-to-all of ep crosses nodes (not modelled here: this is the optimizer
 step only). The runtime builds this numbering with `parallel.expert_inner = "edp_shard"`, and so does the
-projection's layout. Its plans keep each expert block
-with its holders while their load stays under the mean (`PlanOptions.prefer_holders`; "wide" keeps the default owners): without
-that the balancing greedy sends pieces to any rank of the world and the traffic crosses nodes again
-(Kimi K2, W = 256, Gram: 0.418 s and 14.5 GB inter-node per rank, against 0.295 s and 0.1 GB).
+projection's layout. Plans keep each expert block
+with its holders while their load stays under the mean (`PlanOptions.prefer_holders`, the sharded
+Muon's default in both layouts): without that the balancing greedy sends pieces to any rank of the
+world and the traffic crosses nodes again (Kimi K2, W = 256, narrow, Gram: 0.471 s and 15.6 GB
+inter-node per rank, against 0.295 s and 0.9 GB; wide: 0.472 s against 0.456 s).
 Every row reports its distance to the lower bound (`vs_bound`: step / bound), and the NS method's
 own FLOPs (`--ns-methods`: standard or Gram NS; bf16, so Gram restarts once) in both.
 
@@ -100,7 +101,7 @@ def plan_world(config, world: int, device, *, expert_layout="wide", replica_spli
     layout = kimi_layout(world, expert_layout)
     specs = model_specs(config, layout, dtype=torch.float32)  # narrow: edp_shard innermost (parallel.expert_inner)
     options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=NS_DTYPE, ns_method=ns_method,
-                          prefer_holders=expert_layout == "narrow",
+                          prefer_holders=True,  # the optimizer's default (optim/sharded_muon.py)
                           ranks_per_node=GPUS_PER_NODE, flops_per_s=device.sustained_tflops * 1e12,
                           intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
                           inter_node_bytes_per_s=device.network_gbs * 1e9)

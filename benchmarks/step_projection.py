@@ -311,7 +311,7 @@ def optimizer_step_s(model_config, layout, device) -> float:
     from optim.sharded_specs import model_specs
 
     specs = model_specs(model_config, layout, dtype=torch.float32)  # expert ranks follow parallel.expert_inner
-    options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE,
+    options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE, prefer_holders=True,  # the optimizer's
                           flops_per_s=device.sustained_tflops * 1e12,
                           intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
                           inter_node_bytes_per_s=device.network_gbs * 1e9)

@@ -58,6 +58,7 @@ class Case:
     split: frozenset | None = None  # a mixed plan: exactly these params split across replicas
     ns_method: str = "standard"
     expert_block: tuple[int, int] = (12, 16)
+    prefer_holders: bool = True  # the optimizer's default; False: owners by load alone (other plans here)
 
     def config(self):
         return dataclasses.replace(CONFIG, ns_dtype=self.ns_dtype, ns_method=self.ns_method)
@@ -76,6 +77,7 @@ class Case:
 CASES = [
     Case("dense dp_shard=8 (and dp_shard=4 x cp=2: the same 8-rank FSDP mesh)", (1, 8), bucket_mb=0.0004),
     Case("dense dp_shard=8, synchronous buckets", (1, 8), bucket_mb=0.0004, overlap=False),
+    Case("dense dp_shard=8, owners by load alone", (1, 8), bucket_mb=0.0004, prefer_holders=False),
     Case("dense dp_replicate=2 x dp_shard=4 (and x dp_shard=2 x cp=2)", (2, 4)),
     Case("dense dp_replicate=2 x dp_shard=4, replica split", (2, 4), replica_split="on", bucket_mb=0.0004),
     # 4 replicas: each segment spreads over the chunks of other members before the all-gather
@@ -141,7 +143,7 @@ def _run_cases(rank, world, cases):
         splits = {n: s for n, (_, s) in case.params().items() if s is not None}
         opt = ShardedMuon(params.items(), splits, case.config(), bucket_mb=case.bucket_mb,
                           replica_split=case.replica_split, overlap=case.overlap, record_events=True,
-                          split_params=case.split or None)
+                          split_params=case.split or None, prefer_holders=case.prefer_holders)
         if case.split:
             assert opt.plan.replica_split == "mixed"
             assert {p.spec.name for p in opt.plan.params if p.split} == case.split
