@@ -126,18 +126,15 @@ class ShardedMuon(torch.optim.Optimizer):
             torch._foreach_add_([bufs[i] for i in live], [grads[i] for i in live])
             torch._foreach_mul_([local[i] for i in live], 1 - lr * group["weight_decay"])
 
-        flat = {}  # (kind, param) -> the flat view of a local shard, made once per step
-
-        def view(kind, pi, tensors):
-            if (kind, pi) not in flat:
-                t = tensors[pi]  # written in place: a view; only read: a copy if not contiguous
-                flat[kind, pi] = t.view(-1) if kind == "param" else t.reshape(-1)
-            return flat[kind, pi]
+        # flat views of the local shards (written in place: views; only read: copies if not contiguous)
+        flat_p = [t.view(-1) for t in local]
+        flat_g = [t.reshape(-1) if t is not None else None for t in grads]
+        flat_b = [t.reshape(-1) for t in bufs]
 
         def direction(pi, where, g, out):  # u = g + mu * buf at `where` into out, never all of u at once
             if grads[pi] is None:
                 return False
-            buf, grad = _at(view("buf", pi, bufs), where, g), _at(view("grad", pi, grads), where, g)
+            buf, grad = _at(flat_b[pi], where, g), _at(flat_g[pi], where, g)
             if group["nesterov"]:
                 torch.add(grad, buf, alpha=mu, out=out)  # computed in fp32, rounded once to out's dtype
             else:
@@ -147,7 +144,7 @@ class ShardedMuon(torch.optim.Optimizer):
         def apply(pi, where, g, values):  # e. p[where] -= lr * lr_scale(block) * O[where]
             if grads[pi] is None:
                 return
-            p, alpha = view("param", pi, local), -lr * self._scales[pi]
+            p, alpha = flat_p[pi], -lr * self._scales[pi]
             if g is None:
                 p[where].add_(values, alpha=alpha)  # values in the NS dtype, promoted in the kernel
             else:
