@@ -15,16 +15,16 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
                 one dense and one MoE block are built on the CPU at the real widths and run forward at
                 two short sequence lengths and two expert counts; the kept bytes (torch's MemTracker)
                 are fitted as a*S + b*S^2 + e*S*E per sequence and evaluated at the job's shapes.
-                Evaluated at the job's micro-batch for every layer, plus the embedding output and final norm. On a GPU the S^2 term (attention probabilities of the CPU math SDPA
-                kernel) is dropped: the fused kernels keep only a log-sum-exp per row.
+                Evaluated at the job's micro-batch for every layer, plus the embedding output and final
+                norm. On a GPU the S^2 term (attention probabilities, where the CPU runs the math SDPA
+                kernel: GQA with a mask) is dropped: the fused kernels keep only a log-sum-exp per row.
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
                 (selective) while it is recomputed in backward
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
                 log-softmax, gradient; parallel/gradients.py)
-  muon_step     the optimizer step's transients: the update directions (1 x fp32 of the Muon shards)
-                and 4 x this rank's largest bucket of blocks (received, orthogonalized, next in flight,
-                returning; optim/plan.py)
+  muon_step     the optimizer step's transients: STEP_BUCKETS x this rank's largest bucket of blocks
+                (next in flight, received and orthogonalized, returning; optim/sharded_pipeline.py)
   runtime       CUDA context, NCCL and allocator reserve (an assumption, 0 on cpu)
 Peak = params + grads + optimizer + runtime + max(forward/backward peak, muon_step), where the
 forward/backward peak is the largest moment of the backward timeline: the head's backward (every
@@ -41,6 +41,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -54,7 +55,7 @@ from models.moe import Router  # noqa: E402
 from models.splits import muon_splits  # noqa: E402
 from optim.plan import PlanOptions, make_plan  # noqa: E402
 from optim.sharded_boxes import local_box  # noqa: E402
-from optim.sharded_specs import EXPERT_NAMES, _expert_placements, model_specs  # noqa: E402
+from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
 from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
@@ -111,14 +112,13 @@ def sharded_state(job: Job) -> dict:
     with torch.device("meta"):
         splits = muon_splits(Transformer(job.config.model))
     muon = job.config.optim.name == "muon"
-    out = {"params": 0, "grads": 0, "optimizer": 0, "muon_elements": 0}
+    out = {"params": 0, "grads": 0, "optimizer": 0}
     for fqn, _, shape, _, _ in rank_boxes(job.config.model, job.layout, job.rank):
         n = math.prod(shape)
         out["params"] += 4 * n
         out["grads"] += 4 * n
         is_muon = muon and fqn in splits
         out["optimizer"] += 4 * n * (1 if is_muon else 2)
-        out["muon_elements"] += n if is_muon else 0
     return out
 
 
@@ -271,21 +271,33 @@ def logits(job: Job) -> int:
     return 2 * n_seq * s_local * v * job.c + temporaries * min(chunk, n_seq * s_local) * v * 4
 
 
-def muon_step(job: Job, muon_elements: int) -> int:
+# The sharded Muon step's transients as a multiple of this rank's largest bucket (NS-dtype bytes of
+# the blocks it owns in one bucket): with overlap, bucket k+1's send and receive buffers in flight,
+# bucket k's blocks and Newton-Schulz working set, bucket k-1's results returning; without, one
+# bucket at a time. Measured (benchmarks/counters.py, peak extra memory of one step / largest bucket,
+# 2 ranks, debug and kimi_slice, fp32 and bf16, 1 and 4 MiB buckets): at most 6.57 and 4.77;
+# tests/test_memory.py re-measures it. The update direction is never materialized whole.
+STEP_BUCKETS = {True: 6.6, False: 4.8}
+
+
+def muon_step(job: Job) -> int:
+    """Peak transient bytes of the optimizer step on `job.rank`: STEP_BUCKETS x its largest bucket,
+    planned as the runtime plans it (optim/sharded_muon.py)."""
     if job.config.optim.name != "muon":
         return 0
     o = job.config.optim
-    expert_ranks = rank_mesh(job.layout, EXPERT_AXES)  # model_specs numbers ep innermost; follow parallel.expert_inner
-    specs = [dataclasses.replace(s, mesh_ranks=expert_ranks) if s.mesh_dim_names == EXPERT_NAMES else s
-             for s in model_specs(job.config.model, job.layout)]
-    plan = make_plan(specs, job.layout.world_size, PlanOptions(bucket_mb=o.bucket_mb, replica_split=o.replica_split,
-                                                               ranks_per_node=o.ranks_per_node))
+    specs = model_specs(job.config.model, job.layout)  # expert ranks follow parallel.expert_inner
+    options = PlanOptions(bucket_mb=o.bucket_mb, replica_split=o.replica_split, ns_method=o.ns_method,
+                          ns_dtype=o.ns_torch_dtype("cpu" if job.device == "cpu" else "cuda"), ranks_per_node=o.ranks_per_node, prefer_holders=True)
+    return int(STEP_BUCKETS[o.overlap] * largest_bucket(make_plan(specs, job.layout.world_size, options), job.rank))
+
+
+def largest_bucket(plan, rank: int) -> int:
+    """NS-dtype bytes of the blocks `rank` owns in its largest bucket."""
     inst = plan.inst
-    nbytes = torch.tensor([p.nbytes for p in plan.params])[torch.from_numpy(inst["param"])]
-    mine = torch.from_numpy(inst["owner"]) == job.rank
-    per_bucket = torch.zeros(max(plan.num_buckets, 1), dtype=torch.float64)
-    per_bucket.index_add_(0, torch.from_numpy(inst["bucket"])[mine], nbytes[mine].double())
-    return int(4 * muon_elements + 4 * per_bucket.max().item())
+    mine = inst["owner"] == rank
+    nbytes = np.array([p.nbytes for p in plan.params], dtype=np.int64)[inst["param"][mine]]
+    return int(np.bincount(inst["bucket"][mine], weights=nbytes, minlength=1).max())
 
 
 def estimate(job: Job) -> dict:
@@ -293,7 +305,7 @@ def estimate(job: Job) -> dict:
     kept_L, recompute_L, edges, per_block = activations(job)
     at, step = step_peak(job, kept_L, recompute_L, edges)
     parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"], **step,
-             "muon_step": muon_step(job, state["muon_elements"]), "runtime": RUNTIME_GIB[job.device] * GIB}
+             "muon_step": muon_step(job), "runtime": RUNTIME_GIB[job.device] * GIB}
     total = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["runtime"]
              + max(sum(step.values()), parts["muon_step"]))
     device_gib = DEVICES[job.device]
