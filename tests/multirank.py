@@ -6,8 +6,15 @@ rendezvous through a FileStore on a temp file (no ports). Each rank reports its 
 traceback with a timestamp; the parent raises with the FIRST rank that failed (peers then typically
 fail with "connection closed", which is noise), and on timeout kills every rank and names the ones
 that never reported. Never call this after CUDA was initialized in the parent.
+
+Garbage: the parent collects its garbage before forking, and each rank freezes what it inherited
+(`gc.freeze`), so no rank ever finalizes a parent's object (a process group, a device mesh, their
+threads and sockets). Without this, a rank's garbage collector could reach cycles left by earlier
+tests in the pytest process and run their destructors in the child: a rank of
+test_gpu_check.py hung or segfaulted in garbage collection in the full suite only.
 """
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -23,6 +30,7 @@ _CTX = mp.get_context("fork")
 
 
 def _child(fn, rank, world_size, store_path, conn, args, kwargs, torchrun_env):
+    gc.freeze()  # the parent's objects stay out of this rank's collections (module docstring)
     torch.set_num_threads(1)
     try:
         if torchrun_env is None:
@@ -53,6 +61,7 @@ def run_ranks(fn, world_size, *args, timeout=120, as_torchrun=False, **kwargs):
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) so `fn` can call a real entry point.
     """
     torchrun_env = _torchrun_env() if as_torchrun else None
+    gc.collect()  # the parent's garbage is finalized here, not in the ranks (module docstring)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         pipes, procs = [], []
