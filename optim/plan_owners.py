@@ -58,7 +58,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
         else flat_owner.copy()
     owner = [flat_owner[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     replica = [flat_replica[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
-    info, heaps, share_heaps = {}, {}, {}  # per (piece template, split) / group
+    info, heaps, share_heaps, holders = {}, {}, {}, {}  # per (piece template, split) / group / mask
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
     i = 0
@@ -80,7 +80,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
             continue
         kind = _run_kind(p, whole, pattern[b], last, loads, unequal)
         if kind is not None:  # a run of blocks placed by one loop (experts, per-head blocks)
-            run = _place_run(_run(items, i - 1, params, info), kind, params, info, owner, replica, loads, share_heaps,
+            run = _place_run(*_run(items, i - 1, params, info, holders), kind, p, owner, replica, loads, share_heaps,
                              cap if prefer_holders else None)
             if run:  # else (loads of 2**51 or more) per block below
                 i += run - 1
@@ -137,38 +137,38 @@ def _run_kind(p, whole, k, last, loads, unequal) -> str | None:
     return "row0" if last is p.groups or _symmetric(p.groups, loads, unequal) else None
 
 
-def _run(items, i, params, info) -> list[tuple[int, int]]:
-    """(parameter, block) of items[i] and of the items after it that `_place_block` places by the
-    same rule: same group array, split and FLOPs, held in pieces with equal shares."""
+def _run(items, i, params, info, holders) -> tuple[list, list]:
+    """items[i] and the items after it that `_place_block` places by the same rule (same group
+    array, split and FLOPs, held in pieces with equal shares): their (parameter, block), and their
+    (holder mask, holder positions as a set, mask key, share) for `_fill_row`. `holders`: the sets
+    by mask key, kept for the pass."""
     p = params[items[i][2]]
-    run = [items[i][2:]]
-    for j in range(i + 1, len(items)):
+    run, blocks, last = [], [], None
+    for j in range(i, len(items)):
         _, _, pi, b = items[j]
-        q = params[pi]
-        if q.groups is not p.groups or q.split != p.split or q.flops != p.flops:
+        if pi != last:
+            q, last = params[pi], pi
+            if q.groups is not p.groups or q.split != p.split or q.flops != p.flops:
+                break
+            _, whole_on, masks, pattern, share = _info(info, q)
+        k = pattern[b]
+        if whole_on[b] >= 0 or k < 0:
             break
-        _, whole_on, _, pattern, _ = _info(info, q)
-        if whole_on[b] >= 0 or pattern[b] < 0:
-            break
+        mask, mask_key = masks[k]
+        if mask_key not in holders:
+            holders[mask_key] = frozenset(np.nonzero(mask)[0].tolist())
         run.append((pi, b))
-    return run
+        blocks.append((mask, holders[mask_key], mask_key, share[b]))
+    return run, blocks
 
 
-def _place_run(run, kind, params, info, owner, replica, loads, heaps, cap) -> int:
-    """Place the blocks of `run` (`_run`, of kind `_run_kind`) one after the other with
-    `_fill_row`, then write their owners (and replicas); "row0" adds each block's FLOPs to every
-    replica row at the position it picked in row 0. `cap`: prefer holders under it ("row" only).
-    Returns how many blocks it placed (a first part of the run: `_fill_row` stops at 2**51)."""
-    p = params[run[0][0]]
+def _place_run(run, blocks, kind, p, owner, replica, loads, heaps, cap) -> int:
+    """Place the blocks of `run` (`_run`, of kind `_run_kind`, parameters with p's groups) one
+    after the other with `_fill_row`, then write their owners (and replicas); "row0" adds each
+    block's FLOPs to every replica row at the position it picked in row 0. `cap`: prefer holders
+    under it ("row" only). Returns how many blocks it placed (`_fill_row` stops at 2**51)."""
     ranks = p.groups.ravel() if kind == "all" else p.groups[0]
     key = id(p.groups) if kind == "row" else (id(p.groups), kind)  # the heaps of the per-block paths
-    blocks, lists = [], {}  # lists: each holder mask as a list of bools, once per run
-    for pi, b in run:
-        _, _, masks, pattern, share = _info(info, params[pi])
-        mask, mask_key = masks[pattern[b]]
-        if mask_key not in lists:
-            lists[mask_key] = mask.tolist()
-        blocks.append((mask, lists[mask_key], mask_key, share[b]))
     pos = np.array(_fill_row(heaps, key, ranks, p.flops, blocks, loads, cap if kind == "row" else None),
                    dtype=np.int64)
     pis, bs = np.array(run[: len(pos)], dtype=np.int64).reshape(-1, 2).T
@@ -186,7 +186,7 @@ def _place_run(run, kind, params, info, owner, replica, loads, heaps, cap) -> in
 
 def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     """Positions in `ranks` of equal blocks placed one after the other by `_place_block`'s rule,
-    `blocks` giving each one's holders (bool array, the same as a list, mask key) and equal share:
+    `blocks` giving each one's holders (bool array, positions as a set, mask key) and equal share:
     argmin of load - 1e-9 * flops * held, first position on ties; with `cap`, first the least
     loaded holder while under it (`_holder_under_cap`). Adds the FLOPs to `loads`.
 
@@ -198,12 +198,12 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     load = loads.tolist()
     row = _heap(heaps, (key, b"row"), ranks, None, loads)
     picks = []
-    for mask, is_holder, mask_key, share in blocks:
+    for mask, holder_set, mask_key, share in blocks:
         holders = _heap(heaps, (key, mask_key), ranks, mask, loads)
         pick = _top(holders, load) if cap is not None and holders else None
         if pick is None or pick[0] + flops > cap:
             pick = _top(row, load)
-            best = _top(holders, load) if share > 0 and not is_holder[pick[1]] else None
+            best = _top(holders, load) if share > 0 and pick[1] not in holder_set else None
             if pick[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
                 break
             if best is not None:

@@ -414,6 +414,6 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
             else:
                 picks.append(int(np.argmin(load - 1e-9 * flops * shares[m] * mask)))
             want[ranks[picks[-1]]] += flops
-        blocks = [(masks[m], masks[m].tolist(), bytes([m]), shares[m]) for m in which]
+        blocks = [(masks[m], set(np.nonzero(masks[m])[0].tolist()), bytes([m]), shares[m]) for m in which]
         assert plan_owners._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
