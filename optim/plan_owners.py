@@ -28,23 +28,33 @@ def assign(params, world_size, prefer_holders=False):
     n_blocks = [len(p.block_boxes) for p in params]
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
     width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
-    items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     largest = max((p.flops for p, n in zip(params, n_blocks) if n), default=0)  # no rank can load less
     best = None
-    for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, prefer_holders)
+    for key in (lambda pi: (width[pi], -params[pi].flops), lambda pi: -params[pi].flops):
+        # a parameter's blocks share its key, and sorts are stable: ties keep parameter/block order
+        items = [(pi, b) for pi in sorted(range(len(params)), key=key) for b in range(n_blocks[pi])]
+        loads, owner, replica = _greedy(params, items, world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
             break
     _, owner, replica = best
     counts = np.array([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
-    param = np.repeat(np.arange(len(params), dtype=np.int64), counts)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)[param]
-    inst = {"param": param, "block": (np.arange(len(param)) - first) // np.array(reps, dtype=np.int64)[param],
-            "replica": replica, "owner": owner}
-    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[param]
+    inst = {"param": np.repeat(np.arange(len(params), dtype=np.int64), counts),
+            "block": _per_instance(n_blocks, reps, lambda n, r: np.arange(n)[:, None]),
+            "replica": replica, "owner": owner,
+            "flops": np.repeat(np.array([p.flops for p in params], dtype=np.float64), counts)}
     return inst
+
+
+def _per_instance(n_blocks, reps, fill, dtype=np.int64) -> np.ndarray:
+    """A flat array in (parameter, block, replica) order, each parameter's [n_blocks, R] part
+    filled with fill(n_blocks, R) (broadcast)."""
+    ends = np.cumsum([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+    for n, r, e in zip(n_blocks, reps, ends.tolist()):
+        out[e - n * r : e].reshape(n, r)[:] = fill(n, r)
+    return out
 
 
 def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
@@ -54,8 +64,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     counts = [len(p.block_boxes) * r for p, r in zip(params, reps)]
     ends = np.cumsum(counts, dtype=np.int64)
     flat_owner = np.full(int(ends[-1]) if counts else 0, -1, dtype=np.int64)
-    flat_replica = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(counts, reps)]) if counts \
-        else flat_owner.copy()
+    flat_replica = _per_instance([len(p.block_boxes) for p in params], reps, lambda n, r: np.arange(r))
     owner = [flat_owner[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     replica = [flat_replica[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     info, heaps, share_heaps, holders = {}, {}, {}, {}  # per (piece template, split) / group / mask
@@ -63,7 +72,7 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
     i = 0
     while i < len(items):
-        _, _, pi, b = items[i]
+        pi, b = items[i]
         i += 1
         p = params[pi]
         last, symmetric = symmetric, None
@@ -142,10 +151,10 @@ def _run(items, i, params, info, holders) -> tuple[list, list]:
     array, split and FLOPs, held in pieces with equal shares): their (parameter, block), and their
     (holder mask, holder positions as a set, mask key, share) for `_fill_row`. `holders`: the sets
     by mask key, kept for the pass."""
-    p = params[items[i][2]]
+    p = params[items[i][0]]
     run, blocks, last = [], [], None
     for j in range(i, len(items)):
-        _, _, pi, b = items[j]
+        pi, b = items[j]
         if pi != last:
             q, last = params[pi], pi
             if q.groups is not p.groups or q.split != p.split or q.flops != p.flops:

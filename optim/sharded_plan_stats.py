@@ -47,8 +47,14 @@ def instances_by_param(plan) -> list[np.ndarray]:
 
 def instances_by(param: np.ndarray, key_of_param: np.ndarray) -> list[np.ndarray]:
     """Instance indices per key (0..max key) of their parameter, each in the instances' order."""
-    key = key_of_param[param]
     n = int(key_of_param.max()) + 1 if len(key_of_param) else 0
+    if len(param) and (param[1:] >= param[:-1]).all():  # in parameter order (assign's): ranges, no sort
+        bounds = np.searchsorted(param, np.arange(len(key_of_param) + 1))
+        ranges = [[] for _ in range(n)]
+        for pi, k in enumerate(key_of_param.tolist()):
+            ranges[k].append(np.arange(bounds[pi], bounds[pi + 1]))
+        return [np.concatenate(r) if r else np.zeros(0, dtype=np.int64) for r in ranges]
+    key = key_of_param[param]
     if n < 2**16:  # numpy radix-sorts 16-bit keys
         key = key.astype(np.uint16)
     order = np.argsort(key, kind="stable")
