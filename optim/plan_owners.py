@@ -205,13 +205,17 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     of 2**51, leaving the rest of the blocks to the caller). Heaps as `_heap_top`'s (the keys of
     the per-block paths): lazy, a stale entry refreshed when it comes on top."""
     load = loads.tolist()
-    row = _heap(heaps, (key, b"row"), ranks, None, loads)
-    picks = []
+    row, holder_heaps, picks = _heap(heaps, (key, b"row"), ranks, None, loads), {}, []
     for mask, holder_set, mask_key, share in blocks:
-        holders = _heap(heaps, (key, mask_key), ranks, mask, loads)
+        holders = holder_heaps.get(mask_key)
+        if holders is None:
+            holders = holder_heaps[mask_key] = _heap(heaps, (key, mask_key), ranks, mask, loads)
         pick = _top(holders, load) if cap is not None and holders else None
         if pick is None or pick[0] + flops > cap:
-            pick = _top(row, load)
+            pick = row[0]
+            while pick[0] != load[pick[2]]:  # _top, inlined: the loop's hot spot
+                heapq.heapreplace(row, (load[pick[2]], pick[1], pick[2]))
+                pick = row[0]
             best = _top(holders, load) if share > 0 and pick[1] not in holder_set else None
             if pick[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
                 break
