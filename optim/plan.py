@@ -251,10 +251,17 @@ def _block_boxes(split: MatrixSplit, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
-    lo = np.maximum(block_boxes[:, None, :, 0], shard_boxes[None, :, :, 0])
-    hi = np.minimum(block_boxes[:, None, :, 1], shard_boxes[None, :, :, 1])
-    blocks, shards = np.nonzero(np.all(hi > lo, axis=-1))  # row-major: grouped by block, shards ascending
-    box = np.stack([lo[blocks, shards], hi[blocks, shards]], axis=-1)
+    """Each block's intersections with the shard boxes: a [blocks, shards] boolean per dim (the
+    two intervals overlap, both non-empty), the boxes only where every dim overlaps."""
+    hit = np.ones((len(block_boxes), len(shard_boxes)), dtype=bool)
+    for d in range(block_boxes.shape[1]):
+        (blo, bhi), (slo, shi) = block_boxes[:, d].T, shard_boxes[:, d].T
+        hit &= (bhi[:, None] > slo[None, :]) & (shi[None, :] > blo[:, None])
+        hit &= (bhi > blo)[:, None] & (shi > slo)[None, :]
+    blocks, shards = np.nonzero(hit)  # row-major: grouped by block, shards ascending
+    lo = np.maximum(block_boxes[blocks, :, 0], shard_boxes[shards, :, 0])
+    hi = np.minimum(block_boxes[blocks, :, 1], shard_boxes[shards, :, 1])
+    box = np.stack([lo, hi], axis=-1)
     numel = np.prod(box[..., 1] - box[..., 0], axis=-1)
     counts = np.bincount(blocks, minlength=len(block_boxes))
     start = np.concatenate([[0], np.cumsum(counts)])
