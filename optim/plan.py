@@ -279,25 +279,42 @@ def _buckets(plan: Plan) -> int:
     """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order
     (bucket, shape group, parameter, block, replica).
 
-    `assign` lists instances in (parameter, block, replica) order, so both orders the step needs are
-    stable sorts of the (shape group, parameter)-ordered instances by one small key (the owner, then
-    the bucket): radix sorts when the key fits 16 bits."""
+    A rank's blocks in (shape group, parameter, block, replica) order: `assign` lists instances in
+    (parameter, block, replica) order, so an instance's byte offset among its owner's is the bytes of
+    the (owner, parameter) segments before its own (a [world, params] table) plus its rank inside its
+    segment, which only the few segments that straddle a bucket boundary need. The global order is a
+    stable sort of the (shape group, parameter)-ordered instances by bucket: a radix sort."""
     inst, params = plan.inst, plan.params
     sg_of = np.array([p.shape_group for p in params], dtype=np.int64)
-    by_sg = _by_shape_group(inst["param"], sg_of)
-    order = by_sg[_stable_argsort(inst["owner"][by_sg])]
-    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[inst["param"]]
-    owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
-    before = np.cumsum(bytes_sorted) - bytes_sorted  # bytes of the rows before each row
-    runs = np.flatnonzero(np.r_[True, owner_sorted[1:] != owner_sorted[:-1]]) if len(order) else order
-    offset = before - np.repeat(before[runs], np.diff(np.r_[runs, len(order)]))  # from its owner's first row
-    bucket = np.empty(len(order), dtype=np.int64)
-    bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
+    by_col = np.argsort(sg_of, kind="stable")  # parameters in (shape group, parameter) order
+    col = np.empty(len(params), dtype=np.int64)
+    col[by_col] = np.arange(len(params))
+    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[by_col]
+    seg = inst["owner"] * len(params) + col[inst["param"]]  # (owner, column)
+    seg_bytes = np.bincount(seg, minlength=plan.world_size * len(params)) * np.tile(nbytes, plan.world_size)
+    start = (np.cumsum(seg_bytes.reshape(plan.world_size, -1), axis=1).ravel() - seg_bytes)  # bytes before
+    size = max(1, int(plan.options.bucket_mb * 2**20))
+    straddles = start // size < (start + seg_bytes - np.tile(nbytes, plan.world_size)) // size
+    bucket = (start // size)[seg]
+    at = np.flatnonzero(straddles[seg])  # instances of segments across a boundary, in instance order
+    if len(at):
+        bucket[at] = (start[seg[at]] + _rank_in_group(seg[at]) * nbytes[seg[at] % len(params)]) // size
     inst["bucket"] = bucket
+    by_sg = _by_shape_group(inst["param"], sg_of)
     canon = by_sg[_stable_argsort(bucket[by_sg])]
     for k in list(inst):
         inst[k] = inst[k][canon]
     return int(bucket.max()) + 1 if len(bucket) else 0
+
+
+def _rank_in_group(key: np.ndarray) -> np.ndarray:
+    """How many earlier entries of `key` equal each entry."""
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    first = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
+    out = np.empty(len(key), dtype=np.int64)
+    out[order] = np.arange(len(key)) - np.repeat(first, np.diff(np.r_[first, len(key)]))
+    return out
 
 
 def _by_shape_group(param: np.ndarray, sg_of: np.ndarray) -> np.ndarray:
