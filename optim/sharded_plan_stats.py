@@ -47,14 +47,8 @@ def instances_by_param(plan) -> list[np.ndarray]:
 
 def instances_by(param: np.ndarray, key_of_param: np.ndarray) -> list[np.ndarray]:
     """Instance indices per key (0..max key) of their parameter, each in the instances' order."""
-    n = int(key_of_param.max()) + 1 if len(key_of_param) else 0
-    if len(param) and (param[1:] >= param[:-1]).all():  # in parameter order (assign's): ranges, no sort
-        bounds = np.searchsorted(param, np.arange(len(key_of_param) + 1))
-        ranges = [[] for _ in range(n)]
-        for pi, k in enumerate(key_of_param.tolist()):
-            ranges[k].append(np.arange(bounds[pi], bounds[pi + 1]))
-        return [np.concatenate(r) if r else np.zeros(0, dtype=np.int64) for r in ranges]
     key = key_of_param[param]
+    n = int(key_of_param.max()) + 1 if len(key_of_param) else 0
     if n < 2**16:  # numpy radix-sorts 16-bit keys
         key = key.astype(np.uint16)
     order = np.argsort(key, kind="stable")
@@ -70,12 +64,16 @@ def plan_stats(plan, cache: dict | None = None) -> PlanStats:
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
     communicated, gathered, cache = set(), {}, {} if cache is None else cache
     batch_of, batches = _batches(plan.params)
-    for idx, pi in zip(instances_by(inst["param"], batch_of), batches):  # params sharing template, groups, dtype
+    where = _param_instances(plan)
+    for k, pi in enumerate(batches):  # parameters sharing template, groups, dtype
         p = plan.params[pi]
-        computed, moving = _all_to_all_traffic(traffic, plan, p, idx, opt.ranks_per_node, cache)
-        if moving:
+        H, part = _template(cache, p, opt.ranks_per_node)
+        sets = _instance_sets(inst, p, part, [where[q] for q in np.flatnonzero(batch_of == k).tolist()])
+        counted = [_all_to_all_traffic(traffic, p, H, part, *s) for s in sets]
+        computed = sum((c for c, _ in counted), np.zeros(p.groups.shape))
+        if any(moving for _, moving in counted):
             communicated.add(p.shape_group)
-        if p.split and p.groups.shape[0] > 1 and len(idx):
+        if p.split and p.groups.shape[0] > 1 and sum(len(s[1]) for s in sets):
             entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(p.groups.shape)])
             entry[1] += computed
             communicated.add(p.shape_group)
@@ -107,10 +105,36 @@ def _batches(params) -> tuple[np.ndarray, list[int]]:
     return np.array([renumber[f] for f in batch_of.tolist()], dtype=np.int64), firsts
 
 
-def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[np.ndarray, bool]:
-    """Add the forward and return all-to-all bytes of instances `idx` of parameter p (or of
-    parameters with p's template, groups and dtype) to `traffic`
-    (each rank sends what it receives). Returns (bytes held at each [replica, shard position] of the
+def _param_instances(plan) -> list:
+    """Each parameter's instances: a slice in `assign`'s (parameter-sorted) order, else indices."""
+    param = plan.inst["param"]
+    if len(param) and not (param[1:] >= param[:-1]).all():
+        return instances_by_param(plan)
+    bounds = np.searchsorted(param, np.arange(len(plan.params) + 1)).tolist()
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _instance_sets(inst, p, part, where) -> list[tuple]:
+    """(rows, block, replica, owner's position in its row) of the instances `where` (per parameter:
+    a slice or indices) of parameters batched with p: replica 0 alone (rows 1) for a parameter
+    whose replicas place each block alike (`_replicas_alike`), every replica (rows R) otherwise."""
+    R = p.groups.shape[0]
+    alike_possible = not p.split and R > 1 and len(part["patterns"]) == 1
+    sets = {1: [], R: []}
+    for w in where:
+        b, r, pos = inst["block"][w], inst["replica"][w], part["pos_of"][inst["owner"][w]]
+        if alike_possible and _replicas_alike(b, r, pos, R):
+            sets[1].append((b[::R], np.zeros(len(b) // R, dtype=np.int64), pos[::R]))  # count replica 0
+        else:
+            sets[R].append((b, r, pos))
+    return [(rows, *(np.concatenate(a) for a in zip(*s))) for rows, s in sets.items() if s]
+
+
+def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarray, bool]:
+    """Add the forward and return all-to-all bytes of instances (block b, replica r, owner at
+    position pos of its row) of parameter p (or of parameters with p's template, groups and dtype)
+    to `traffic` (each rank sends what it receives); `rows` 1: replica 0's instances count for
+    every replica. H, part: `_template`. Returns (bytes held at each [replica, shard position] of the
     blocks that replica computes, whether any piece moves).
 
     Per instance, not per piece: with the owner at position `pos` of its replica's row, the owner
@@ -120,13 +144,7 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
     each block on its owner's node (none to look up when a row is one node or one node per position).
     """
     R, S = p.groups.shape
-    H, part = _template(cache, p, ranks_per_node)
     eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
-    b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
-    pos = part["pos_of"][owner]
-    rows = R
-    if not p.split and R > 1 and len(part["patterns"]) == 1 and _replicas_alike(b, r, pos, R):
-        b, r, pos, rows = b[::R], np.zeros(len(idx) // R, dtype=np.int64), pos[::R], 1  # count replica 0
     own = H[b, pos]
     total = part["block_total"][b]
     at = r * S + pos
