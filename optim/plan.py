@@ -28,11 +28,13 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    replica computed them, so the (replica, owner) of a split block is chosen by FLOPs alone, among
    every replica's ranks (rules a and b with the replica groups as one candidate row).
    Speed (Kimi K2, 69k expert blocks and 12k dense blocks x 512 replicas at W = 4096): the greedy stays
-   sequential, but the common blocks skip numpy: whole blocks of one-replica groups, blocks whose
-   holders hold equal shares (experts split on a matrix dim) and split blocks take their rank from
-   lazy heaps, and a block repeated in replicas whose rows hold equal loads is placed in row 0 for
-   all, picking exactly what `_place_block` would (tests pin plans made before these fast paths and
-   compare them with `_place_block`); "auto" buckets only the plan it keeps.
+   sequential, but the common blocks skip numpy: whole blocks of one-replica groups take their rank
+   from lazy heaps; a run of consecutive blocks with the same groups, split and FLOPs, held in
+   pieces with equal shares (experts split on a matrix dim, whatever their holders), is placed by
+   one loop over a list of the loads and lazy heaps (`plan_owners._fill_row`); a block repeated in
+   replicas whose rows hold equal loads is placed in row 0 for all; each picks exactly what
+   `_place_block` would (tests pin plans made before these fast paths and compare them with
+   `_place_block` and a plain argmin loop); "auto" buckets only the plan it keeps.
 4. Buckets: each rank's owned blocks, in (shape group, parameter, block) order, are cut every
    `bucket_mb`; bucket k is the union of every rank's k-th cut, so all ranks run the same bucket
    sequence and every group member issues the same collectives (empty pieces are zero-length splits).
