@@ -145,11 +145,12 @@ def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarra
     """
     R, S = p.groups.shape
     eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
+    b, r, pos, w = _distinct(b, r, pos, rows, S, len(H))
     own = H[b, pos]
     total = part["block_total"][b]
     at = r * S + pos
-    own_rs = np.bincount(at, weights=own, minlength=rows * S)
-    computed = np.bincount(r * len(H) + b, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
+    own_rs = np.bincount(at, weights=own * w, minlength=rows * S)
+    computed = np.bincount(r * len(H) + b, weights=w, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
     same, same_rs = np.zeros(len(b)), np.zeros(rows * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):
@@ -159,11 +160,11 @@ def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarra
         if part["one_node"]:
             same_rs = computed.ravel()
         elif not part["own_node_only"]:
-            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, rows * S)
+            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, w[mine], rows * S)
     held_intra = held if part["one_node"] else (np.zeros(rows * S) if part["own_node_only"] else same_rs - own_rs)
     per_position = {  # [rows * S]: as owner plus as holder
-        "intra": np.bincount(at, weights=same - own, minlength=rows * S) + held_intra,
-        "inter": np.bincount(at, weights=total - same, minlength=rows * S) + held - held_intra,
+        "intra": np.bincount(at, weights=(same - own) * w, minlength=rows * S) + held_intra,
+        "inter": np.bincount(at, weights=(total - same) * w, minlength=rows * S) + held - held_intra,
     }
     world = len(traffic["sent_intra"])
     for kind, v in per_position.items():
@@ -171,6 +172,19 @@ def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarra
         traffic[f"sent_{kind}"] += both
         traffic[f"recv_{kind}"] += both
     return np.broadcast_to(computed, (R, S)) * eb, bool((total > own).any())
+
+
+def _distinct(b, r, pos, rows, S, n_blocks) -> tuple:
+    """(block, replica, position, count) of the distinct instances (b, r, pos) when a table over
+    every (replica, position, block) is smaller than the instances (parameters batched across
+    layers repeat each one); else each instance with a count of 1. Every sum the traffic takes
+    is of integers, so counting equal instances together changes nothing."""
+    if rows * S * n_blocks >= len(b):
+        return b, r, pos, np.ones(len(b))
+    count = np.bincount((r * S + pos) * n_blocks + b, minlength=rows * S * n_blocks)
+    key = np.flatnonzero(count)
+    at, block = np.divmod(key, n_blocks)
+    return block, at // S, at % S, count[key].astype(np.float64)
 
 
 def _replicas_alike(b, r, pos, R) -> bool:
@@ -219,16 +233,16 @@ def _template(cache, p, ranks_per_node):
     return cache[key]
 
 
-def _same_node_pieces(csr, p, b, r, cls, size) -> np.ndarray:
-    """Per (replica, shard position): elements held there of the instances (b, r) whose owner is on
-    the holder's node (owner's class `cls`), the owner's own piece included."""
+def _same_node_pieces(csr, p, b, r, cls, w, size) -> np.ndarray:
+    """Per (replica, shard position): elements held there of the instances (b, r), each counted w
+    times, whose owner is on the holder's node (owner's class `cls`), the owner's own piece included."""
     C, order, start = csr
     lo, hi = start[b * C + cls], start[b * C + cls + 1]
     count = hi - lo
     rows = np.repeat(np.arange(len(b)), count)
     piece = order[np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())]
     S = p.groups.shape[1]
-    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece], minlength=size)
+    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece] * w[rows], minlength=size)
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):
