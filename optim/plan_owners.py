@@ -204,9 +204,10 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     are integers, so below 2**51 the bonus changes nothing among holders: the loop stops at a load
     of 2**51, leaving the rest of the blocks to the caller). Heaps as `_heap_top`'s (the keys of
     the per-block paths): lazy, a stale entry refreshed when it comes on top."""
+    picks = _fill_by_level(ranks, flops, blocks, loads) if cap is None else []
     load = loads.tolist()
-    row, holder_heaps, picks = _heap(heaps, (key, b"row"), ranks, None, loads), {}, []
-    for mask, holder_set, mask_key, share in blocks:
+    row, holder_heaps = _heap(heaps, (key, b"row"), ranks, None, loads), {}
+    for mask, holder_set, mask_key, share in blocks[len(picks) :]:
         holders = holder_heaps.get(mask_key)
         if holders is None:
             holders = holder_heaps[mask_key] = _heap(heaps, (key, mask_key), ranks, mask, loads)
@@ -227,6 +228,52 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
         picks.append(pick[1])
     loads[:] = load
     return picks
+
+
+def _fill_by_level(ranks, flops, blocks, loads, min_level=64) -> list[int]:
+    """`_fill_row`'s picks (no cap) for a first part of `blocks`, a level of equal loads at a time:
+    while the least loaded positions of the row (load v) number at least `min_level` and no other
+    load lies within twice the largest bonus possible (plus 1) above v, every pick of the next |level|
+    blocks is among them (the others' load, less any bonus, stays above v), so block after block
+    takes the first untaken holder at v when its bonus lowers v - bonus below v (the very float
+    `_place_block` computes), else the first untaken position at v. Adds the FLOPs to `loads`."""
+    row = loads[ranks]
+    window = 2 * 1e-9 * flops + 1  # bonuses are 1e-9 * flops * share, shares at most 1
+    picks = []
+    while len(picks) < len(blocks):
+        v = row.min()
+        level = np.flatnonzero(row == v)
+        if len(level) < min_level or v + flops >= 2.0**51 or ((row > v) & (row <= v + window)).any():
+            break
+        chosen = _fill_level(level, v, flops, blocks[len(picks) : len(picks) + len(level)])
+        row[chosen] += flops
+        picks += chosen
+    loads[ranks] = row
+    return picks
+
+
+def _fill_level(level, v, flops, blocks) -> list[int]:
+    """Positions (of `level`, ascending, all at load v) of blocks placed one after the other:
+    the first untaken holder where the bonus counts, else the first untaken position."""
+    order, taken, at, holders = level.tolist(), set(), 0, {}  # holders: per mask, (its level positions, next)
+    chosen = []
+    for mask, _, mask_key, share in blocks:
+        pos = None
+        if share > 0 and v - 1e-9 * flops * share < v:
+            if mask_key not in holders:
+                holders[mask_key] = [level[mask[level]].tolist(), 0]
+            mine = holders[mask_key]
+            while mine[1] < len(mine[0]) and mine[0][mine[1]] in taken:
+                mine[1] += 1
+            if mine[1] < len(mine[0]):
+                pos = mine[0][mine[1]]
+        if pos is None:
+            while order[at] in taken:
+                at += 1
+            pos = order[at]
+        taken.add(pos)
+        chosen.append(pos)
+    return chosen
 
 
 def _heap(heaps, key, ranks, member, loads) -> list:

@@ -394,8 +394,9 @@ def test_stats_count_the_bytes_the_schedule_moves(replica_split):
 
 def test_fill_row_places_a_run_as_one_block_at_a_time():
     """Runs of equal blocks whose holders change from block to block (loads with many ties, the
-    piece bonus, holders preferred under a cap) against a plain loop of `_place_block`'s argmin
-    (and `_holder_under_cap`'s rule), one block at a time."""
+    piece bonus, holders preferred under a cap), and the level by level part of the loop alone,
+    against a plain loop of `_place_block`'s argmin (and `_holder_under_cap`'s rule), one block
+    at a time."""
     rng = np.random.default_rng(0)
     for trial in range(300):
         n, k, flops = int(rng.integers(1, 40)), int(rng.integers(1, 60)), 1000 * int(rng.integers(1, 4))
@@ -405,8 +406,8 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
         which = rng.integers(0, 3, k)
         cap = float(rng.integers(0, 8) * 1000) if trial % 2 else None
         loads = np.zeros(100)
-        loads[ranks] = 1000.0 * rng.integers(0, 5, n)
-        want, picks = loads.copy(), []
+        loads[ranks] = 1000.0 * rng.integers(0, 5, n) + (2.0**40 if trial % 4 > 1 else 0.0)  # 2**40: bonus rounds away
+        want, picks, after = loads.copy(), [], []
         for m in which:
             mask, load = masks[m], want[ranks]
             if cap is not None and mask.any() and load[mask].min() + flops <= cap:
@@ -414,6 +415,12 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
             else:
                 picks.append(int(np.argmin(load - 1e-9 * flops * shares[m] * mask)))
             want[ranks[picks[-1]]] += flops
+            after.append(want.copy())
         blocks = [(masks[m], set(np.nonzero(masks[m])[0].tolist()), bytes([m]), shares[m]) for m in which]
+        if cap is None:  # the level by level part alone, on levels of any size
+            level_loads = loads.copy()
+            level = plan_owners._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
+            assert level == picks[: len(level)]
+            assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
         assert plan_owners._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
