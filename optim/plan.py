@@ -28,11 +28,13 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    replica computed them, so the (replica, owner) of a split block is chosen by FLOPs alone, among
    every replica's ranks (rules a and b with the replica groups as one candidate row).
    Speed (Kimi K2, 69k expert blocks and 12k dense blocks x 512 replicas at W = 4096): the greedy stays
-   sequential, but the common blocks skip numpy: whole blocks of one-replica groups, blocks whose
-   holders hold equal shares (experts split on a matrix dim) and split blocks take their rank from
-   lazy heaps, and a block repeated in replicas whose rows hold equal loads is placed in row 0 for
-   all, picking exactly what `_place_block` would (tests pin plans made before these fast paths and
-   compare them with `_place_block`); "auto" buckets only the plan it keeps.
+   sequential, but the common blocks skip numpy: whole blocks of one-replica groups take their rank
+   from lazy heaps; a run of consecutive blocks with the same groups, split and FLOPs, held in
+   pieces with equal shares (experts split on a matrix dim, whatever their holders), is placed by
+   one loop over a list of the loads and lazy heaps (`plan_owners._fill_row`); a block repeated in
+   replicas whose rows hold equal loads is placed in row 0 for all; each picks exactly what
+   `_place_block` would (tests pin plans made before these fast paths and compare them with
+   `_place_block` and a plain argmin loop); "auto" buckets only the plan it keeps.
 4. Buckets: each rank's owned blocks, in (shape group, parameter, block) order, are cut every
    `bucket_mb`; bucket k is the union of every rank's k-th cut, so all ranks run the same bucket
    sequence and every group member issues the same collectives (empty pieces are zero-length splits).
@@ -251,10 +253,17 @@ def _block_boxes(split: MatrixSplit, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _pieces(block_boxes: np.ndarray, shard_boxes: np.ndarray) -> Pieces:
-    lo = np.maximum(block_boxes[:, None, :, 0], shard_boxes[None, :, :, 0])
-    hi = np.minimum(block_boxes[:, None, :, 1], shard_boxes[None, :, :, 1])
-    blocks, shards = np.nonzero(np.all(hi > lo, axis=-1))  # row-major: grouped by block, shards ascending
-    box = np.stack([lo[blocks, shards], hi[blocks, shards]], axis=-1)
+    """Each block's intersections with the shard boxes: a [blocks, shards] boolean per dim (the
+    two intervals overlap, both non-empty), the boxes only where every dim overlaps."""
+    hit = np.ones((len(block_boxes), len(shard_boxes)), dtype=bool)
+    for d in range(block_boxes.shape[1]):
+        (blo, bhi), (slo, shi) = block_boxes[:, d].T, shard_boxes[:, d].T
+        hit &= (bhi[:, None] > slo[None, :]) & (shi[None, :] > blo[:, None])
+        hit &= (bhi > blo)[:, None] & (shi > slo)[None, :]
+    blocks, shards = np.nonzero(hit)  # row-major: grouped by block, shards ascending
+    lo = np.maximum(block_boxes[blocks, :, 0], shard_boxes[shards, :, 0])
+    hi = np.minimum(block_boxes[blocks, :, 1], shard_boxes[shards, :, 1])
+    box = np.stack([lo, hi], axis=-1)
     numel = np.prod(box[..., 1] - box[..., 0], axis=-1)
     counts = np.bincount(blocks, minlength=len(block_boxes))
     start = np.concatenate([[0], np.cumsum(counts)])
@@ -272,25 +281,42 @@ def _buckets(plan: Plan) -> int:
     """Step 4: cut each rank's owned blocks every bucket_mb; sort instances into the global order
     (bucket, shape group, parameter, block, replica).
 
-    `assign` lists instances in (parameter, block, replica) order, so both orders the step needs are
-    stable sorts of the (shape group, parameter)-ordered instances by one small key (the owner, then
-    the bucket): radix sorts when the key fits 16 bits."""
+    A rank's blocks in (shape group, parameter, block, replica) order: `assign` lists instances in
+    (parameter, block, replica) order, so an instance's byte offset among its owner's is the bytes of
+    the (owner, parameter) segments before its own (a [world, params] table) plus its rank inside its
+    segment, which only the few segments that straddle a bucket boundary need. The global order is a
+    stable sort of the (shape group, parameter)-ordered instances by bucket: a radix sort."""
     inst, params = plan.inst, plan.params
     sg_of = np.array([p.shape_group for p in params], dtype=np.int64)
-    by_sg = _by_shape_group(inst["param"], sg_of)
-    order = by_sg[_stable_argsort(inst["owner"][by_sg])]
-    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[inst["param"]]
-    owner_sorted, bytes_sorted = inst["owner"][order], nbytes[order]
-    before = np.cumsum(bytes_sorted) - bytes_sorted  # bytes of the rows before each row
-    runs = np.flatnonzero(np.r_[True, owner_sorted[1:] != owner_sorted[:-1]]) if len(order) else order
-    offset = before - np.repeat(before[runs], np.diff(np.r_[runs, len(order)]))  # from its owner's first row
-    bucket = np.empty(len(order), dtype=np.int64)
-    bucket[order] = offset // max(1, int(plan.options.bucket_mb * 2**20))
+    by_col = np.argsort(sg_of, kind="stable")  # parameters in (shape group, parameter) order
+    col = np.empty(len(params), dtype=np.int64)
+    col[by_col] = np.arange(len(params))
+    nbytes = np.array([p.nbytes for p in params], dtype=np.int64)[by_col]
+    seg = inst["owner"] * len(params) + col[inst["param"]]  # (owner, column)
+    seg_bytes = np.bincount(seg, minlength=plan.world_size * len(params)) * np.tile(nbytes, plan.world_size)
+    start = (np.cumsum(seg_bytes.reshape(plan.world_size, -1), axis=1).ravel() - seg_bytes)  # bytes before
+    size = max(1, int(plan.options.bucket_mb * 2**20))
+    straddles = start // size < (start + seg_bytes - np.tile(nbytes, plan.world_size)) // size
+    bucket = (start // size)[seg]
+    at = np.flatnonzero(straddles[seg])  # instances of segments across a boundary, in instance order
+    if len(at):
+        bucket[at] = (start[seg[at]] + _rank_in_group(seg[at]) * nbytes[seg[at] % len(params)]) // size
     inst["bucket"] = bucket
+    by_sg = _by_shape_group(inst["param"], sg_of)
     canon = by_sg[_stable_argsort(bucket[by_sg])]
     for k in list(inst):
         inst[k] = inst[k][canon]
     return int(bucket.max()) + 1 if len(bucket) else 0
+
+
+def _rank_in_group(key: np.ndarray) -> np.ndarray:
+    """How many earlier entries of `key` equal each entry."""
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    first = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
+    out = np.empty(len(key), dtype=np.int64)
+    out[order] = np.arange(len(key)) - np.repeat(first, np.diff(np.r_[first, len(key)]))
+    return out
 
 
 def _by_shape_group(param: np.ndarray, sg_of: np.ndarray) -> np.ndarray:

@@ -28,23 +28,33 @@ def assign(params, world_size, prefer_holders=False):
     n_blocks = [len(p.block_boxes) for p in params]
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
     width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
-    items = [(width[pi], -p.flops, pi, b) for pi, p in enumerate(params) for b in range(n_blocks[pi])]
     largest = max((p.flops for p, n in zip(params, n_blocks) if n), default=0)  # no rank can load less
     best = None
-    for key in (lambda t: t[:2], lambda t: t[1]):  # sorts are stable: ties keep parameter/block order
-        loads, owner, replica = _greedy(params, sorted(items, key=key), world_size, cap, reps, prefer_holders)
+    for key in (lambda pi: (width[pi], -params[pi].flops), lambda pi: -params[pi].flops):
+        # a parameter's blocks share its key, and sorts are stable: ties keep parameter/block order
+        items = [(pi, b) for pi in sorted(range(len(params)), key=key) for b in range(n_blocks[pi])]
+        loads, owner, replica = _greedy(params, items, world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
         if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
             break
     _, owner, replica = best
     counts = np.array([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
-    param = np.repeat(np.arange(len(params), dtype=np.int64), counts)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)[param]
-    inst = {"param": param, "block": (np.arange(len(param)) - first) // np.array(reps, dtype=np.int64)[param],
-            "replica": replica, "owner": owner}
-    inst["flops"] = np.array([p.flops for p in params], dtype=np.float64)[param]
+    inst = {"param": np.repeat(np.arange(len(params), dtype=np.int64), counts),
+            "block": _per_instance(n_blocks, reps, lambda n, r: np.arange(n)[:, None]),
+            "replica": replica, "owner": owner,
+            "flops": np.repeat(np.array([p.flops for p in params], dtype=np.float64), counts)}
     return inst
+
+
+def _per_instance(n_blocks, reps, fill, dtype=np.int64) -> np.ndarray:
+    """A flat array in (parameter, block, replica) order, each parameter's [n_blocks, R] part
+    filled with fill(n_blocks, R) (broadcast)."""
+    ends = np.cumsum([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+    for n, r, e in zip(n_blocks, reps, ends.tolist()):
+        out[e - n * r : e].reshape(n, r)[:] = fill(n, r)
+    return out
 
 
 def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
@@ -54,25 +64,20 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     counts = [len(p.block_boxes) * r for p, r in zip(params, reps)]
     ends = np.cumsum(counts, dtype=np.int64)
     flat_owner = np.full(int(ends[-1]) if counts else 0, -1, dtype=np.int64)
-    flat_replica = np.concatenate([np.arange(c, dtype=np.int64) % r for c, r in zip(counts, reps)]) if counts \
-        else flat_owner.copy()
+    flat_replica = _per_instance([len(p.block_boxes) for p in params], reps, lambda n, r: np.arange(r))
     owner = [flat_owner[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
     replica = [flat_replica[e - c : e].reshape(-1, r) for c, e, r in zip(counts, ends, reps)]
-    held, whole_on, shares, heaps, share_heaps = {}, {}, {}, {}, {}  # per (piece template, split) / group
+    info, heaps, share_heaps, holders = {}, {}, {}, {}  # per (piece template, split) / group / mask
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
     i = 0
     while i < len(items):
-        _, _, pi, b = items[i]
+        pi, b = items[i]
         i += 1
         p = params[pi]
         last, symmetric = symmetric, None
-        t = (id(p.pieces), p.split)
-        if t not in held:
-            held[t] = _held_fraction(p, p.split)
-            whole_on[t] = p.pieces.whole_on.tolist()
-            shares[t] = _equal_shares(held[t])
-        whole = whole_on[t][b]
+        held, whole_on, masks, pattern, share = _info(info, p)
+        whole = whole_on[b]
         if whole >= 0 and p.groups.shape[0] == 1:  # fast path (whole experts): one candidate row
             own = int(p.groups[0, whole])
             if loads[own] + p.flops > cap:
@@ -82,9 +87,16 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
             if id(p.groups) in heaps:
                 heapq.heappush(heaps[id(p.groups)], (loads[own], own))
             continue
-        masks, pattern, share = shares[t]
+        kind = _run_kind(p, whole, pattern[b], last, loads, unequal)
+        if kind is not None:  # a run of blocks placed by one loop (experts, per-head blocks)
+            run = _place_run(*_run(items, i - 1, params, info, holders), kind, p, owner, replica, loads, share_heaps,
+                             cap if prefer_holders else None)
+            if run:  # else (loads of 2**51 or more) per block below
+                i += run - 1
+                symmetric = p.groups if kind == "row0" else None
+                continue
         if not p.split and p.groups.shape[0] > 1 and (last is p.groups or _symmetric(p.groups, loads, unequal)):
-            pos = _place_in_row0(share_heaps, p, whole, masks, pattern[b], share[b], held[t][b], loads, cap)
+            pos = _place_in_row0(share_heaps, p, whole, masks, pattern[b], share[b], held[b], loads, cap)
             loads[p.groups[1:, pos]] += p.flops  # every replica the same: rows stay equal
             owner[pi][b], symmetric = p.groups[:, pos], p.groups
             continue
@@ -94,16 +106,9 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
                 owner[pi][b, 0], replica[pi][b, 0] = p.groups.flat[pos], pos // p.groups.shape[1]
                 continue
         if prefer_holders and whole < 0 and p.groups.shape[0] == 1:
-            own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[t][b], loads, cap)
+            own = _holder_under_cap(share_heaps, p, masks, pattern[b], held[b], loads, cap)
             if own is not None:
                 owner[pi][b, 0] = own
-                continue
-        if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0 and not prefer_holders:  # a run of experts
-            run = _equal_run(items, i, pi, b, pattern, share, whole_on[t])
-            pos = _water_fill(p.groups[0], loads, p.flops, masks[pattern[b]][0], share[b], 1 + len(run))
-            if pos is not None:
-                owner[pi][[b, *run], 0] = p.groups[0][pos]
-                i += len(run)
                 continue
         if whole < 0 and p.groups.shape[0] == 1 and pattern[b] >= 0:  # fast path (split experts)
             pos = _least_loaded_equal(share_heaps, p.groups[0], id(p.groups), p.flops, masks, pattern[b], share[b],
@@ -111,10 +116,184 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
             if pos is not None:
                 owner[pi][b, 0] = p.groups[0, pos]
                 continue
-        own, rep = _place_block(p, b, loads, cap, p.split, held[t][b])
+        own, rep = _place_block(p, b, loads, cap, p.split, held[b])
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, flat_owner, flat_replica
+
+
+def _info(info, p):
+    """Per (piece template, split), computed once per pass: (held fraction [n_blocks, positions],
+    whole_on as a list, then `_equal_shares`: holder masks, mask index and share of each block)."""
+    t = (id(p.pieces), p.split)
+    if t not in info:
+        held = _held_fraction(p, p.split)
+        info[t] = (held, p.pieces.whole_on.tolist(), *_equal_shares(held))
+    return info[t]
+
+
+def _run_kind(p, whole, k, last, loads, unequal) -> str | None:
+    """How `_place_block` places a block held in pieces with equal shares (mask index k >= 0), as
+    an argmin over one row of candidates: "row" (one replica), "all" (split across replicas: every
+    replica's ranks), "row0" (repeated in replicas whose rows hold equal loads: row 0 for all);
+    None for any other block (held whole, unequal shares, unequal rows)."""
+    if whole >= 0 or k < 0:
+        return None
+    if p.split:
+        return "all"
+    if p.groups.shape[0] == 1:
+        return "row"
+    return "row0" if last is p.groups or _symmetric(p.groups, loads, unequal) else None
+
+
+def _run(items, i, params, info, holders) -> tuple[list, list]:
+    """items[i] and the items after it that `_place_block` places by the same rule (same group
+    array, split and FLOPs, held in pieces with equal shares): their (parameter, block), and their
+    (holder mask, holder positions as a set, mask key, share) for `_fill_row`. `holders`: the sets
+    by mask key, kept for the pass."""
+    p = params[items[i][0]]
+    run, blocks, last = [], [], None
+    for j in range(i, len(items)):
+        pi, b = items[j]
+        if pi != last:
+            q, last = params[pi], pi
+            if q.groups is not p.groups or q.split != p.split or q.flops != p.flops:
+                break
+            _, whole_on, masks, pattern, share = _info(info, q)
+        k = pattern[b]
+        if whole_on[b] >= 0 or k < 0:
+            break
+        mask, mask_key = masks[k]
+        if mask_key not in holders:
+            holders[mask_key] = frozenset(np.nonzero(mask)[0].tolist())
+        run.append((pi, b))
+        blocks.append((mask, holders[mask_key], mask_key, share[b]))
+    return run, blocks
+
+
+def _place_run(run, blocks, kind, p, owner, replica, loads, heaps, cap) -> int:
+    """Place the blocks of `run` (`_run`, of kind `_run_kind`, parameters with p's groups) one
+    after the other with `_fill_row`, then write their owners (and replicas); "row0" adds each
+    block's FLOPs to every replica row at the position it picked in row 0. `cap`: prefer holders
+    under it ("row" only). Returns how many blocks it placed (`_fill_row` stops at 2**51)."""
+    ranks = p.groups.ravel() if kind == "all" else p.groups[0]
+    key = id(p.groups) if kind == "row" else (id(p.groups), kind)  # the heaps of the per-block paths
+    pos = np.array(_fill_row(heaps, key, ranks, p.flops, blocks, loads, cap if kind == "row" else None),
+                   dtype=np.int64)
+    pis, bs = np.array(run[: len(pos)], dtype=np.int64).reshape(-1, 2).T
+    for pi in np.unique(pis).tolist():
+        at = pis == pi
+        if kind == "row0":
+            owner[pi][bs[at]] = p.groups[:, pos[at]].T
+        else:
+            owner[pi][bs[at], 0] = ranks[pos[at]]
+            replica[pi][bs[at], 0] = pos[at] // p.groups.shape[1]
+    if kind == "row0":  # integer sums below 2**51: exact in any order
+        loads += np.bincount(p.groups[1:, pos].ravel(), minlength=len(loads)) * float(p.flops)
+    return len(pos)
+
+
+def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
+    """Positions in `ranks` of equal blocks placed one after the other by `_place_block`'s rule,
+    `blocks` giving each one's holders (bool array, positions as a set, mask key) and equal share:
+    argmin of load - 1e-9 * flops * held, first position on ties; with `cap`, first the least
+    loaded holder while under it (`_holder_under_cap`). Adds the FLOPs to `loads`.
+
+    The rule of `_least_loaded_equal`, inlined over a list copy of the loads: the least loaded of
+    the row, unless it is no holder and the least loaded holder, less its bonus, is below it (loads
+    are integers, so below 2**51 the bonus changes nothing among holders: the loop stops at a load
+    of 2**51, leaving the rest of the blocks to the caller). Heaps as `_heap_top`'s (the keys of
+    the per-block paths): lazy, a stale entry refreshed when it comes on top."""
+    picks = _fill_by_level(ranks, flops, blocks, loads) if cap is None else []
+    load = loads.tolist()
+    row, holder_heaps = _heap(heaps, (key, b"row"), ranks, None, loads), {}
+    for mask, holder_set, mask_key, share in blocks[len(picks) :]:
+        holders = holder_heaps.get(mask_key)
+        if holders is None:
+            holders = holder_heaps[mask_key] = _heap(heaps, (key, mask_key), ranks, mask, loads)
+        pick = _top(holders, load) if cap is not None and holders else None
+        if pick is None or pick[0] + flops > cap:
+            pick = row[0]
+            while pick[0] != load[pick[2]]:  # _top, inlined: the loop's hot spot
+                heapq.heapreplace(row, (load[pick[2]], pick[1], pick[2]))
+                pick = row[0]
+            best = _top(holders, load) if share > 0 and pick[1] not in holder_set else None
+            if pick[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
+                break
+            if best is not None:
+                bonus = best[0] - 1e-9 * flops * share
+                if bonus < pick[0] or (bonus == pick[0] and best[1] < pick[1]):
+                    pick = best
+        load[pick[2]] += flops
+        picks.append(pick[1])
+    loads[:] = load
+    return picks
+
+
+def _fill_by_level(ranks, flops, blocks, loads, min_level=64) -> list[int]:
+    """`_fill_row`'s picks (no cap) for a first part of `blocks`, a level of equal loads at a time:
+    while the least loaded positions of the row (load v) number at least `min_level` and no other
+    load lies within twice the largest bonus possible (plus 1) above v, every pick of the next |level|
+    blocks is among them (the others' load, less any bonus, stays above v), so block after block
+    takes the first untaken holder at v when its bonus lowers v - bonus below v (the very float
+    `_place_block` computes), else the first untaken position at v. Adds the FLOPs to `loads`."""
+    row = loads[ranks]
+    window = 2 * 1e-9 * flops + 1  # bonuses are 1e-9 * flops * share, shares at most 1
+    picks = []
+    while len(picks) < len(blocks):
+        v = row.min()
+        level = np.flatnonzero(row == v)
+        if len(level) < min_level or v + flops >= 2.0**51 or ((row > v) & (row <= v + window)).any():
+            break
+        chosen = _fill_level(level, v, flops, blocks[len(picks) : len(picks) + len(level)])
+        row[chosen] += flops
+        picks += chosen
+    loads[ranks] = row
+    return picks
+
+
+def _fill_level(level, v, flops, blocks) -> list[int]:
+    """Positions (of `level`, ascending, all at load v) of blocks placed one after the other:
+    the first untaken holder where the bonus counts, else the first untaken position."""
+    order, taken, at, holders = level.tolist(), set(), 0, {}  # holders: per mask, (its level positions, next)
+    chosen = []
+    for mask, _, mask_key, share in blocks:
+        pos = None
+        if share > 0 and v - 1e-9 * flops * share < v:
+            if mask_key not in holders:
+                holders[mask_key] = [level[mask[level]].tolist(), 0]
+            mine = holders[mask_key]
+            while mine[1] < len(mine[0]) and mine[0][mine[1]] in taken:
+                mine[1] += 1
+            if mine[1] < len(mine[0]):
+                pos = mine[0][mine[1]]
+        if pos is None:
+            while order[at] in taken:
+                at += 1
+            pos = order[at]
+        taken.add(pos)
+        chosen.append(pos)
+    return chosen
+
+
+def _heap(heaps, key, ranks, member, loads) -> list:
+    """The lazy heap of (load, position, rank) over ranks[member] (all when None) kept under `key`."""
+    heap = heaps.get(key)
+    if heap is None:
+        where = np.arange(len(ranks)) if member is None else np.nonzero(member)[0]
+        heap = heaps[key] = [(loads[r], i, r) for i, r in zip(where.tolist(), ranks[where].tolist())]
+        heapq.heapify(heap)
+    return heap
+
+
+def _top(heap, load) -> tuple:
+    """The current top of a non-empty lazy heap: loads only grow, so an entry is never above its
+    rank's load, and a current top entry is the true minimum; a stale one is refreshed in place."""
+    top = heap[0]
+    while top[0] != load[top[2]]:
+        heapq.heapreplace(heap, (load[top[2]], top[1], top[2]))
+        top = heap[0]
+    return top
 
 
 def _symmetric(groups, loads, unequal) -> bool:
@@ -147,50 +326,6 @@ def _place_in_row0(share_heaps, p, whole, masks, k, share, held, loads, cap) -> 
         pos = int(np.argmin(loads[row] - 1e-9 * p.flops * held))
     loads[row[pos]] += p.flops
     return pos
-
-
-def _equal_run(items, i, pi, b, pattern, share, whole_on) -> list[int]:
-    """The blocks of items[i:] that follow block b of parameter pi in a run it can be placed with:
-    same parameter, held in pieces by the same ranks with the same shares."""
-    run = []
-    while i < len(items) and items[i][2] == pi:
-        c = items[i][3]
-        if pattern[c] != pattern[b] or share[c] != share[b] or whole_on[c] >= 0:
-            break
-        run.append(c)
-        i += 1
-    return run
-
-
-def _water_fill(ranks, loads, flops, mask, share, k) -> np.ndarray | None:
-    """Positions in `ranks` of k equal blocks placed one after the other as `_place_block` places
-    each (argmin of load - 1e-9 * flops * held, first position on ties; the holders `mask` hold
-    `share` of each), their FLOPs added to `loads`; None above 2**51 (the caller falls back).
-
-    Each pick is the smallest (load + j flops - bonus, position) over ranks and j >= 0, so the k picks
-    are the k smallest of these sequences merged, which only the ranks whose first term is among the
-    k smallest can supply: a small heap over those replaces k steps over all ranks."""
-    bonus = np.where(mask, 1e-9 * flops * share, 0.0)  # the very float `_place_block` subtracts
-    load = loads[ranks]
-    if load.max(initial=0.0) + k * flops >= 2.0**51:
-        return None
-    first = load - bonus
-    cand = np.arange(len(ranks))
-    if k < len(ranks):  # the k smallest (first term, position): ties at the k-th value by position
-        kth = np.partition(first, k - 1)[k - 1]
-        below = np.nonzero(first < kth)[0]
-        cand = np.concatenate([below, np.nonzero(first == kth)[0][: k - len(below)]])
-    heap = [(first[c], c) for c in cand.tolist()]
-    heapq.heapify(heap)
-    now = {c: load[c] for c in cand.tolist()}
-    picks = []
-    for _ in range(k):
-        _, c = heap[0]
-        picks.append(c)
-        now[c] += flops
-        heapq.heapreplace(heap, (now[c] - bonus[c], c))
-    np.add.at(loads, ranks[picks], flops)
-    return np.array(picks)
 
 
 def _least_loaded(heaps, groups, loads, holder) -> int:
@@ -293,23 +428,9 @@ def _holder_under_cap(heaps, p, masks, k, held, loads, cap) -> int | None:
 
 def _heap_top(heaps, key, ranks, member, loads):
     """(load, position, rank) of the least loaded rank of ranks[member] (all when None; first
-    position on ties), or None when there is none.
-
-    A lazy heap, one entry per rank: loads only grow, so an entry is never above its rank's load;
-    a current top entry is the true minimum, a stale one is refreshed in place.
-    """
-    heap = heaps.get(key)
-    if heap is None:
-        where = np.arange(len(ranks)) if member is None else np.nonzero(member)[0]
-        heap = heaps[key] = [(loads[r], i, r) for i, r in zip(where.tolist(), ranks[where].tolist())]
-        heapq.heapify(heap)
-    if not heap:
-        return None
-    top = heap[0]
-    while top[0] != loads[top[2]]:
-        heapq.heapreplace(heap, (loads[top[2]], top[1], top[2]))
-        top = heap[0]
-    return top
+    position on ties), or None when there is none (`_heap`, `_top`)."""
+    heap = _heap(heaps, key, ranks, member, loads)
+    return _top(heap, loads) if heap else None
 
 
 def _held_fraction(p, split):

@@ -64,12 +64,16 @@ def plan_stats(plan, cache: dict | None = None) -> PlanStats:
     traffic = {k: np.zeros(world) for k in ("sent_intra", "sent_inter", "recv_intra", "recv_inter")}
     communicated, gathered, cache = set(), {}, {} if cache is None else cache
     batch_of, batches = _batches(plan.params)
-    for idx, pi in zip(instances_by(inst["param"], batch_of), batches):  # params sharing template, groups, dtype
+    where = _param_instances(plan)
+    for k, pi in enumerate(batches):  # parameters sharing template, groups, dtype
         p = plan.params[pi]
-        computed, moving = _all_to_all_traffic(traffic, plan, p, idx, opt.ranks_per_node, cache)
-        if moving:
+        H, part = _template(cache, p, opt.ranks_per_node)
+        sets = _instance_sets(inst, p, part, [where[q] for q in np.flatnonzero(batch_of == k).tolist()])
+        counted = [_all_to_all_traffic(traffic, p, H, part, *s) for s in sets]
+        computed = sum((c for c, _ in counted), np.zeros(p.groups.shape))
+        if any(moving for _, moving in counted):
             communicated.add(p.shape_group)
-        if p.split and p.groups.shape[0] > 1 and len(idx):
+        if p.split and p.groups.shape[0] > 1 and sum(len(s[1]) for s in sets):
             entry = gathered.setdefault(id(p.groups), [p.groups, np.zeros(p.groups.shape)])
             entry[1] += computed
             communicated.add(p.shape_group)
@@ -101,10 +105,36 @@ def _batches(params) -> tuple[np.ndarray, list[int]]:
     return np.array([renumber[f] for f in batch_of.tolist()], dtype=np.int64), firsts
 
 
-def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[np.ndarray, bool]:
-    """Add the forward and return all-to-all bytes of instances `idx` of parameter p (or of
-    parameters with p's template, groups and dtype) to `traffic`
-    (each rank sends what it receives). Returns (bytes held at each [replica, shard position] of the
+def _param_instances(plan) -> list:
+    """Each parameter's instances: a slice in `assign`'s (parameter-sorted) order, else indices."""
+    param = plan.inst["param"]
+    if len(param) and not (param[1:] >= param[:-1]).all():
+        return instances_by_param(plan)
+    bounds = np.searchsorted(param, np.arange(len(plan.params) + 1)).tolist()
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _instance_sets(inst, p, part, where) -> list[tuple]:
+    """(rows, block, replica, owner's position in its row) of the instances `where` (per parameter:
+    a slice or indices) of parameters batched with p: replica 0 alone (rows 1) for a parameter
+    whose replicas place each block alike (`_replicas_alike`), every replica (rows R) otherwise."""
+    R = p.groups.shape[0]
+    alike_possible = not p.split and R > 1 and len(part["patterns"]) == 1
+    sets = {1: [], R: []}
+    for w in where:
+        b, r, pos = inst["block"][w], inst["replica"][w], part["pos_of"][inst["owner"][w]]
+        if alike_possible and _replicas_alike(b, r, pos, R):
+            sets[1].append((b[::R], np.zeros(len(b) // R, dtype=np.int64), pos[::R]))  # count replica 0
+        else:
+            sets[R].append((b, r, pos))
+    return [(rows, *(np.concatenate(a) for a in zip(*s))) for rows, s in sets.items() if s]
+
+
+def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarray, bool]:
+    """Add the forward and return all-to-all bytes of instances (block b, replica r, owner at
+    position pos of its row) of parameter p (or of parameters with p's template, groups and dtype)
+    to `traffic` (each rank sends what it receives); `rows` 1: replica 0's instances count for
+    every replica. H, part: `_template`. Returns (bytes held at each [replica, shard position] of the
     blocks that replica computes, whether any piece moves).
 
     Per instance, not per piece: with the owner at position `pos` of its replica's row, the owner
@@ -114,18 +144,13 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
     each block on its owner's node (none to look up when a row is one node or one node per position).
     """
     R, S = p.groups.shape
-    H, part = _template(cache, p, ranks_per_node)
     eb = p.nbytes // (p.block_shape[0] * p.block_shape[1])
-    b, r, owner = plan.inst["block"][idx], plan.inst["replica"][idx], plan.inst["owner"][idx]
-    pos = part["pos_of"][owner]
-    rows = R
-    if not p.split and R > 1 and len(part["patterns"]) == 1 and _replicas_alike(b, r, pos, R):
-        b, r, pos, rows = b[::R], np.zeros(len(idx) // R, dtype=np.int64), pos[::R], 1  # count replica 0
+    b, r, pos, w = _distinct(b, r, pos, rows, S, len(H))
     own = H[b, pos]
     total = part["block_total"][b]
     at = r * S + pos
-    own_rs = np.bincount(at, weights=own, minlength=rows * S)
-    computed = np.bincount(r * len(H) + b, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
+    own_rs = np.bincount(at, weights=own * w, minlength=rows * S)
+    computed = np.bincount(r * len(H) + b, weights=w, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
     same, same_rs = np.zeros(len(b)), np.zeros(rows * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):
@@ -135,11 +160,11 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
         if part["one_node"]:
             same_rs = computed.ravel()
         elif not part["own_node_only"]:
-            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, rows * S)
+            same_rs += _same_node_pieces(part["csr"][k], p, b[mine], r[mine], cls, w[mine], rows * S)
     held_intra = held if part["one_node"] else (np.zeros(rows * S) if part["own_node_only"] else same_rs - own_rs)
     per_position = {  # [rows * S]: as owner plus as holder
-        "intra": np.bincount(at, weights=same - own, minlength=rows * S) + held_intra,
-        "inter": np.bincount(at, weights=total - same, minlength=rows * S) + held - held_intra,
+        "intra": np.bincount(at, weights=(same - own) * w, minlength=rows * S) + held_intra,
+        "inter": np.bincount(at, weights=(total - same) * w, minlength=rows * S) + held - held_intra,
     }
     world = len(traffic["sent_intra"])
     for kind, v in per_position.items():
@@ -147,6 +172,19 @@ def _all_to_all_traffic(traffic, plan, p, idx, ranks_per_node, cache) -> tuple[n
         traffic[f"sent_{kind}"] += both
         traffic[f"recv_{kind}"] += both
     return np.broadcast_to(computed, (R, S)) * eb, bool((total > own).any())
+
+
+def _distinct(b, r, pos, rows, S, n_blocks) -> tuple:
+    """(block, replica, position, count) of the distinct instances (b, r, pos) when a table over
+    every (replica, position, block) is smaller than the instances (parameters batched across
+    layers repeat each one); else each instance with a count of 1. Every sum the traffic takes
+    is of integers, so counting equal instances together changes nothing."""
+    if rows * S * n_blocks >= len(b):
+        return b, r, pos, np.ones(len(b))
+    count = np.bincount((r * S + pos) * n_blocks + b, minlength=rows * S * n_blocks)
+    key = np.flatnonzero(count)
+    at, block = np.divmod(key, n_blocks)
+    return block, at // S, at % S, count[key].astype(np.float64)
 
 
 def _replicas_alike(b, r, pos, R) -> bool:
@@ -195,16 +233,16 @@ def _template(cache, p, ranks_per_node):
     return cache[key]
 
 
-def _same_node_pieces(csr, p, b, r, cls, size) -> np.ndarray:
-    """Per (replica, shard position): elements held there of the instances (b, r) whose owner is on
-    the holder's node (owner's class `cls`), the owner's own piece included."""
+def _same_node_pieces(csr, p, b, r, cls, w, size) -> np.ndarray:
+    """Per (replica, shard position): elements held there of the instances (b, r), each counted w
+    times, whose owner is on the holder's node (owner's class `cls`), the owner's own piece included."""
     C, order, start = csr
     lo, hi = start[b * C + cls], start[b * C + cls + 1]
     count = hi - lo
     rows = np.repeat(np.arange(len(b)), count)
     piece = order[np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())]
     S = p.groups.shape[1]
-    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece], minlength=size)
+    return np.bincount(r[rows] * S + p.pieces.shard[piece], weights=p.pieces.numel[piece] * w[rows], minlength=size)
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):

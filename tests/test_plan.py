@@ -317,14 +317,14 @@ def narrow_debug_specs():
 
 @pytest.mark.parametrize("replica_split", ["off", "on", "auto"])
 def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split):
-    """The heaps (experts split on a matrix dim, blocks split across replicas), the water-filling of
-    runs of equal expert blocks and the placement in one replica row for all (replica rows with
+    """The heaps (experts split on a matrix dim, blocks split across replicas), the one loop over
+    runs of equal blocks and the placement in one replica row for all (replica rows with
     equal loads) against the plain argmin of `_place_block` they stand for, fast paths turned off."""
     cases = [(awkward_specs(), 8, {}), (narrow_debug_specs(), 16, dict(ranks_per_node=4))]
     fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
     monkeypatch.setattr(plan_owners, "_split_owner", lambda *args: None)
     monkeypatch.setattr(plan_owners, "_least_loaded_equal", lambda *args: None)
-    monkeypatch.setattr(plan_owners, "_water_fill", lambda *args: None)
+    monkeypatch.setattr(plan_owners, "_place_run", lambda *args: 0)
     monkeypatch.setattr(plan_owners, "_symmetric", lambda *args: False)
     plain = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
     assert fast == plain
@@ -392,18 +392,35 @@ def test_stats_count_the_bytes_the_schedule_moves(replica_split):
     assert s.sent_inter.sum() > 0 and s.sent_intra.sum() > 0
 
 
-def test_water_fill_places_a_run_as_one_block_at_a_time():
-    """Runs of equal blocks (loads with many ties, holders with the piece bonus) against a plain loop
-    of `_place_block`'s argmin, one block at a time."""
+def test_fill_row_places_a_run_as_one_block_at_a_time():
+    """Runs of equal blocks whose holders change from block to block (loads with many ties, the
+    piece bonus, holders preferred under a cap), and the level by level part of the loop alone,
+    against a plain loop of `_place_block`'s argmin (and `_holder_under_cap`'s rule), one block
+    at a time."""
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for trial in range(300):
         n, k, flops = int(rng.integers(1, 40)), int(rng.integers(1, 60)), 1000 * int(rng.integers(1, 4))
-        ranks, mask = rng.permutation(100)[:n], rng.random(n) < 0.3
+        ranks = rng.permutation(100)[:n]
+        masks = [rng.random(n) < 0.3 for _ in range(3)]
+        shares = [s if m.any() else 0.0 for s, m in zip((0.25, 0.5, 1 / 3), masks)]  # no holders: share 0
+        which = rng.integers(0, 3, k)
+        cap = float(rng.integers(0, 8) * 1000) if trial % 2 else None
         loads = np.zeros(100)
-        loads[ranks] = 1000.0 * rng.integers(0, 5, n)
-        want, picks = loads.copy(), []
-        for _ in range(k):
-            picks.append(int(np.argmin(want[ranks] - 1e-9 * flops * 0.25 * mask)))
+        loads[ranks] = 1000.0 * rng.integers(0, 5, n) + (2.0**40 if trial % 4 > 1 else 0.0)  # 2**40: bonus rounds away
+        want, picks, after = loads.copy(), [], []
+        for m in which:
+            mask, load = masks[m], want[ranks]
+            if cap is not None and mask.any() and load[mask].min() + flops <= cap:
+                picks.append(int(np.nonzero(mask)[0][np.argmin(load[mask])]))
+            else:
+                picks.append(int(np.argmin(load - 1e-9 * flops * shares[m] * mask)))
             want[ranks[picks[-1]]] += flops
-        assert plan_owners._water_fill(ranks, loads, flops, mask, 0.25, k).tolist() == picks
+            after.append(want.copy())
+        blocks = [(masks[m], set(np.nonzero(masks[m])[0].tolist()), bytes([m]), shares[m]) for m in which]
+        if cap is None:  # the level by level part alone, on levels of any size
+            level_loads = loads.copy()
+            level = plan_owners._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
+            assert level == picks[: len(level)]
+            assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
+        assert plan_owners._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
