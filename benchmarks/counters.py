@@ -1,4 +1,4 @@
-"""Measure what one optimizer step really does on this rank: matmul FLOPs and bytes on the wire.
+"""Measure what one optimizer step really does on this rank: matmul FLOPs, memory traffic and bytes on the wire.
 
 Every method in the benchmark is measured the same way, by running one extra (untimed) step under
 `count_step()`:
@@ -9,6 +9,10 @@ Every method in the benchmark is measured the same way, by running one extra (un
     Both see what reaches the dispatcher under the mode: for a DTensor op that is the DTensor op
     once, not the local ops DTensor's own dispatch runs for it (the mode is off inside a handler),
     so they are exact for steps on plain (local) tensors and undercounts for DTensor-level code.
+  - Memory bytes: what each memory-bound op reads and writes (`_memory_bytes`: elementwise ops,
+    casts, copies, index ops by the rows they touch; not matmuls, collectives or views), kept
+    apart for the ops dispatched inside `optim.newton_schulz.orthogonalize` (found by a walk of
+    the Python stack): on a GPU, the HBM traffic of the step's kernels outside Newton-Schulz.
   - FLOPs: torch's public `FlopCounterMode` counts every mm/bmm/addmm/baddbmm. An optimizer step has
     no other matmuls, so this is exactly the Newton-Schulz work (4 s^2 l + 2 s^3 per iteration
     and block), whatever the method's code looks like.

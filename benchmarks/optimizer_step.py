@@ -11,8 +11,10 @@ gradients) and each method (`benchmarks/methods.py`), in ONE process group:
      reference Muon (a method that fails is reported as FAILED, its time is not a result);
   3. warm up, then time `--steps` interleaved steps (slowest rank per step, median);
   4. count one step per method: matmul (= NS) FLOPs, bytes sent + received, aten ops dispatched
-     (`ops_per_step`), collectives issued (`collectives_per_step`) and the peak of the memory the
-     step allocates (`peak_extra_mb`), per rank (the busiest rank is reported);
+     (`ops_per_step`), collectives issued (`collectives_per_step`), the peak of the memory the
+     step allocates (`peak_extra_mb`) and the bytes its memory-bound ops move per parameter
+     element (`memory_bytes_per_element`, outside NS; `ns_memory_bytes_per_element` inside), per
+     rank (the busiest rank is reported);
   5. measure this machine's NS rate on the same block shapes (`matmul_rate.ns_rate`, all ranks
      at once, like the step), and report each method's NS GFLOP/s on its busiest rank against it.
 Rank 0 prints a table per shape set; `--json PATH` and `--plot PATH` write the results
