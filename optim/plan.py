@@ -31,7 +31,7 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    sequential, but the common blocks skip numpy: whole blocks of one-replica groups take their rank
    from lazy heaps; a run of consecutive blocks with the same groups, split and FLOPs, held in
    pieces with equal shares (experts split on a matrix dim, whatever their holders), is placed by
-   one loop over a list of the loads and lazy heaps (`plan_owners._fill_row`); a block repeated in
+   one loop over a list of the loads and lazy heaps (`plan_runs._fill_row`); a block repeated in
    replicas whose rows hold equal loads is placed in row 0 for all; each picks exactly what
    `_place_block` would (tests pin plans made before these fast paths and compare them with
    `_place_block` and a plain argmin loop); "auto" buckets only the plan it keeps.

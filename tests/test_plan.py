@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from models import preset
 from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
-from optim import plan_owners
+from optim import plan_owners, plan_runs
 from optim.plan import ParamSpec, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, local_box, strided_shard
 from optim.sharded_schedule import group_keys, rank_schedule
@@ -419,8 +419,8 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
         blocks = [(masks[m], set(np.nonzero(masks[m])[0].tolist()), bytes([m]), shares[m]) for m in which]
         if cap is None:  # the level by level part alone, on levels of any size
             level_loads = loads.copy()
-            level = plan_owners._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
+            level = plan_runs._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
             assert level == picks[: len(level)]
             assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
-        assert plan_owners._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
+        assert plan_runs._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
