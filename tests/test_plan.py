@@ -315,12 +315,15 @@ def narrow_debug_specs():
             for s in model_specs(preset("debug"), layout)]
 
 
+@pytest.mark.parametrize("prefer_holders", [False, True])
 @pytest.mark.parametrize("replica_split", ["off", "on", "auto"])
-def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split):
+def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split, prefer_holders):
     """The heaps (experts split on a matrix dim, blocks split across replicas), the one loop over
-    runs of equal blocks and the placement in one replica row for all (replica rows with
-    equal loads) against the plain argmin of `_place_block` they stand for, fast paths turned off."""
-    cases = [(awkward_specs(), 8, {}), (narrow_debug_specs(), 16, dict(ranks_per_node=4))]
+    runs of equal blocks (`plan_runs`, with and without the holders' cap) and the placement in one
+    replica row for all (replica rows with equal loads) against the plain argmin of `_place_block`
+    they stand for, fast paths turned off."""
+    cases = [(awkward_specs(), 8, dict(prefer_holders=prefer_holders)),
+             (narrow_debug_specs(), 16, dict(ranks_per_node=4, prefer_holders=prefer_holders))]
     fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
     monkeypatch.setattr(plan_owners, "_split_owner", lambda *args: None)
     monkeypatch.setattr(plan_owners, "_least_loaded_equal", lambda *args: None)
