@@ -99,16 +99,19 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     the per-block paths): lazy, a stale entry refreshed when it comes on top."""
     picks = _fill_by_level(ranks, flops, blocks, loads) if cap is None else []
     load = loads.tolist()
-    row, holder_heaps = _heap(heaps, (key, b"row"), ranks, None, loads), {}
+    row, holder_heaps, replace = _heap(heaps, (key, b"row"), ranks, None, loads), {}, heapq.heapreplace
     for mask, holder_set, mask_key, share in blocks[len(picks) :]:
         holders = holder_heaps.get(mask_key)
         if holders is None:
             holders = holder_heaps[mask_key] = _heap(heaps, (key, mask_key), ranks, mask, loads)
-        pick = _top(holders, load) if cap is not None and holders else None
+        pick = holders[0] if cap is not None and holders else None
+        while pick is not None and pick[0] != load[pick[2]]:  # _top, inlined: the loop's hot spots
+            replace(holders, (load[pick[2]], pick[1], pick[2]))
+            pick = holders[0]
         if pick is None or pick[0] + flops > cap:
             pick = row[0]
-            while pick[0] != load[pick[2]]:  # _top, inlined: the loop's hot spot
-                heapq.heapreplace(row, (load[pick[2]], pick[1], pick[2]))
+            while pick[0] != load[pick[2]]:
+                replace(row, (load[pick[2]], pick[1], pick[2]))
                 pick = row[0]
             best = _top(holders, load) if share > 0 and pick[1] not in holder_set else None
             if pick[0] >= 2.0**51 or (best is not None and best[0] >= 2.0**51):
