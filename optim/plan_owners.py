@@ -34,7 +34,7 @@ def assign(params, world_size, prefer_holders=False):
     best = None
     for key in (lambda pi: (width[pi], -params[pi].flops), lambda pi: -params[pi].flops):
         # a parameter's blocks share its key, and sorts are stable: ties keep parameter/block order
-        items = [(pi, b) for pi in sorted(range(len(params)), key=key) for b in range(n_blocks[pi])]
+        items = _items(sorted(range(len(params)), key=key), n_blocks)
         loads, owner, replica = _greedy(params, items, world_size, cap, reps, prefer_holders)
         if best is None or loads.max() < best[0].max():
             best = loads, owner, replica
@@ -47,6 +47,14 @@ def assign(params, world_size, prefer_holders=False):
             "replica": replica, "owner": owner,
             "flops": np.repeat(np.array([p.flops for p in params], dtype=np.float64), counts)}
     return inst
+
+
+def _items(order, n_blocks) -> list[tuple[int, int]]:
+    """(parameter, block) of every block, parameters in `order`, each one's blocks in order."""
+    counts = np.array([n_blocks[pi] for pi in order], dtype=np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return list(zip(np.repeat(np.array(order, dtype=np.int64), counts).tolist(),
+                    (np.arange(int(counts.sum())) - first).tolist()))
 
 
 def _per_instance(n_blocks, reps, fill, dtype=np.int64) -> np.ndarray:

@@ -427,3 +427,11 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
             assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
         assert plan_runs._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
+
+def test_items_are_the_plain_list_of_blocks():
+    """`plan_owners._items` against the plain comprehension, parameters without blocks included."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n_blocks = rng.integers(0, 5, size=rng.integers(0, 7)).tolist()
+        order = rng.permutation(len(n_blocks)).tolist()
+        assert plan_owners._items(order, n_blocks) == [(pi, b) for pi in order for b in range(n_blocks[pi])]
