@@ -50,10 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from models import Transformer, TransformerBlock  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
-from models.layers import RMSNorm  # noqa: E402
 from models.moe import Router  # noqa: E402
 from models.splits import muon_splits  # noqa: E402
-from optim.plan import PlanOptions, make_plan  # noqa: E402
+from optim.plan import make_plan  # noqa: E402
+from optim.sharded_muon import plan_options  # noqa: E402
 from optim.sharded_boxes import local_box  # noqa: E402
 from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
@@ -287,8 +287,8 @@ def muon_step(job: Job) -> int:
         return 0
     o = job.config.optim
     specs = model_specs(job.config.model, job.layout)  # expert ranks follow parallel.expert_inner
-    options = PlanOptions(bucket_mb=o.bucket_mb, replica_split=o.replica_split, ns_method=o.ns_method,
-                          ns_dtype=o.ns_torch_dtype("cpu" if job.device == "cpu" else "cuda"), ranks_per_node=o.ranks_per_node, prefer_holders=True)
+    options = plan_options(o, "cpu" if job.device == "cpu" else "cuda", bucket_mb=o.bucket_mb,
+                           replica_split=o.replica_split, ranks_per_node=o.ranks_per_node)
     return int(STEP_BUCKETS[o.overlap] * largest_bucket(make_plan(specs, job.layout.world_size, options), job.rank))
 
 

@@ -31,6 +31,15 @@ from optim.sharded_schedule import collectives, group_keys, rank_schedule
 from optim.sharded_specs import param_spec
 
 
+def plan_options(config: OptimConfig, device, *, bucket_mb: float, replica_split: str, ranks_per_node: int,
+                 prefer_holders: bool = True) -> PlanOptions:
+    """The planner's options for `config` on `device` (what the optimizer plans with; the memory
+    estimate plans the same way)."""
+    return PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=config.ns_torch_dtype(device),
+                       ns_steps=config.ns_steps, ns_method=config.ns_method, ranks_per_node=ranks_per_node,
+                       prefer_holders=prefer_holders)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -74,9 +83,8 @@ class ShardedMuon(torch.optim.Optimizer):
         specs = [param_spec(n, p, splits[n]) for n, p in muon]
         device = _local(muon[0][1]).device if muon else torch.device("cpu")
         ns_dtype = config.ns_torch_dtype(device)  # plan, all-to-all and NS in this dtype
-        options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=ns_dtype,
-                              ns_steps=config.ns_steps, ns_method=config.ns_method, ranks_per_node=ranks_per_node,
-                              prefer_holders=prefer_holders)
+        options = plan_options(config, device, bucket_mb=bucket_mb, replica_split=replica_split,
+                               ranks_per_node=ranks_per_node, prefer_holders=prefer_holders)
         self.plan = make_plan(specs, world, options, split=split_params)
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
