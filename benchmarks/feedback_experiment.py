@@ -21,8 +21,8 @@ experiment on the tool-use environment (examples/tool_env.py), on CPU.
 3. Every `eval_every` steps (and before the first), the policy that generates the next batch plays
    `eval_episodes` fresh evaluation episodes (the same tasks and streams for every arm at a given step)
    and we record: invalid_call_rate (calls to unavailable tools per assistant turn), success_rate, and
-   kl_untargeted: the mean per-token KL(current || starting policy) over the assistant tokens of turns
-   that called no unavailable tool (the turns no feedback ever targets).
+   kl_untargeted: the mean per-token KL(current || starting policy) over the generated assistant tokens
+   (not the "A: " header) of turns that called no unavailable tool (the turns no feedback ever targets).
 
 The JSON: {"arms": {arm: {"steps", "invalid_call_rate", "success_rate", "kl_untargeted"}}, "seeds",
 "config"}: per arm, the mean over seeds at each measured step, with the per-seed values under
@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from examples.tool_env import new_episode, play, rollout_record, transcript  # noqa: E402
+from examples.tool_env import HEADER, new_episode, play, rollout_record, transcript  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime.config import load_config  # noqa: E402
@@ -143,14 +143,15 @@ def _log_probs(model, episode) -> torch.Tensor:
 
 
 def kl_untargeted(model, start, episodes) -> float:
-    """Mean per-token KL(model || start) over the assistant tokens of turns that called no unavailable tool."""
+    """Mean per-token KL(model || start) over the generated tokens (after the "A: " header the
+    environment writes) of assistant turns that called no unavailable tool."""
     total, count = 0.0, 0
     for episode in episodes:
         logp, logq = _log_probs(model, episode), _log_probs(start, episode)
         offset = 0
         for i, (role, line) in enumerate(episode.turns):
             if role == "assistant" and i not in episode.invalid_turns:
-                rows = slice(max(offset, 1) - 1, offset + len(line) - 1)  # token j is predicted at j - 1
+                rows = slice(offset + len(HEADER) - 1, offset + len(line) - 1)  # token j is predicted at j - 1
                 total += float((logp[rows].exp() * (logp[rows] - logq[rows])).sum())
                 count += rows.stop - rows.start
             offset += len(line)

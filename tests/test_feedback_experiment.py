@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.feedback_experiment import (ARMS, MINIATURE, ExperimentConfig, Learner, arm_config, pretrain_base,
-                                            run)
-from examples.tool_env import GOALS, new_episode, step
+from benchmarks.feedback_experiment import (ARMS, MINIATURE, ExperimentConfig, Learner, arm_config, kl_untargeted,
+                                            pretrain_base, run)
+from examples.tool_env import GOALS, new_episode, rollout_record, step
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,41 @@ def test_one_feedback_step_moves_the_called_name_the_way_the_hint_does(miniature
         assert (after < before) == (hint_effect == "lowers"), (before, after)
     finally:
         dist.destroy_process_group()
+
+
+def test_kl_untargeted_covers_the_generated_tokens_of_untargeted_turns_only():
+    """Against an independent definition: the turn ranges of `rollout_record` (generated tokens, not the
+    "A: " header the environment writes), KL(p || q) by torch's kl_div, on two random next-byte models."""
+    class Bigram(torch.nn.Module):  # next-byte logits from the current byte
+        def __init__(self):
+            super().__init__()
+            self.logits = torch.nn.Embedding(256, 256)
+
+        def forward(self, tokens, positions):
+            return self.logits(tokens)
+
+    torch.manual_seed(0)
+    model, start = Bigram(), Bigram()
+    episodes = []
+    for seed in range(3):
+        e = new_episode(random.Random(seed))
+        goal = GOALS[e.goals[0]]
+        step(e, f"A: call {next(t for t in goal if t not in e.tools)}\n")  # targeted: left out
+        step(e, f"A: call {next(t for t in goal if t in e.tools)}\n")
+        episodes.append(e)
+    total, count = 0.0, 0
+    for e in episodes:
+        record = rollout_record(e, with_feedback=False)
+        tokens = torch.tensor(record["tokens"])
+        with torch.no_grad():
+            logp, logq = (torch.log_softmax(m(tokens[None], None)[0], -1) for m in (model, start))
+        for i, turn in enumerate(record["turns"]):
+            if turn["role"] == "assistant" and i not in e.invalid_turns:
+                rows = torch.arange(turn["start"], turn["end"]) - 1  # token j is predicted at j - 1
+                total += float(torch.nn.functional.kl_div(logq[rows], logp[rows], log_target=True, reduction="sum"))
+                count += len(rows)
+    assert count > 0 and all(e.invalid_turns for e in episodes)
+    assert kl_untargeted(model, start, episodes) == pytest.approx(total / count, rel=1e-5)
 
 
 @pytest.mark.parametrize("bad,message", [({"teacher": "x"}, "teacher='x': expected one of"),
