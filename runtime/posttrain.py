@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from optim.qk_clip import padding_ignored
 from runtime import checkpoint, feedback
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+from runtime.staging import to_device
 from runtime.syncs import host_side
 
 
@@ -164,7 +165,7 @@ class FeedbackObjective:
         sums = torch.zeros(5, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum
         for mb in step.micro_batches:
             has_padding = _has_padding(mb.pad_BS)
-            mb = RolloutMicroBatch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in mb))
+            mb = RolloutMicroBatch(*(to_device(x, device) if isinstance(x, torch.Tensor) else x for x in mb))
             data, entropy_sum = self._teacher(model, mb)
             with _padding_ignored(model, mb.pad_BS, has_padding):
                 sums += self._student(model, mb, data, step)

@@ -57,3 +57,14 @@ class PinnedStaging:
         buffer.copied = torch.cuda.Event()
         buffer.copied.record()  # on the current stream, behind the copy
         return out
+
+
+# one per process; pinned buffers are allocated on the first CUDA copy, not at import. 32 shapes: a
+# post-training micro-batch brings 16 tensors (runtime/rollout_batch.py), pretraining 3
+_STAGING = PinnedStaging(max_shapes=32)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without a host sync: on CUDA through reusable pinned buffers and a
+    non-blocking copy; elsewhere `.to(device)`."""
+    return _STAGING.to_device(t, device)

@@ -45,7 +45,7 @@ from runtime.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
 from runtime.rollout_batch import RolloutLoader
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
-from runtime.staging import PinnedStaging
+from runtime.staging import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -135,14 +135,6 @@ class NextToken:
     def state(self) -> dict:
         return {}
 
-
-_STAGING = PinnedStaging()  # pinned buffers are allocated on the first CUDA copy, not at import
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host batch -> device without a host sync: on CUDA through reusable pinned buffers and a
-    non-blocking copy (runtime/staging.py); elsewhere `.to(device)`."""
-    return _STAGING.to_device(t, device)
 
 
 @torch.no_grad()
