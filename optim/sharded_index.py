@@ -73,6 +73,7 @@ class BucketIndex:
     recv_rows: torch.Tensor | None = None  # block row of each received row (forward) / returned row
     copy_rows: torch.Tensor | None = None  # block row of each row of the copies (stage[n_send:], back[n_send:])
     batches: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (offset, n_wide, n_tall, s, l)
+    own_batches: list[bool] = field(default_factory=list)  # per batch: no received row (own copies only)
     gathers: list[GatherMap] = field(default_factory=list)
 
 
@@ -162,6 +163,9 @@ def _block_maps(ix, plan, bucket, incoming_order, device) -> None:
     assert np.array_equal(np.sort(dst), np.arange(offset // g)), "blocks not covered exactly once"
     assert incoming_offsets[-1] == offset and ix.n_recv % g == 0
     ix.recv_rows, ix.copy_rows = _tensor(dst[: ix.n_recv // g], device), _tensor(dst[ix.n_recv // g :], device)
+    received = np.sort(dst[: ix.n_recv // g]) * g  # first element of each received row
+    ix.own_batches = [bool(np.searchsorted(received, off) == np.searchsorted(received, off + (nw + nt) * s * l))
+                      for off, nw, nt, s, l in ix.batches]
 
 
 def _local_runs(shape, slices) -> tuple[np.ndarray, int]:

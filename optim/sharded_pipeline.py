@@ -6,9 +6,10 @@ Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, no
               stage buffer (per parameter: the caller's `direction` per run, or at its rows and one
               index_copy_) and issue ONE uneven all_to_all_single per group (async): pieces travel
               to their blocks' owners.
-  compute(k)  wait for bucket k's all-to-alls, assemble every block of the bucket with ONE
-              index_copy_ of the received pieces and one of its own copies, then ONE batched `orthogonalize`
-              per shape group ([n, short, long]: tall blocks transposed into the batch).
+  compute(k)  assemble every block of the bucket with ONE index_copy_ of its own copies, orthogonalize
+              the batches that need nothing received, wait for bucket k's all-to-alls, ONE index_copy_
+              of the received pieces, then the other batches: ONE batched `orthogonalize` per shape
+              group ([n, short, long]: tall blocks transposed into the batch).
   return(k)   gather the results in the received layout (ONE index_select; own copies: one more) and issue the reverse
               all_to_all_single (async): result pieces travel back to holders.
   finish(k)   wait for the return, apply the results (per parameter: the caller's `apply` of its
@@ -109,21 +110,32 @@ class BucketPipeline:
 
     def _compute(self, k):
         ix, flight = self.index[k], self.flight[k]
+        blocks = torch.empty(ix.n_blocks, dtype=self.ns_dtype, device=self.device)
+        rows = blocks.view(-1, ix.g_blocks)
+        copies = flight.pop("copies")
+        if len(ix.copy_rows):
+            rows.index_copy_(0, ix.copy_rows, copies.view(-1, ix.g_blocks))
+        del copies  # dropped as soon as possible: the step's peak memory is a few buckets
+        out = [None] * len(ix.batches)
+        self._log("ns_start", k)
+        own = {i: _batch(blocks, *b) for i, b in enumerate(ix.batches) if ix.own_batches[i]}
+        self._orthogonalize(own, out)  # the batches that need nothing received, while the pieces travel
         for work in flight.pop("fwd"):
             work.wait()
         self._log("received", k)
-        incoming, copies = flight.pop("incoming"), flight.pop("copies")
-        blocks = torch.empty(ix.n_blocks, dtype=self.ns_dtype, device=self.device)
-        for rows, source in ((ix.recv_rows, incoming), (ix.copy_rows, copies)):
-            if len(rows):
-                blocks.view(-1, ix.g_blocks).index_copy_(0, rows, source.view(-1, ix.g_blocks))
-        del incoming, copies  # dropped as soon as possible: the step's peak memory is a few buckets
-        inputs = [_batch(blocks, *batch) for batch in ix.batches]
-        del blocks
-        self._log("ns_start", k)
-        flight["out"] = [orthogonalize(inputs.pop(0), self.steps, self.coefficients, method=self.method,
-                                       tf32=self.tf32) for _ in ix.batches]
+        incoming = flight.pop("incoming")
+        if len(ix.recv_rows):
+            rows.index_copy_(0, ix.recv_rows, incoming.view(-1, ix.g_blocks))
+        rest = {i: _batch(blocks, *b) for i, b in enumerate(ix.batches) if not ix.own_batches[i]}
+        del incoming, rows, blocks  # the blocks go with the last input
+        self._orthogonalize(rest, out)
+        flight["out"] = out
         self._log("ns_end", k)
+
+    def _orthogonalize(self, inputs: dict, out: list) -> None:
+        """out[i] = orthogonalize(inputs[i]), one batched call each; an input is dropped as NS takes it."""
+        for i in sorted(inputs):
+            out[i] = orthogonalize(inputs.pop(i), self.steps, self.coefficients, method=self.method, tf32=self.tf32)
 
     def _return(self, k):
         b, ix, flight = self.buckets[k], self.index[k], self.flight[k]

@@ -152,7 +152,8 @@ def _run_cases(rank, world, cases):
             for n, p in params.items():
                 p.grad = shard(full_tensor(case, n, p.shape, step), mesh, case.placements())
             opt.step()
-        out[case.name] = ({n: (box_of(p), p.to_local().clone()) for n, p in params.items()}, list(opt.events))
+        batches = [(sum(ix.own_batches), len(ix.batches)) for ix in opt._pipeline.index]
+        out[case.name] = ({n: (box_of(p), p.to_local().clone()) for n, p in params.items()}, list(opt.events), batches)
     return out
 
 
@@ -206,6 +207,9 @@ def test_equivalence_all_layouts_on_8_ranks():
         assert not torch.equal(expected[name], full_tensor(case, name, expected[name].shape, "init"))
     check_overlap([r[CASES[0].name][1] for r in results], overlap=True)
     check_overlap([r[CASES[1].name][1] for r in results], overlap=False)
+    # both kinds of batch ran: of own copies only (orthogonalized before the pieces arrive) and not
+    own, total = (sum(n[i] for r in results for c in r.values() for n in c[2]) for i in (0, 1))
+    assert 0 < own < total, (own, total)
 
 
 def check_overlap(events_per_rank, overlap):
