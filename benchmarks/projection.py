@@ -45,6 +45,7 @@ are sequential), and the lower bound total NS FLOPs / (W x peak).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,9 +60,11 @@ import torch
 
 from benchmarks.device_model import DEVICES, device_model, lower_bound, project
 from models import preset
+from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan import REPLICA_SPLIT, PlanOptions, make_plan
 from optim.sharded_boxes import all_boxes, placement_kind
+from optim.sharded_muon import plan_options
 from optim.sharded_specs import model_specs
 from parallel.layout import ParallelConfig
 
@@ -95,16 +98,23 @@ def total_ns_flops(specs, method: str = "standard") -> int:
                for s in specs)
 
 
+def gpu_plan_options(device, *, bucket_mb=256.0, replica_split="auto", ns_method="standard") -> PlanOptions:
+    """What the sharded Muon plans with on a GPU (`optim.sharded_muon.plan_options`: NS in bf16, holders
+    first), with the device model's rates for the cost model."""
+    options = plan_options(OptimConfig(ns_method=ns_method), torch.device("cuda"), bucket_mb=bucket_mb,
+                           replica_split=replica_split, ranks_per_node=GPUS_PER_NODE)
+    assert options.ns_dtype == NS_DTYPE
+    return dataclasses.replace(options, flops_per_s=device.sustained_tflops * 1e12,
+                               intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
+                               inter_node_bytes_per_s=device.network_gbs * 1e9)
+
+
 def plan_world(config, world: int, device, *, expert_layout="wide", replica_split="auto", bucket_mb=256.0,
                ns_method="standard"):
     """(specs, plan) of Kimi K2 on `world` GPUs, planned with the device's own numbers."""
     layout = kimi_layout(world, expert_layout)
     specs = model_specs(config, layout, dtype=torch.float32)  # narrow: edp_shard innermost (parallel.expert_inner)
-    options = PlanOptions(bucket_mb=bucket_mb, replica_split=replica_split, ns_dtype=NS_DTYPE, ns_method=ns_method,
-                          prefer_holders=True,  # the optimizer's default (optim/sharded_muon.py)
-                          ranks_per_node=GPUS_PER_NODE, flops_per_s=device.sustained_tflops * 1e12,
-                          intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
-                          inter_node_bytes_per_s=device.network_gbs * 1e9)
+    options = gpu_plan_options(device, bucket_mb=bucket_mb, replica_split=replica_split, ns_method=ns_method)
     return specs, make_plan(specs, world, options)
 
 

@@ -306,15 +306,12 @@ def _link_seconds(link: Link, device) -> tuple[float, float]:
 def optimizer_step_s(model_config, layout, device) -> float:
     """The sharded Muon step of this layout: the optimizer projection's planner and device model."""
     from benchmarks.device_model import project
-    from benchmarks.projection import NS_DTYPE, local_elements
-    from optim.plan import PlanOptions, make_plan
+    from benchmarks.projection import gpu_plan_options, local_elements
+    from optim.plan import make_plan
     from optim.sharded_specs import model_specs
 
     specs = model_specs(model_config, layout, dtype=torch.float32)  # expert ranks follow parallel.expert_inner
-    options = PlanOptions(ns_dtype=NS_DTYPE, ranks_per_node=GPUS_PER_NODE, prefer_holders=True,  # the optimizer's
-                          flops_per_s=device.sustained_tflops * 1e12,
-                          intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
-                          inter_node_bytes_per_s=device.network_gbs * 1e9)
+    options = gpu_plan_options(device)
     plan = make_plan(specs, layout.world_size, options)
     s = plan.stats
     est = project(device, s.flops, s.sent_intra, s.recv_intra, s.sent_inter, s.recv_inter,
