@@ -210,8 +210,13 @@ def _estimate(est, flops, traffic, buckets) -> dict:
                 buckets=buckets)
 
 
+def split_name(replica_split) -> str:
+    """Plan.replica_split (True, False, "mixed") as replica_split's option names."""
+    return {True: "on", False: "off", "mixed": "mixed"}.get(replica_split, "-")
+
+
 def format_row(r: dict) -> str:
-    split = {True: "on", False: "off", "mixed": "mixed"}.get(r.get("replica_split"), "-")
+    split = split_name(r.get("replica_split"))
     return (f"{r['world']:5d} {r['method']:11s} {r['step_s']:9.3f} {r['compute_s']:9.3f} {r['comm_s']:8.3f} "
             f"{r['exposed_s'] + r['elementwise_s']:8.3f} {r['ns_tflop_per_rank_max']:9.1f} {r['load_ratio']:6.3f} "
             f"{r['inter_gb_per_rank_max']:8.2f} {r['intra_gb_per_rank_max']:8.2f} {r['buckets']:5d} {split:>5s} "
@@ -255,7 +260,7 @@ def time_planning(config, device, args) -> list[dict]:
                                  plan_wall_s=float(np.median(wall)), plan_cpu_s=float(np.median(cpu)),
                                  replica_split=plan.replica_split))
                 print(f"{expert_layout:8s} {method:8s} {world:5d} {rows[-1]['plan_wall_s']:11.2f} "
-                      f"{rows[-1]['plan_cpu_s']:11.2f}  {str(plan.replica_split):>28}", flush=True)
+                      f"{rows[-1]['plan_cpu_s']:11.2f}  {split_name(plan.replica_split):>13}", flush=True)
     return rows
 
 
