@@ -32,7 +32,9 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    from lazy heaps; a run of consecutive blocks with the same groups, split and FLOPs, held in
    pieces with equal shares (experts split on a matrix dim, whatever their holders), is placed by
    one loop over a list of the loads and lazy heaps (`plan_runs._fill_row`); a block repeated in
-   replicas whose rows hold equal loads is placed in row 0 for all; each picks exactly what
+   replicas whose rows hold equal loads is placed in row 0 for all, and in all rows at once by
+   numpy when the rows differ (`plan_owners._place_rows`: the per-head attention blocks after a
+   mixed replica split); each picks exactly what
    `_place_block` would (tests pin plans made before these fast paths and compare them with
    `_place_block` and a plain argmin loop); "auto" buckets only the plan it keeps.
 4. Buckets: each rank's owned blocks, in (shape group, parameter, block) order, are cut every

@@ -110,6 +110,9 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
             loads[p.groups[1:, pos]] += p.flops  # every replica the same: rows stay equal
             owner[pi][b], symmetric = p.groups[:, pos], p.groups
             continue
+        if not p.split and p.groups.shape[0] > 1 and id(p.groups) in unequal:  # rows apart: all rows at once
+            i += _place_rows(items, i - 1, params, info, owner, loads, cap) - 1
+            continue
         if p.split:  # fast paths over every replica's ranks as one row
             pos = _split_owner(heaps, share_heaps, p, whole, masks, pattern[b], share[b], loads, cap)
             if pos is not None:
@@ -130,6 +133,31 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
         owner[pi][b], replica[pi][b] = own, rep
         loads[own] += p.flops  # owners of one block's replica instances are distinct ranks
     return loads, flat_owner, flat_replica
+
+
+def _place_rows(items, i, params, info, owner, loads, cap) -> int:
+    """`_place_block` for items[i] and the items after it of parameters with its group array (not
+    split across replicas), one block after the other on a copy of the group's loads [R, S]
+    (Kimi K2's per-head attention blocks once a replica split made the rows' loads differ): the
+    numpy of `_place_block` without gathering the loads per block. Returns how many it placed."""
+    groups = params[items[i][0]].groups
+    L, rows, j = loads[groups], np.arange(groups.shape[0]), i
+    while j < len(items) and params[items[j][0]].groups is groups and not params[items[j][0]].split:
+        pi, b = items[j]
+        p, held = params[pi], _info(info, params[pi])[0][b]
+        whole = p.pieces.whole_on[b]
+        if whole >= 0:  # its holder in each row where under cap (nearly all), else the argmin
+            pick = np.full(len(rows), whole)
+            over = np.flatnonzero(L[:, whole] + p.flops > cap)
+            if len(over):
+                pick[over] = np.argmin(L[over] - 1e-9 * p.flops * held, axis=1)
+        else:
+            pick = np.argmin(L - 1e-9 * p.flops * held, axis=1)
+        owner[pi][b] = groups[rows, pick]
+        L[rows, pick] += p.flops
+        j += 1
+    loads[groups] = L
+    return j - i
 
 
 def _run_kind(p, whole, k, last, loads, unequal) -> str | None:

@@ -1,6 +1,7 @@
 """Runs of equal blocks for the owner assignment (optim/plan_owners.py): per piece template, which
 rank positions hold each block's pieces (`_info`), and the loops that place a run of blocks held in
-pieces with equal shares one after the other (`_fill_row`, `_fill_by_level`), picking exactly what
+pieces with equal shares one after the other (`_fill_row`; a level of equal loads at a time:
+`_fill_by_level`, and `_fill_holders` under the holders' cap), picking exactly what
 `plan_owners._place_block` would. Pure numpy, no process group.
 """
 
@@ -97,7 +98,8 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     are integers, so below 2**51 the bonus changes nothing among holders: the loop stops at a load
     of 2**51, leaving the rest of the blocks to the caller). Heaps as `plan_owners._heap_top`'s (the keys of
     the per-block paths): lazy, a stale entry refreshed when it comes on top."""
-    picks = _fill_by_level(ranks, flops, blocks, loads) if cap is None else []
+    picks = (_fill_by_level(ranks, flops, blocks, loads) if cap is None
+             else _fill_holders(ranks, flops, blocks, loads, cap))
     load = loads.tolist()
     row, holder_heaps, replace = _heap(heaps, (key, b"row"), ranks, None, loads), {}, heapq.heapreplace
     for mask, holder_set, mask_key, share in blocks[len(picks) :]:
@@ -144,6 +146,44 @@ def _fill_by_level(ranks, flops, blocks, loads, min_level=64) -> list[int]:
         chosen = _fill_level(level, v, flops, blocks[len(picks) : len(picks) + len(level)])
         row[chosen] += flops
         picks += chosen
+    loads[ranks] = row
+    return picks
+
+
+def _fill_holders(ranks, flops, blocks, loads, cap, min_level=4) -> list[int]:
+    """`_fill_row`'s picks with `cap` for a first part of `blocks`, a level at a time: per holder
+    mask, its holders at their least load v are taken in position order (the least loaded holder,
+    first position on ties: a taken one rises above v, the others were above v and only grow),
+    and the level is found again once used up. Stops at the first block whose least loaded holder
+    would pass `cap` or whose mask's level is narrower than `min_level` (the heaps go on from there).
+    Adds the FLOPs to `loads`."""
+    row = loads[ranks]  # the levels are found in this copy, the picks read the list
+    load, levels, holders, picks = row.tolist(), {}, {}, []  # levels: mask key -> [v, positions, next]
+    for mask, _, mask_key, _ in blocks:
+        level = levels.get(mask_key)
+        if level is not None:
+            v, at, i = level
+            while i < len(at) and load[at[i]] != v:  # taken by a block of another mask
+                i += 1
+            level[2] = i
+        if level is None or level[2] == len(level[1]):
+            where = holders.get(mask_key)
+            if where is None:
+                where = holders[mask_key] = np.flatnonzero(mask)
+            if not len(where):
+                break
+            held = row[where]
+            v = float(held.min())
+            level = levels[mask_key] = [v, where[held == v].tolist(), 0]
+            if len(level[1]) < min_level:
+                break
+        v, at, i = level
+        if v + flops > cap:
+            break
+        level[2], pos = i + 1, at[i]
+        load[pos] += flops
+        row[pos] = load[pos]
+        picks.append(pos)
     loads[ranks] = row
     return picks
 

@@ -319,17 +319,26 @@ def narrow_debug_specs():
 @pytest.mark.parametrize("replica_split", ["off", "on", "auto"])
 def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split, prefer_holders):
     """The heaps (experts split on a matrix dim, blocks split across replicas), the one loop over
-    runs of equal blocks (`plan_runs`, with and without the holders' cap) and the placement in one
-    replica row for all (replica rows with equal loads) against the plain argmin of `_place_block`
-    they stand for, fast paths turned off."""
-    cases = [(awkward_specs(), 8, dict(prefer_holders=prefer_holders)),
-             (narrow_debug_specs(), 16, dict(ranks_per_node=4, prefer_holders=prefer_holders))]
-    fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
+    runs of equal blocks (`plan_runs`, with and without the holders' cap), the placement in one
+    replica row for all (replica rows with equal loads) and of all rows at once (rows with unequal
+    loads after a mixed split: `_place_rows`) against the plain argmin of `_place_block` they stand
+    for, fast paths turned off."""
+    mixed = {"layers.0.attention.wq_b.weight", "layers.1.feed_forward.shared_experts.w1.weight"}
+    cases = [(awkward_specs(), 8, dict(prefer_holders=prefer_holders), None),
+             (narrow_debug_specs(), 16, dict(ranks_per_node=4, prefer_holders=prefer_holders), None),
+             (narrow_debug_specs(), 16, dict(ranks_per_node=4, prefer_holders=prefer_holders), mixed)]
+    calls = []
+    place_rows = plan_owners._place_rows
+    monkeypatch.setattr(plan_owners, "_place_rows", lambda *args: calls.append(1) or place_rows(*args))
+    fast = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o), split=m))
+            for s, w, o, m in cases]
+    assert calls  # the mixed split leaves the replica rows of the dense parameters after it unequal
     monkeypatch.setattr(plan_owners, "_split_owner", lambda *args: None)
     monkeypatch.setattr(plan_owners, "_least_loaded_equal", lambda *args: None)
     monkeypatch.setattr(plan_owners, "_place_run", lambda *args: 0)
     monkeypatch.setattr(plan_owners, "_symmetric", lambda *args: False)
-    plain = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o))) for s, w, o in cases]
+    plain = [fingerprint(make_plan(s, w, PlanOptions(replica_split=replica_split, **o), split=m))
+             for s, w, o, m in cases]
     assert fast == plain
 
 
@@ -401,6 +410,7 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
     against a plain loop of `_place_block`'s argmin (and `_holder_under_cap`'s rule), one block
     at a time."""
     rng = np.random.default_rng(0)
+    capped = 0
     for trial in range(300):
         n, k, flops = int(rng.integers(1, 40)), int(rng.integers(1, 60)), 1000 * int(rng.integers(1, 4))
         ranks = rng.permutation(100)[:n]
@@ -420,13 +430,17 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
             want[ranks[picks[-1]]] += flops
             after.append(want.copy())
         blocks = [(masks[m], set(np.nonzero(masks[m])[0].tolist()), bytes([m]), shares[m]) for m in which]
-        if cap is None:  # the level by level part alone, on levels of any size
-            level_loads = loads.copy()
+        level_loads = loads.copy()  # the level by level part alone, on levels of any size
+        if cap is None:
             level = plan_runs._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
-            assert level == picks[: len(level)]
-            assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
+        else:
+            level = plan_runs._fill_holders(ranks, flops, blocks, level_loads, cap, min_level=1)
+            capped += len(level)
+        assert level == picks[: len(level)]
+        assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
         assert plan_runs._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
+    assert capped > 100  # the capped level path placed blocks, not only the heaps
 
 def test_items_are_the_plain_list_of_blocks():
     """`plan_owners._items` against the plain comprehension, parameters without blocks included."""
