@@ -90,15 +90,16 @@ def test_batched_equals_loop_bitwise_fp32():
 def test_batched_equals_loop_bf16_to_bf16_rounding():
     # bf16 is NOT batch-independent everywhere: on CPUs with AMX-bf16 a batched bf16 matmul rounds the
     # last bit differently with the batch size. Batched and looped must then agree to bf16 rounding,
-    # measured as the bf16-vs-fp32 difference of the same inputs (the yardstick); a mixed-up batch
-    # entry would be off by O(1).
+    # measured as the bf16-vs-fp32 difference of the batched result (the yardstick): two bf16
+    # roundings of the same result, each about a yardstick from fp32, can lie up to twice that apart
+    # (0 apart on CPUs without AMX); a mixed-up batch entry would be off by O(1).
     g = torch.Generator().manual_seed(1)
     for x in batched_inputs(g, torch.bfloat16):
         for coefficients in BANDS:
             batched = orthogonalize(x, coefficients=coefficients).float()
             yardstick = (orthogonalize(x.float(), coefficients=coefficients) - batched).abs().max()
             assert 0 < yardstick < 0.1
-            assert (batched - loop_orthogonalize(x, coefficients).float()).abs().max() <= yardstick
+            assert (batched - loop_orthogonalize(x, coefficients).float()).abs().max() <= 2 * yardstick
 
 
 def batched_inputs(g, dtype):
