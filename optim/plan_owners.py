@@ -147,10 +147,14 @@ def _place_rows(items, i, params, info, owner, loads, cap) -> int:
         p, held = params[pi], _info(info, params[pi])[0][b]
         whole = p.pieces.whole_on[b]
         if whole >= 0:  # its holder in each row where under cap (nearly all), else the argmin
-            pick = np.full(len(rows), whole)
             over = np.flatnonzero(L[:, whole] + p.flops > cap)
-            if len(over):
-                pick[over] = np.argmin(L[over] - 1e-9 * p.flops * held, axis=1)
+            if not len(over):
+                owner[pi][b] = groups[:, whole]
+                L[:, whole] += p.flops
+                j += 1
+                continue
+            pick = np.full(len(rows), whole)
+            pick[over] = np.argmin(L[over] - 1e-9 * p.flops * held, axis=1)
         else:
             pick = np.argmin(L - 1e-9 * p.flops * held, axis=1)
         owner[pi][b] = groups[rows, pick]
