@@ -154,7 +154,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 return
             p, alpha = flat_p[pi], -lr * self._scales[pi]
             if g is None:
-                p[where].add_(values, alpha=alpha)  # values in the NS dtype, promoted in the kernel
+                _at(p, where, None).add_(values, alpha=alpha)  # values in the NS dtype, promoted in the kernel
             else:
                 p.view(-1, g).index_add_(0, where, values.to(p.dtype), alpha=alpha)
 
@@ -171,8 +171,11 @@ class ShardedMuon(torch.optim.Optimizer):
 
 
 def _at(flat: torch.Tensor, where, g: int | None) -> torch.Tensor:
-    """A slice of a flat shard (g None), or the rows `where` of it viewed as [-1, g] (gathered)."""
-    return flat[where] if g is None else flat.view(-1, g).index_select(0, where)
+    """A slice of a flat shard (g None; the shard itself when the slice is all of it: no op to
+    dispatch), or the rows `where` of it viewed as [-1, g] (gathered)."""
+    if g is None:
+        return flat if where.start == 0 and where.stop == len(flat) else flat[where]
+    return flat.view(-1, g).index_select(0, where)
 
 
 def _check_grad(p):
