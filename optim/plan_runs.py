@@ -191,24 +191,25 @@ def _fill_holders(ranks, flops, blocks, loads, cap, min_level=4) -> list[int]:
 def _fill_level(level, v, flops, blocks) -> list[int]:
     """Positions (of `level`, ascending, all at load v) of blocks placed one after the other:
     the first untaken holder where the bonus counts, else the first untaken position."""
-    order, taken, at, holders = level.tolist(), set(), 0, {}  # holders: per mask, (its level positions, next)
-    chosen = []
-    for mask, _, mask_key, share in blocks:
-        pos = None
-        if share > 0 and v - 1e-9 * flops * share < v:
-            if mask_key not in holders:
-                holders[mask_key] = [level[mask[level]].tolist(), 0]
-            mine = holders[mask_key]
-            while mine[1] < len(mine[0]) and mine[0][mine[1]] in taken:
-                mine[1] += 1
-            if mine[1] < len(mine[0]):
-                pos = mine[0][mine[1]]
-        if pos is None:
-            while order[at] in taken:
-                at += 1
-            pos = order[at]
-        taken.add(pos)
-        chosen.append(pos)
+    order, at, taken, chosen = level.tolist(), 0, set(), []
+    at_level, holders, bonus = set(order), {}, {}  # holders: per mask, its holders at v, last first
+    for _, holder_set, mask_key, share in blocks:
+        if share not in bonus:
+            bonus[share] = share > 0 and v - 1e-9 * flops * share < v
+        if bonus[share]:
+            mine = holders.get(mask_key)
+            if mine is None:
+                mine = holders[mask_key] = sorted(holder_set & at_level, reverse=True)
+            while mine and mine[-1] in taken:
+                mine.pop()
+            if mine:
+                chosen.append(mine.pop())
+                taken.add(chosen[-1])
+                continue
+        while order[at] in taken:
+            at += 1
+        chosen.append(order[at])
+        taken.add(order[at])
     return chosen
 
 

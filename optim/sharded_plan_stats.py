@@ -150,7 +150,10 @@ def _all_to_all_traffic(traffic, p, H, part, rows, b, r, pos) -> tuple[np.ndarra
     total = part["block_total"][b]
     at = r * S + pos
     own_rs = np.bincount(at, weights=own * w, minlength=rows * S)
-    computed = np.bincount(r * len(H) + b, weights=w, minlength=rows * len(H)).reshape(rows, len(H)) @ H  # [rows, S]
+    # [rows, S]; einsum, not @: numpy's BLAS would wake its thread pool (which then spins on every
+    # core for a while) for a product of a few ms, on every rank of a node at once
+    computed = np.einsum("rb,bs->rs", np.bincount(r * len(H) + b, weights=w, minlength=rows * len(H))
+                         .reshape(rows, len(H)), H)
     held = computed.ravel() - own_rs  # what each (r, s) sends to owners elsewhere
     same, same_rs = np.zeros(len(b)), np.zeros(rows * S)  # same-node elements: per owner, per holder
     for k, pattern in enumerate(part["patterns"]):

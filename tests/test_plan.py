@@ -342,6 +342,34 @@ def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split, pref
     assert fast == plain
 
 
+
+def test_place_rows_is_place_block_one_block_at_a_time():
+    """`_place_rows` (every replica row of a block at once) against `_place_block` block after
+    block, on unequal rows whose holders sit exactly on the cap, one FLOP above it or anywhere below."""
+    from optim.plan import _layouts
+
+    params, _ = _layouts(narrow_debug_specs(), PlanOptions(ranks_per_node=4))
+    groups = next(p.groups for p in params if p.groups.shape[0] > 1 and (p.pieces.whole_on >= 0).any())
+    items = [(pi, b) for pi, p in enumerate(params) if p.groups is groups for b in range(len(p.block_boxes))]
+    flops = sorted({params[pi].flops for pi, _ in items})
+    rng, on_cap = np.random.default_rng(0), 0
+    for _ in range(40):
+        cap = float(3 * flops[-1])
+        loads = np.zeros(16)
+        loads[groups] = rng.choice([cap - f + d for f in flops for d in (0, 1)] + [0.0, cap / 2], size=groups.shape)
+        want, owner = loads.copy(), [np.full((len(p.block_boxes), p.groups.shape[0]), -1) for p in params]
+        for pi, b in items:
+            p = params[pi]
+            whole = p.pieces.whole_on[b]
+            on_cap += bool(whole >= 0 and (want[groups[:, whole]] + p.flops == cap).any())
+            own, _ = plan_owners._place_block(p, b, want, cap, False, plan_runs._info({}, p)[0][b])
+            want[own] += p.flops
+            owner[pi][b] = own
+        got = [np.full_like(o, -1) for o in owner]
+        assert plan_owners._place_rows(items, 0, params, {}, got, loads, cap) == len(items)
+        assert all(np.array_equal(g, o) for g, o in zip(got, owner)) and np.array_equal(loads, want)
+    assert on_cap > 20  # blocks really landed on the cap
+
 def plain_all_to_all_traffic(plan):
     """Per rank (sent = received) intra- and inter-node bytes of the forward and return all-to-alls,
     one piece at a time."""
@@ -410,7 +438,7 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
     against a plain loop of `_place_block`'s argmin (and `_holder_under_cap`'s rule), one block
     at a time."""
     rng = np.random.default_rng(0)
-    capped = 0
+    capped = uncapped = 0
     for trial in range(300):
         n, k, flops = int(rng.integers(1, 40)), int(rng.integers(1, 60)), 1000 * int(rng.integers(1, 4))
         ranks = rng.permutation(100)[:n]
@@ -433,6 +461,7 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
         level_loads = loads.copy()  # the level by level part alone, on levels of any size
         if cap is None:
             level = plan_runs._fill_by_level(ranks, flops, blocks, level_loads, min_level=1)
+            uncapped += len(level)
         else:
             level = plan_runs._fill_holders(ranks, flops, blocks, level_loads, cap, min_level=1)
             capped += len(level)
@@ -440,7 +469,7 @@ def test_fill_row_places_a_run_as_one_block_at_a_time():
         assert np.array_equal(level_loads, after[len(level) - 1] if level else loads)
         assert plan_runs._fill_row({}, 0, ranks, flops, blocks, loads, cap) == picks
         assert np.array_equal(loads, want)
-    assert capped > 100  # the capped level path placed blocks, not only the heaps
+    assert capped > 100 and uncapped > 100  # both level paths placed blocks, not only the heaps
 
 def test_items_are_the_plain_list_of_blocks():
     """`plan_owners._items` against the plain comprehension, parameters without blocks included."""
