@@ -7,6 +7,7 @@ Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 143 preempted (
 Every stop prints one line, from rank 0 only (runtime/errors.py).
 """
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -21,23 +22,42 @@ from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
 from runtime.data import Loader, check_token_ids  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
+from runtime.posttrain import PosttrainConfig  # noqa: E402
 from runtime.pretrained import check_init_from  # noqa: E402
-from runtime.run_lock import run_lock  # noqa: E402
+from runtime.run_lock import check_run_dir, run_lock  # noqa: E402
 from runtime.train import train  # noqa: E402
 
 STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def check_environment(config) -> None:
-    """The requested device exists and the data source opens (ValueError naming the key otherwise)."""
+    """The requested device exists, the run dir can be made, the data sources open and no key is set
+    that only post-training reads (ValueError naming the key otherwise)."""
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
     if config.data.source == "rollouts":
         raise ValueError("data.source='rollouts' is post-training data: run launch/posttrain.py")
-    Loader(config.data, config.training.seed, grad_accum=config.training.grad_accum,
-           vocab_size=config.model.vocab_size)
-    check_token_ids(config.data, config.model.vocab_size)
+    default = PosttrainConfig()
+    if changed := [f"posttrain.{f.name}" for f in dataclasses.fields(default)
+                   if getattr(config.posttrain, f.name) != getattr(default, f.name)]:
+        raise ValueError(f"{', '.join(changed)}: read by launch/posttrain.py only, no effect on pre-training")
+    check_run_dir(config.run.dir)
+    check_token_sources(config)
     check_init_from(config)  # model.init_from: files, keys, shapes (headers only)
+
+
+def check_token_sources(config) -> None:
+    """Every token source the run will read (training, held-out) opens, holds a window of data.seq_len + 1
+    tokens in its split and only ids below model.vocab_size: what the loaders would find after init."""
+    for split, (data, holdout) in config.token_splits().items():
+        try:
+            Loader(data, config.training.seed, grad_accum=config.training.grad_accum,
+                   vocab_size=config.model.vocab_size, holdout=holdout, split=split)
+            check_token_ids(data, config.model.vocab_size)
+        except ValueError as e:  # the loader names data.path; an eval file comes from eval.path
+            if split == "eval" and config.eval.path:
+                raise ValueError(f"eval.path={config.eval.path}: {str(e).removeprefix('data.path: ')}") from None
+            raise
 
 
 def rendezvous_store(rank: int, world_size: int) -> dist.Store:

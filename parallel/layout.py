@@ -44,15 +44,19 @@ class ParallelConfig:
     edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
     expert_inner: Literal["ep", "edp_shard"] = "ep"  # expert axis on consecutive ranks (inside a node): ep = all-to-all in a node, expert FSDP across nodes; edp_shard = expert FSDP in a node, ep across nodes
 
-    def resolve(self, world_size: int) -> "Layout":
-        """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
-        if world_size < 1:
-            raise ValueError(f"world size must be positive, got {world_size}")
+    def check_degrees(self) -> None:
+        """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
         for name in DEGREES:
             value = getattr(self, name)
             if value == 0 or value < -1:
                 raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
         _check_expert_inner(self.expert_inner)
+
+    def resolve(self, world_size: int) -> "Layout":
+        """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
+        if world_size < 1:
+            raise ValueError(f"world size must be positive, got {world_size}")
+        self.check_degrees()
         dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
         expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
         return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner)
@@ -123,8 +127,9 @@ class Layout:
         experts (Kimi K2, ep=8) over edp_shard=32 would give 24 ranks 2 experts and 8 ranks none."""
         return 0 if self.local_experts(n_routed_experts) % self.edp_shard == 0 else 1
 
-    def validate(self, model_config, seq_len: int, global_batch: int) -> None:
-        """Check the layout against the model and the batch; ValueError naming fields and numbers."""
+    def validate(self, model_config, seq_len: int | None, global_batch: int | None) -> None:
+        """Check the layout against the model and the batch; ValueError naming fields and numbers.
+        None skips the sequence or batch checks (post-training rollouts are packed by tokens)."""
         _check_positive(self)
         n_experts = model_config.n_routed_experts
         has_moe = n_experts > 0 and model_config.n_layers > model_config.n_dense_layers
@@ -145,9 +150,9 @@ class Layout:
                         f"(local experts n_routed_experts/ep = {n_experts}/{self.ep} = "
                         f"{self.local_experts(n_experts)} do not split evenly over edp_shard, so experts are sharded on a matrix dim)"
                     )
-        if seq_len % (2 * self.cp):
+        if seq_len is not None and seq_len % (2 * self.cp):
             raise ValueError(
-                f"seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} "
+                f"data.seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} "
                 f"(context parallelism cuts each sequence into 2*cp equal chunks)"
             )
         if has_moe and model_config.aux_loss_alpha > 0 and self.cp > 1:
@@ -155,9 +160,9 @@ class Layout:
                 f"model.aux_loss_alpha={model_config.aux_loss_alpha} with parallel.cp={self.cp}: the sequence-wise "
                 f"aux loss needs whole sequences on one rank; use cp=1 or aux-loss-free balancing (alpha=0)"
             )
-        if seq_len > model_config.max_seq_len:
-            raise ValueError(f"seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
-        if global_batch % self.dp:
+        if seq_len is not None and seq_len > model_config.max_seq_len:
+            raise ValueError(f"data.seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
+        if global_batch is not None and global_batch % self.dp:
             raise ValueError(
                 f"global_batch={global_batch} is not divisible by dp_replicate={self.dp_replicate} x "
                 f"dp_shard={self.dp_shard} = {self.dp} data-parallel ranks"

@@ -104,6 +104,15 @@ class ProfileConfig:
     steps: tuple[int, ...] = (3, 4)  # optimizer steps to trace (0-based, consecutive)
     dir: str = "profile"  # trace directory, relative to run.dir
 
+    def __post_init__(self):
+        steps = ",".join(map(str, self.steps))
+        if self.steps and self.steps != tuple(range(self.steps[0], self.steps[0] + len(self.steps))):
+            raise ValueError(f"profile.steps={steps} must be consecutive and increasing, e.g. 3,4")
+        if self.steps and self.steps[0] < 0:
+            raise ValueError(f"profile.steps={steps} must be >= 0")
+        if self.enabled and not self.steps:
+            raise ValueError("profile.steps is empty but profile.enabled=true: list the steps to trace, e.g. 3,4")
+
 
 # The embedded default infers every degree: the headline layout on 8 ranks, see `default_layout`.
 INFER_ALL = ParallelConfig(dp_replicate=-1, dp_shard=-1, cp=-1, ep=-1, edp_replicate=-1, edp_shard=-1)
@@ -125,13 +134,32 @@ class JobConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)  # launch/posttrain.py only
 
+    def __post_init__(self):
+        if self.profile.enabled and self.profile.steps[-1] >= self.training.steps:
+            raise ConfigError(f"profile.steps={','.join(map(str, self.profile.steps))} but training.steps="
+                              f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
+
+    def token_splits(self) -> dict[str, tuple[DataConfig, float]]:
+        """{split: (data config, holdout)} of the token batches the run reads (data.seq_len x data.batch_size):
+        "train" unless it post-trains on rollouts; "eval" when evaluation is on (with rollouts: eval.path only).
+        runtime/train.py builds its token loaders from it; launch/ checks them before any rank works."""
+        splits = {}
+        if self.data.source != "rollouts":
+            splits["train"] = (self.data, self.eval.train_holdout())
+        if self.eval.enabled() and (self.data.source != "rollouts" or self.eval.path):
+            splits["eval"] = (self.eval.data(self.data), 0.0 if self.eval.path else self.eval.holdout)
+        return splits
+
     def layout(self, world_size: int) -> Layout:
         """The resolved layout for `world_size`, checked against model, batch and grad_accum (ConfigError)."""
         try:
             n_experts = self.model.n_routed_experts if self.model.n_moe_layers > 0 else 0
             layout = fill_layout(self.parallel, world_size, n_experts).resolve(world_size)
-            check_split(self.data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
-            layout.validate(self.model, self.data.seq_len, self.data.batch_size)
+            splits = self.token_splits()  # none: rollouts are packed by data.batch_tokens, data.seq_len is unused
+            for data, _ in splits.values():
+                check_split(data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
+            shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
+            layout.validate(self.model, *shape)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
@@ -158,6 +186,7 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
     """Leave at most one -1 per layout, for `ParallelConfig.resolve` to infer (the shard degree when it is
     unknown): extra -1 degrees are filled from `default_layout`, replicate first, then cp / ep (1 if the
     default would not divide the world size)."""
+    parallel.check_degrees()  # before the arithmetic below divides by them
     default, values = default_layout(world_size, n_experts), dataclasses.asdict(parallel)
     for axes, fill_order in ((DENSE_AXES, ("dp_replicate", "cp")), (EXPERT_AXES, ("edp_replicate", "ep"))):
         for axis in fill_order:

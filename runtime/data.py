@@ -174,7 +174,7 @@ class Loader:
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
         tokens, source_vocab = open_tokens(config)
         self.tokens = split_tokens(tokens, holdout, split)
-        self.part = f"the {split} part ({1 - holdout if split == 'train' else holdout:.0%}) of " if holdout else ""
+        self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self.model_vocab = vocab_size

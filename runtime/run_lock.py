@@ -20,6 +20,19 @@ from runtime.errors import RunError
 LOCK_NAME = ".lock"
 
 
+def check_run_dir(run_dir: str) -> None:
+    """ValueError unless `run_dir` is, or can be created as, a writable directory. Every rank runs it
+    before any process group, so a path that is a file (or lies under one) fails in one line instead
+    of on rank 0 alone inside the collective `run_lock`."""
+    path = os.path.abspath(run_dir)
+    while not os.path.lexists(path):  # the nearest existing ancestor is where makedirs starts
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"run.dir={run_dir}: {path} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"run.dir={run_dir}: the directory {path} is not writable")
+
+
 def _try_lock(path: str) -> tuple[int | None, str | None]:
     """(fd holding the lock, None) or (None, description of the holder)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -49,11 +62,16 @@ def _from_rank0(value):
 @contextlib.contextmanager
 def run_lock(run_dir: str, rank: int):
     """Hold the run dir's lock for the body; collective. Every rank raises RunError if another run holds it."""
-    fd = holder = None
+    fd = holder = error = None
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        fd, holder = _try_lock(os.path.join(run_dir, LOCK_NAME))
-    holder = _from_rank0(holder)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            fd, holder = _try_lock(os.path.join(run_dir, LOCK_NAME))
+        except OSError as e:  # sent to every rank: the others would wait in the broadcast for ever
+            error = f"run.dir={run_dir}: cannot create or lock it ({e.strerror})"
+    holder, error = _from_rank0((holder, error))
+    if error is not None:
+        raise RunError(error)
     if holder is not None:
         raise RunError(f"run.dir {run_dir} is in use by another run ({holder}); wait for it to end or choose "
                        f"another run.dir")

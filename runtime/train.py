@@ -85,8 +85,7 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
         return RolloutLoader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
                              max_seq_len=config.model.max_seq_len, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                              cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum)
-    data = config.data if split == "train" else config.eval.data(config.data)
-    holdout = config.eval.train_holdout() if split == "train" else (0.0 if config.eval.path else config.eval.holdout)
+    data, holdout = config.token_splits()[split]
     return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                   cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
                   vocab_size=config.model.vocab_size, holdout=holdout, split=split)
@@ -304,8 +303,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         world_size=layout.world_size, log_interval=config.training.log_interval,
                         tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps)
-    has_eval = config.eval.enabled() and (config.data.source != "rollouts" or config.eval.path)  # rollouts: eval.path
-    eval_loader = build_loader(config, meshes, layout, "eval") if has_eval else None
+    eval_loader = build_loader(config, meshes, layout, "eval") if "eval" in config.token_splits() else None
 
     def eval_loss() -> float:
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),

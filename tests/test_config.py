@@ -29,14 +29,14 @@ def test_debug_toml_is_the_embedded_default():
 
 
 def test_toml_then_command_line_overrides(tmp_path):
-    path = _toml(tmp_path, '[model]\nn_layers = 2\n[training]\nsteps = 50\ngrad_clip = 2\n[profile]\nsteps = [7, 8]\n')
+    path = _toml(tmp_path, '[model]\nn_layers = 2\n[training]\nsteps = 50\ngrad_clip = 2\n[profile]\nsteps = [5, 6]\n')
     config = load_config([f"--config={path}", "--training.steps=7", "--model.preset=debug_gqa",
                           "--optim.nesterov=false", "--optim.lr=3", "--data.source=synthetic",
                           "--profile.enabled=true", "--run.dir=/x"])
     assert config.training.steps == 7 and config.training.grad_clip == 2.0  # TOML int accepted for a float
     assert isinstance(config.training.grad_clip, float) and isinstance(config.optim.lr, float)
     assert config.model_preset == "debug_gqa" and config.model == preset("debug_gqa", n_layers=2)
-    assert config.optim.nesterov is False and config.profile.enabled is True and config.profile.steps == (7, 8)
+    assert config.optim.nesterov is False and config.profile.enabled is True and config.profile.steps == (5, 6)
     assert config.data.source == "synthetic" and config.run.dir == "/x"
     assert load_config(["--profile.steps=[1, 2,3]"]).profile.steps == (1, 2, 3)
     assert load_config(["--profile.steps="]).profile.steps == ()
@@ -62,6 +62,11 @@ def test_toml_then_command_line_overrides(tmp_path):
     (["--checkpoint.keep=-1"], None, "checkpoint.interval=100 and checkpoint.keep=-1 must be >= 0"),
     (["--data.source=bin"], None, "data.path: source 'bin' needs the path of a token file"),
     (["stray"], None, "stray: expected --config PATH or --section.key=value"),
+    (["--profile.enabled=true", "--profile.steps="], None, "profile.steps is empty but profile.enabled=true"),
+    (["--profile.steps=5,3"], None, "profile.steps=5,3 must be consecutive and increasing"),
+    (["--profile.steps=-1,0"], None, "profile.steps=-1,0 must be >= 0"),
+    (["--profile.enabled=true", "--training.steps=4"], None, "profile.steps=3,4 but training.steps=4: the last "
+                                                              "step is 3 (0-based)"),
     ([], "[training\n", "--config: "),
 ])
 def test_errors_are_one_line_naming_the_key(tmp_path, argv, toml, message):
@@ -91,12 +96,28 @@ def test_optim_config_rejects_inf_when_built_directly():
                                   r"degree 4 = 4"),
     (["--training.grad_accum=3"], 1, r"data.batch_size=16 is not divisible by training.grad_accum=3"),
     (["--data.seq_len=130"], 8, r"data.seq_len=130 is not divisible by 2\*cp=4"),
-    (["--data.seq_len=512"], 1, r"seq_len=512 exceeds model.max_seq_len=256"),
+    (["--data.seq_len=512"], 1, r"^data.seq_len=512 exceeds model.max_seq_len=256"),
+    (["--parallel.dp_shard=0"], 2, r"^parallel.dp_shard=0: degrees must be positive or -1"),  # not a ZeroDivisionError
+    (["--parallel.edp_shard=0", "--parallel.ep=-1"], 2, r"^parallel.edp_shard=0: degrees must be positive or -1"),
 ])
 def test_impossible_layouts_fail_naming_the_key(argv, world_size, message):
     with pytest.raises(ConfigError, match=message) as error:
         load_config(argv).layout(world_size)
     assert "\n" not in str(error.value)
+
+
+def test_rollouts_ignore_the_token_batch_shape_unless_eval_reads_a_token_file():
+    """Rollouts are packed by data.batch_tokens: data.seq_len and data.batch_size only shape eval.path's batches."""
+    rollouts = ["--config", os.path.join(CONFIGS, "posttrain_example.toml"), "--model.max_seq_len=200"]
+    config = load_config(rollouts)  # data.seq_len=128 would not fit a 100-token model, but nothing reads it
+    assert config.layout(1).dp == 1 and load_config(rollouts + ["--model.max_seq_len=100"]).layout(1).dp == 1
+    assert load_config(rollouts + ["--data.batch_size=3"]).layout(2).dp == 2
+    assert set(config.token_splits()) == set() and set(JobConfig().token_splits()) == {"train", "eval"}
+    with_eval = load_config(rollouts + ["--eval.path=held_out.bin", "--data.batch_size=3"])
+    assert with_eval.token_splits()["eval"][0].path == "held_out.bin"
+    with pytest.raises(ConfigError, match=r"data.batch_size=3 is not divisible by training.grad_accum=1 x "
+                                          r"data-parallel degree 2 = 2"):
+        with_eval.layout(2)
 
 
 def test_default_layout_is_the_headline_on_8_ranks():

@@ -184,6 +184,14 @@ def test_a_second_run_on_a_run_dir_exits_naming_the_holder_and_a_dead_holder_is_
     assert codes == [0, 0] and len(records) == 4
 
 
+
+def test_a_lock_rank0_cannot_open_stops_every_rank_in_one_line(tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    (run_dir / LOCK_NAME).mkdir(parents=True)  # rank 0 alone opens the lock: the other rank must not wait for it
+    codes, records = run(run_dir)
+    assert codes == [2, 2] and records == []
+    assert stop_lines(capfd)[-1] == f"run.dir={run_dir}: cannot create or lock it (Is a directory)"
+
 def test_resuming_another_model_names_the_differing_keys(uninterrupted, tmp_path, capfd):
     run_dir = copy_run(uninterrupted, tmp_path)
     codes, _ = run(run_dir, 2, "--model.n_layers=2")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from launch.pretrain import main
+from launch import posttrain
+from launch.pretrain import check_environment, main
 from entry_point import run_ok, run_pretrain
 from runtime.checkpoint import MARKER
+from runtime.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and fast: 4 steps of 8 sequences x 32 tokens on the debug model, Muon, the bundled corpus.
@@ -83,6 +85,35 @@ def test_config_errors_exit_on_every_rank_with_rank0s_line(tmp_path, capfd, argv
     assert codes == [2, 2]
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
     assert len(lines) == 1 and key in lines[0], lines  # rank 0's alone: under torchrun it is always there
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval.path={tmp}/missing.bin"], "eval.path={tmp}/missing.bin: no such file"),
+    (["--eval.path={tmp}/ids.bin", "--data.dtype=uint16"], "eval.path={tmp}/ids.bin: {tmp}/ids.bin holds token id 300"),
+    (["--eval.holdout=0.0001"], "data.seq_len=128 needs windows of 129 tokens but the eval part (eval.holdout=0.0001)"),
+    (["--run.dir={tmp}/ids.bin"], "run.dir={tmp}/ids.bin: {tmp}/ids.bin exists and is not a directory"),
+    (["--run.dir={tmp}/ids.bin/run"], "run.dir={tmp}/ids.bin/run: {tmp}/ids.bin exists and is not a directory"),
+    (["--posttrain.init_from=x", "--posttrain.teacher=ema"], "posttrain.teacher, posttrain.init_from: read by "
+                                                            "launch/posttrain.py only"),
+])
+def test_environment_errors_name_the_key_before_any_process_group(tmp_path, argv, message):
+    """What the loaders, the run-dir lock or nothing at all would otherwise meet after init."""
+    np.full(4096, 300, dtype=np.uint16).tofile(tmp_path / "ids.bin")  # token ids beyond the debug vocab (256)
+    config = load_config([a.format(tmp=tmp_path) for a in argv])
+    with pytest.raises(ValueError) as error:
+        check_environment(config)
+    assert str(error.value).startswith(message.format(tmp=tmp_path)) and "\n" not in str(error.value)
+
+
+def test_posttrain_checks_its_run_dir_and_eval_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    rollouts = ["--config", os.path.join(REPO, "configs", "posttrain_example.toml"),
+                f"--data.path={os.path.join(REPO, 'examples', 'rollouts.jsonl')}"]
+    posttrain.check_environment(load_config(rollouts + [f"--run.dir={tmp_path}/run"]))
+    with pytest.raises(ValueError, match="^run.dir=.*exists and is not a directory"):
+        posttrain.check_environment(load_config(rollouts + [f"--run.dir={tmp_path}/file"]))
+    with pytest.raises(ValueError, match=f"^eval.path={tmp_path}/missing.bin: no such file"):
+        posttrain.check_environment(load_config(rollouts + [f"--eval.path={tmp_path}/missing.bin"]))
 
 
 def test_help_lists_every_key_with_default(capsys):
