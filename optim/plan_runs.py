@@ -188,18 +188,26 @@ def _fill_holders(ranks, flops, blocks, loads, cap, min_level=4) -> list[int]:
     return picks
 
 
+# `_fill_level` finds a mask's holders at the level by intersecting Python sets when the level has at most
+# this many positions per block (Kimi K2 narrow, W = 4096: 275k blocks on 850k positions), else by one numpy
+# lookup per mask (wide: 1.8k blocks on 233k positions, where building the level's set costs more).
+LEVEL_SET = 8
+
+
 def _fill_level(level, v, flops, blocks) -> list[int]:
     """Positions (of `level`, ascending, all at load v) of blocks placed one after the other:
     the first untaken holder where the bonus counts, else the first untaken position."""
     order, at, taken, chosen = level.tolist(), 0, set(), []
-    at_level, holders, bonus = set(order), {}, {}  # holders: per mask, its holders at v, last first
-    for _, holder_set, mask_key, share in blocks:
+    holders, bonus = {}, {}  # holders: per mask, its holders at v, last first
+    at_level = set(order) if LEVEL_SET * len(blocks) >= len(order) else None
+    for mask, holder_set, mask_key, share in blocks:
         if share not in bonus:
             bonus[share] = share > 0 and v - 1e-9 * flops * share < v
         if bonus[share]:
             mine = holders.get(mask_key)
             if mine is None:
-                mine = holders[mask_key] = sorted(holder_set & at_level, reverse=True)
+                mine = holders[mask_key] = (sorted(holder_set & at_level, reverse=True) if at_level is not None
+                                            else level[mask[level]][::-1].tolist())
             while mine and mine[-1] in taken:
                 mine.pop()
             if mine:

@@ -432,11 +432,13 @@ def test_stats_count_the_bytes_the_schedule_moves(replica_split):
     assert s.sent_inter.sum() > 0 and s.sent_intra.sum() > 0
 
 
-def test_fill_row_places_a_run_as_one_block_at_a_time():
+@pytest.mark.parametrize("level_set", [0, 10**9])  # a mask's holders at a level by numpy, by sets
+def test_fill_row_places_a_run_as_one_block_at_a_time(monkeypatch, level_set):
     """Runs of equal blocks whose holders change from block to block (loads with many ties, the
     piece bonus, holders preferred under a cap), and the level by level part of the loop alone,
     against a plain loop of `_place_block`'s argmin (and `_holder_under_cap`'s rule), one block
     at a time."""
+    monkeypatch.setattr(plan_runs, "LEVEL_SET", level_set)
     rng = np.random.default_rng(0)
     capped = uncapped = 0
     for trial in range(300):
