@@ -46,7 +46,7 @@ def build_method(name: str, param_set: ParamSet, config: OptimConfig, bucket_mb:
     if name == "single":
         single = baselines.Single(params, splits, config)
         return Method(name, single.step, single.params if single.opt is not None else {},
-                      note="rank 0 only, full tensors")
+                      note="rank 0 only, full tensors", ns_dtype=config.ns_torch_dtype())
     raise ValueError(f"unknown method {name!r}; expected one of {METHODS}")
 
 

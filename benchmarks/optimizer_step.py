@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 
 if __package__ in (None, ""):  # `torchrun benchmarks/optimizer_step.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,7 +116,8 @@ def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) ->
     reference = build_method("single", param_set, config, args.bucket_mb)
     methods = {m: x for m, x in built.items() if isinstance(x, Method)}
     before = harness.full_values(param_set.params)
-    checks = harness.check_against(methods, reference, before, args.check_steps)
+    yardstick = bf16_yardstick(param_set, config, args, before, [reference, *methods.values()])
+    checks = harness.check_against(methods, reference, before, args.check_steps, yardstick)
     for _ in range(args.warmup):
         for m in methods.values():
             m.step()
@@ -136,8 +138,16 @@ def run_shape_set(name: str, args, config: OptimConfig, device: torch.device) ->
     blocks = block_shape_counts(shapes, param_set.splits)
     return {"blocks": {f"{r}x{c}": n for (r, c), n in blocks.items()},
             "matmul_gflops": {str(k).replace("torch.", ""): v for k, v in rates.items()},
-            "methods": rows, "speedup_vs": report.speedups(rows)}
+            "bf16_yardstick": yardstick, "methods": rows, "speedup_vs": report.speedups(rows)}
 
+
+
+def bf16_yardstick(param_set, config: OptimConfig, args, before: dict, methods: list) -> float | None:
+    """`harness.bf16_yardstick` on this shape set where any method or the reference runs NS in bf16."""
+    if all(m.ns_dtype == torch.float32 for m in methods):
+        return None
+    refs = [build_method("single", param_set, replace(config, ns_dtype=d), args.bucket_mb) for d in ("float32", "bfloat16")]
+    return harness.bf16_yardstick(*refs, before, args.check_steps)
 
 def _local_elements(methods: dict) -> dict:
     """name -> per rank, the parameter elements the method updates there (`single`: all on rank 0)."""

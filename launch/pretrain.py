@@ -49,15 +49,10 @@ def check_environment(config) -> None:
 def check_token_sources(config) -> None:
     """Every token source the run will read (training, held-out) opens, holds a window of data.seq_len + 1
     tokens in its split and only ids below model.vocab_size: what the loaders would find after init."""
-    for split, (data, holdout) in config.token_splits().items():
-        try:
-            Loader(data, config.training.seed, grad_accum=config.training.grad_accum,
-                   vocab_size=config.model.vocab_size, holdout=holdout, split=split)
-            check_token_ids(data, config.model.vocab_size)
-        except ValueError as e:  # the loader names data.path; an eval file comes from eval.path
-            if split == "eval" and config.eval.path:
-                raise ValueError(f"eval.path={config.eval.path}: {str(e).removeprefix('data.path: ')}") from None
-            raise
+    for split, (data, holdout, key) in config.token_splits().items():
+        Loader(data, config.training.seed, grad_accum=config.training.grad_accum,
+               vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key)
+        check_token_ids(data, config.model.vocab_size, key)
 
 
 def rendezvous_store(rank: int, world_size: int) -> dist.Store:

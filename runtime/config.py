@@ -101,7 +101,7 @@ class TrainingConfig:
 @dataclass(frozen=True, kw_only=True)
 class ProfileConfig:
     enabled: bool = False  # write a torch.profiler trace of the chosen steps
-    steps: tuple[int, ...] = (3, 4)  # optimizer steps to trace (0-based, consecutive)
+    steps: tuple[int, ...] = (3, 4)  # optimizer steps of the run to trace (0-based, consecutive; a resumed run traces those ahead)
     dir: str = "profile"  # trace directory, relative to run.dir
 
     def __post_init__(self):
@@ -139,15 +139,17 @@ class JobConfig:
             raise ConfigError(f"profile.steps={','.join(map(str, self.profile.steps))} but training.steps="
                               f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
 
-    def token_splits(self) -> dict[str, tuple[DataConfig, float]]:
-        """{split: (data config, holdout)} of the token batches the run reads (data.seq_len x data.batch_size):
-        "train" unless it post-trains on rollouts; "eval" when evaluation is on (with rollouts: eval.path only).
-        runtime/train.py builds its token loaders from it; launch/ checks them before any rank works."""
+    def token_splits(self) -> dict[str, tuple[DataConfig, float, str]]:
+        """{split: (data config, holdout, the key naming its file)} of the token batches the run reads
+        (data.seq_len x data.batch_size): "train" unless it post-trains on rollouts; "eval" when evaluation
+        is on (with rollouts: eval.path only). runtime/train.py builds its token loaders from it; launch/
+        checks them before any rank works."""
         splits = {}
         if self.data.source != "rollouts":
-            splits["train"] = (self.data, self.eval.train_holdout())
+            splits["train"] = (self.data, self.eval.train_holdout(), "data.path")
         if self.eval.enabled() and (self.data.source != "rollouts" or self.eval.path):
-            splits["eval"] = (self.eval.data(self.data), 0.0 if self.eval.path else self.eval.holdout)
+            key = "eval.path" if self.eval.path else "data.path"
+            splits["eval"] = (self.eval.data(self.data), 0.0 if self.eval.path else self.eval.holdout, key)
         return splits
 
     def layout(self, world_size: int) -> Layout:
@@ -156,7 +158,7 @@ class JobConfig:
             n_experts = self.model.n_routed_experts if self.model.n_moe_layers > 0 else 0
             layout = fill_layout(self.parallel, world_size, n_experts).resolve(world_size)
             splits = self.token_splits()  # none: rollouts are packed by data.batch_tokens, data.seq_len is unused
-            for data, _ in splits.values():
+            for data, *_ in splits.values():
                 check_split(data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)

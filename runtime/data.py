@@ -72,8 +72,9 @@ def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: 
                          f"context parallelism cuts each sequence into 2*cp chunks)")
 
 
-def read_sidecar(path: str) -> dict | None:
-    """The JSON written next to a token file by launch/tokenize_text.py (`<path>.json`), or None."""
+def read_sidecar(path: str, key: str = "data.path") -> dict | None:
+    """The JSON written next to a token file by launch/tokenize_text.py (`<path>.json`), or None.
+    `key`: the config key that named the file, which errors start with."""
     sidecar = path + ".json"
     if not os.path.exists(sidecar):
         return None
@@ -81,18 +82,19 @@ def read_sidecar(path: str) -> dict | None:
         with open(sidecar, "rb") as f:
             meta = json.loads(f.read().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"data.path: the sidecar {sidecar} is not valid JSON ({e})") from None
+        raise ValueError(f"{key}: the sidecar {sidecar} is not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32"):
-        raise ValueError(f"data.path: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\" or "
+        raise ValueError(f"{key}: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\" or "
                          f"\"uint32\", got {str(meta)[:80]}")
     return meta
 
 
-def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
-    """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown)."""
+def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> tuple[np.ndarray, int]:
+    """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown).
+    `key`: the config key that named the file (data.path, eval.path), which errors start with."""
     if not os.path.isfile(path):
-        raise ValueError(f"data.path: no such file {path!r}")
-    meta = read_sidecar(path) or {}
+        raise ValueError(f"{key}: no such file {path!r}")
+    meta = read_sidecar(path, key) or {}
     if dtype == "auto":
         if "dtype" not in meta:
             raise ValueError(f"data.dtype: 'auto' needs the sidecar {path}.json; set data.dtype to uint16 or uint32")
@@ -101,18 +103,18 @@ def open_bin(path: str, dtype: str = "auto") -> tuple[np.ndarray, int]:
         raise ValueError(f"data.dtype={dtype} but the sidecar {path}.json says {meta['dtype']}")
     itemsize, size = np.dtype(dtype).itemsize, os.path.getsize(path)
     if size == 0:
-        raise ValueError(f"data.path: {path} is empty (0 tokens)")
+        raise ValueError(f"{key}: {path} is empty (0 tokens)")
     if size % itemsize != 0:
-        raise ValueError(f"data.path: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
+        raise ValueError(f"{key}: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
     return np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0))
 
 
-def open_tokens(config: DataConfig) -> tuple[np.ndarray | None, int]:
+def open_tokens(config: DataConfig, key: str = "data.path") -> tuple[np.ndarray | None, int]:
     """(tokens [N] or None for synthetic, the source's vocabulary size or 0 if unknown)."""
     if config.source == "corpus":
         return corpus.corpus_tokens(), corpus.VOCAB_SIZE
     if config.source == "bin":
-        return open_bin(config.path, config.dtype)
+        return open_bin(config.path, config.dtype, key)
     assert config.source == "synthetic", config.source
     return None, 0
 
@@ -128,17 +130,17 @@ def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> t
     return None
 
 
-def check_token_ids(config: DataConfig, vocab_size: int) -> None:
+def check_token_ids(config: DataConfig, vocab_size: int, key: str = "data.path") -> None:
     """ValueError naming the file if any token id of a `bin` source is >= vocab_size. Scans the whole
     file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
     if config.source != "bin":
         return
-    tokens, _ = open_bin(config.path, config.dtype)
+    tokens, _ = open_bin(config.path, config.dtype, key)
     if np.iinfo(tokens.dtype).max < vocab_size:
         return  # no id of this dtype can reach the vocabulary size
     found = first_id_at_least(tokens, vocab_size)
     if found is not None:
-        raise ValueError(f"data.path: {config.path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
+        raise ValueError(f"{key}: {config.path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
                          f"at token {found[0]:,} of {len(tokens):,}; wrong tokenizer or data.dtype?")
 
 
@@ -163,16 +165,17 @@ class Loader:
 
     def __init__(self, config: DataConfig, seed: int, *, dp_rank: int = 0, dp_degree: int = 1, cp_rank: int = 0,
                  cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None, holdout: float = 0.0,
-                 split: Literal["train", "eval"] = "train"):
+                 split: Literal["train", "eval"] = "train", path_key: str = "data.path"):
         """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise.
-        `split`/`holdout`: see `split_tokens`; the eval split also draws its windows from its own stream."""
+        `split`/`holdout`: see `split_tokens`; the eval split also draws its windows from its own stream.
+        `path_key`: the config key that named config.path, which errors about the file start with."""
         check_split(config, dp_degree, cp_degree, grad_accum)
         assert 0 <= dp_rank < dp_degree and 0 <= cp_rank < cp_degree, (dp_rank, dp_degree, cp_rank, cp_degree)
         self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
         self.rows = config.batch_size // (grad_accum * dp_degree)  # B
         self.first_row = dp_rank * self.rows
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
-        tokens, source_vocab = open_tokens(config)
+        tokens, source_vocab = open_tokens(config, path_key)
         self.tokens = split_tokens(tokens, holdout, split)
         self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM

@@ -1,6 +1,7 @@
 """The `[profile]` section: a `torch.profiler` trace and host-sync counts of chosen steps, under the run dir.
 
-For the steps `config.steps` (0-based, counted from the first step this process runs):
+For the steps `config.steps` (0-based optimizer steps of the run: a resumed run traces those still ahead
+of it, so a restart after the traced steps does not overwrite their trace with other steps):
   <run_dir>/<config.dir>/rank<R>.json        Chrome trace (CPU, and CUDA kernels on a GPU)
   <run_dir>/<config.dir>/syncs_rank<R>.json  host syncs per step: total, by kind, by call site
                                              (runtime/syncs.py), and rank 0 prints one line per step
@@ -28,11 +29,11 @@ class _StepProfiler:
     """Wraps the torch profiler; `count_syncs()` around a training step counts its host syncs when
     the step is one of the profiled ones."""
 
-    def __init__(self, prof, config, trace_dir: str, rank: int, optimizer, device_type: str):
-        self.prof, self.steps, self.rank = prof, set(config.steps), rank
+    def __init__(self, prof, steps, start, trace_dir: str, rank: int, optimizer, device_type: str):
+        self.prof, self.steps, self.rank = prof, set(steps), rank
         self.path = os.path.join(trace_dir, f"syncs_rank{rank}.json")
         self.optimizer, self.device_type = optimizer, device_type
-        self.index, self.counts = 0, {}
+        self.index, self.counts = start, {}
 
     def step(self) -> None:
         self.prof.step()
@@ -56,14 +57,18 @@ class _StepProfiler:
 
 
 @contextlib.contextmanager
-def maybe_profile(config, run_dir: str, rank: int, optimizer=None, device_type: str = "cpu"):
+def maybe_profile(config, run_dir: str, rank: int, optimizer=None, device_type: str = "cpu", start: int = 0):
     """Yield an object with `.step()` (call once per optimizer step) and `.count_syncs()` (a context
-    around the step). With `config.enabled`, the steps `config.steps` are traced and their host
-    syncs counted (module docstring); `optimizer`'s CPU scalar state is declared host-resident."""
-    if not config.enabled:
+    around the step). With `config.enabled`, the steps `config.steps` at or after `start` (the step
+    this process begins at) are traced and their host syncs counted (module docstring); `optimizer`'s
+    CPU scalar state is declared host-resident."""
+    steps = [s for s in config.steps if s >= start]
+    if config.enabled and not steps and rank == 0:
+        print(f"profile: profile.steps={','.join(map(str, config.steps))} are before step {start}, where this "
+              f"run resumed: nothing traced", flush=True)
+    if not steps or not config.enabled:
         yield _NoProfiler()
         return
-    first, count = min(config.steps), len(config.steps)
     trace_dir = os.path.join(run_dir, config.dir)
     os.makedirs(trace_dir, exist_ok=True)
 
@@ -73,6 +78,6 @@ def maybe_profile(config, run_dir: str, rank: int, optimizer=None, device_type: 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=first, warmup=0, active=count, repeat=1)
+    schedule = torch.profiler.schedule(wait=steps[0] - start, warmup=0, active=len(steps), repeat=1)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=export) as prof:
-        yield _StepProfiler(prof, config, trace_dir, rank, optimizer, device_type)
+        yield _StepProfiler(prof, steps, start, trace_dir, rank, optimizer, device_type)

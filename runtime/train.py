@@ -85,10 +85,10 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
         return RolloutLoader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
                              max_seq_len=config.model.max_seq_len, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                              cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum)
-    data, holdout = config.token_splits()[split]
+    data, holdout, key = config.token_splits()[split]
     return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                   cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
-                  vocab_size=config.model.vocab_size, holdout=holdout, split=split)
+                  vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key)
 
 
 def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) -> torch.Tensor:
@@ -309,7 +309,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
                         lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
 
-    with maybe_profile(config.profile, config.run.dir, rank, optimizer, device.type) as profiler, \
+    with maybe_profile(config.profile, config.run.dir, rank, optimizer, device.type, start) as profiler, \
             Preemption() as preemption:
         try:
             for step in range(start, config.training.steps):

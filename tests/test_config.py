@@ -114,7 +114,7 @@ def test_rollouts_ignore_the_token_batch_shape_unless_eval_reads_a_token_file():
     assert load_config(rollouts + ["--data.batch_size=3"]).layout(2).dp == 2
     assert set(config.token_splits()) == set() and set(JobConfig().token_splits()) == {"train", "eval"}
     with_eval = load_config(rollouts + ["--eval.path=held_out.bin", "--data.batch_size=3"])
-    assert with_eval.token_splits()["eval"][0].path == "held_out.bin"
+    assert with_eval.token_splits()["eval"][0].path == "held_out.bin" and with_eval.token_splits()["eval"][2] == "eval.path"
     with pytest.raises(ConfigError, match=r"data.batch_size=3 is not divisible by training.grad_accum=1 x "
                                           r"data-parallel degree 2 = 2"):
         with_eval.layout(2)

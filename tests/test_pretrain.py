@@ -88,8 +88,8 @@ def test_config_errors_exit_on_every_rank_with_rank0s_line(tmp_path, capfd, argv
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--eval.path={tmp}/missing.bin"], "eval.path={tmp}/missing.bin: no such file"),
-    (["--eval.path={tmp}/ids.bin", "--data.dtype=uint16"], "eval.path={tmp}/ids.bin: {tmp}/ids.bin holds token id 300"),
+    (["--eval.path={tmp}/missing.bin"], "eval.path: no such file '{tmp}/missing.bin'"),
+    (["--eval.path={tmp}/ids.bin", "--data.dtype=uint16"], "eval.path: {tmp}/ids.bin holds token id 300"),
     (["--eval.holdout=0.0001"], "data.seq_len=128 needs windows of 129 tokens but the eval part (eval.holdout=0.0001)"),
     (["--run.dir={tmp}/ids.bin"], "run.dir={tmp}/ids.bin: {tmp}/ids.bin exists and is not a directory"),
     (["--run.dir={tmp}/ids.bin/run"], "run.dir={tmp}/ids.bin/run: {tmp}/ids.bin exists and is not a directory"),
@@ -112,7 +112,7 @@ def test_posttrain_checks_its_run_dir_and_eval_file(tmp_path):
     posttrain.check_environment(load_config(rollouts + [f"--run.dir={tmp_path}/run"]))
     with pytest.raises(ValueError, match="^run.dir=.*exists and is not a directory"):
         posttrain.check_environment(load_config(rollouts + [f"--run.dir={tmp_path}/file"]))
-    with pytest.raises(ValueError, match=f"^eval.path={tmp_path}/missing.bin: no such file"):
+    with pytest.raises(ValueError, match=f"^eval.path: no such file '{tmp_path}/missing.bin'"):
         posttrain.check_environment(load_config(rollouts + [f"--eval.path={tmp_path}/missing.bin"]))
 
 

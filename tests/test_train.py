@@ -1,5 +1,5 @@
 """Training-loop behaviour beyond layout parity: non-finite steps are skipped, gradient accumulation
-equals one big batch, the profiler writes a trace."""
+equals one big batch, the profiler writes a trace (of the run's steps, across a resume)."""
 
 import json
 import os
@@ -69,6 +69,22 @@ def test_profiler_writes_a_trace(tmp_path):
     _losses(tmp_path, "--profile.enabled=true", "--profile.steps=1,2")
     with open(tmp_path / "profile" / "rank0.json") as f:
         assert json.load(f)["traceEvents"]
+
+
+def test_profile_steps_are_the_runs_steps_across_a_resume(tmp_path, capfd):
+    """A run resumed at step 3 traces profile.steps 4,5 of the run (not its own 5th and 6th step, past
+    its end); resumed again at 6, steps 1,2 lie behind it: it says so and leaves the trace alone."""
+    resumable = [a for a in ARGS if not a.startswith("--checkpoint")] + ["--checkpoint.interval=3"]
+    _losses(tmp_path, *resumable)
+    _losses(tmp_path, *resumable, "--training.steps=6", "--profile.enabled=true", "--profile.steps=4,5")
+    with open(tmp_path / "profile" / "syncs_rank0.json") as f:
+        assert set(json.load(f)) == {"4", "5"}
+    trace = (tmp_path / "profile" / "rank0.json").read_bytes()
+    assert json.loads(trace)["traceEvents"]
+    capfd.readouterr()
+    _losses(tmp_path, *resumable, "--training.steps=8", "--profile.enabled=true", "--profile.steps=1,2")
+    assert "profile.steps=1,2 are before step 6, where this run resumed: nothing traced" in capfd.readouterr().out
+    assert (tmp_path / "profile" / "rank0.json").read_bytes() == trace
 
 
 def test_adamw_only_runs_every_parameter_through_adamw(tmp_path):
