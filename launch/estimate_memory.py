@@ -334,6 +334,8 @@ def suggestions(job: Job, parts: dict, total: int) -> list[str]:
 
 
 def main(argv=None) -> dict:
+    """The estimate of the job the arguments describe (printed, and written to --json). A user error
+    (config, --world, --rank, --json) prints one line and exits with status 2, as argparse does."""
     ap = argparse.ArgumentParser(description="Per-rank peak memory of a training job, before launch.")
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None, help="world size (default: the product of the config's dense degrees)")
@@ -341,17 +343,45 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", default=None)
     args, overrides = ap.parse_known_args(argv)
-    config = load_config(["--config", args.config, *overrides])
-    p = config.parallel
-    world = args.world or p.dp_replicate * p.dp_shard * p.cp
-    if world < 1:
-        raise ValueError(f"--world: the config infers its degrees (-1); give the world size, got {world}")
-    result = estimate(Job(config, config.layout(world), args.rank, args.device))
+    try:
+        job = job_from_args(args, overrides)
+    except ValueError as e:  # ConfigError is one: it names the dotted key
+        _fail(str(e))
+    result = estimate(job)
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        except OSError as e:
+            _fail(f"--json {args.json}: cannot write ({e.strerror or e})")
     return result
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def job_from_args(args, overrides: list[str]) -> Job:
+    """The Job of the parsed arguments; ValueError naming the flag or the dotted config key otherwise,
+    before any estimating (which takes seconds at real widths)."""
+    config = load_config(["--config", args.config, *overrides])
+    p = config.parallel
+    degrees = (p.dp_replicate, p.dp_shard, p.cp)
+    if args.world is None and -1 in degrees:
+        raise ValueError(f"--world: the config infers parallel.dp_replicate, dp_shard or cp (-1: "
+                         f"{', '.join(map(str, degrees))}); give the world size")
+    world = math.prod(degrees) if args.world is None else args.world
+    if world < 1:
+        raise ValueError(f"--world {world}: must be >= 1")
+    if not 0 <= args.rank < world:
+        raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
+    if args.json and os.path.isdir(args.json):
+        raise ValueError(f"--json {args.json}: is a directory")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: its directory does not exist")
+    return Job(config, config.layout(world), args.rank, args.device)
 
 
 def format_table(r: dict) -> str:

@@ -7,12 +7,15 @@ its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safete
 model.safetensors.index.json with one key per expert, as the published checkpoints have them (w13's
 halves as gate_proj and up_proj). Checkpoints from before w1 and w3 were fused export too. One
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
-rank's shards), so memory stays bounded by the largest tensor. A bad argument exits with status 2 and
-one line.
+rank's shards), so memory stays bounded by the largest tensor. A bad argument (a run dir without
+checkpoints, an `--out` that is a file or not empty, `--shard-gb` <= 0) or a checkpoint that does not
+load exits with status 2 and one line; a failed export removes what it wrote.
 """
 
 import argparse
+import math
 import os
+import shutil
 import sys
 import warnings
 
@@ -31,6 +34,7 @@ PREFIX = "train.model."  # where runtime/train.py's app_state puts the model in 
 
 
 def checkpoint_path(run_dir: str, step: int | None) -> str:
+    check_run_dir(run_dir)
     directory = checkpoint.checkpoint_dir(run_dir)
     if step is None:
         path = checkpoint.latest_checkpoint(directory)
@@ -42,6 +46,31 @@ def checkpoint_path(run_dir: str, step: int | None) -> str:
         steps = [checkpoint.checkpoint_step(p) for p in checkpoint.complete_checkpoints(directory)]
         raise ValueError(f"--step {step}: no complete checkpoint {path} (complete steps: {steps})")
     return path
+
+
+def check_run_dir(run_dir: str) -> None:
+    """ValueError unless `run_dir` is a directory; a hint when it is a checkpoint or checkpoints/ itself."""
+    if not os.path.isdir(run_dir):
+        what = "not a directory" if os.path.exists(run_dir) else "no such directory"
+        raise ValueError(f"--run-dir {run_dir}: {what}")
+    if os.path.isdir(checkpoint.checkpoint_dir(run_dir)):
+        return
+    if os.path.isfile(os.path.join(run_dir, checkpoint.MARKER)):
+        raise ValueError(f"--run-dir {run_dir} is a checkpoint: give the run directory that holds checkpoints/ "
+                         f"(and --step {checkpoint.checkpoint_step(run_dir)})")
+    if checkpoint.complete_checkpoints(run_dir):
+        raise ValueError(f"--run-dir {run_dir} is a checkpoints/ directory: give the run directory above it")
+
+
+def check_out(out: str) -> None:
+    """ValueError unless `out` is a new or an empty directory (an export never mixes with other files)."""
+    if os.path.isdir(out):
+        if os.listdir(out):
+            raise ValueError(f"--out {out} exists and is not empty: give a new or an empty directory")
+    elif os.path.exists(out):
+        raise ValueError(f"--out {out} is a file: give a new or an empty directory")
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise ValueError(f"--out {out}: its parent {os.path.dirname(os.path.abspath(out))} is not a directory")
 
 
 def checkpoint_model_config(path: str) -> ModelConfig:
@@ -59,8 +88,12 @@ def dcp_fetch(path: str):
     """fetch(our_name) -> the full fp32 tensor from the DCP checkpoint at `path` (one tensor per call).
 
     A checkpoint from before the routed experts' w1 and w3 were fused stores them apart: their w13
-    is the two concatenated on dim 1 (w1 rows, then w3 rows)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    is the two concatenated on dim 1 (w1 rows, then w3 rows). Unloadable (one line) for missing,
+    truncated or garbled files; ValueError for a tensor of the marker's config the checkpoint lacks."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise checkpoint.Unloadable(f"{path}: unreadable DCP metadata ({checkpoint.failure_reason(e)})") from None
 
     def fetch(name: str) -> torch.Tensor:
         if name.endswith(".experts.w13") and PREFIX + name not in metadata:
@@ -68,11 +101,18 @@ def dcp_fetch(path: str):
         return read(name)
 
     def read(name: str) -> torch.Tensor:
+        if PREFIX + name not in metadata:
+            raise ValueError(f"{path} holds no {name}, a weight of the model config its {checkpoint.MARKER} "
+                             f"marker records")
         meta = metadata[PREFIX + name]
         tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({PREFIX + name: tensor}, checkpoint_id=path, no_dist=True)
+        try:
+            with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({PREFIX + name: tensor}, checkpoint_id=path, no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+            raise checkpoint.Unloadable(f"{path}: {name} does not load, a shard file is missing or damaged "
+                                        f"({checkpoint.failure_reason(e)})") from None
         return tensor
 
     return fetch
@@ -80,24 +120,49 @@ def dcp_fetch(path: str):
 
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
            shard_bytes: int = SHARD_BYTES) -> str:
-    """Write the Hugging Face directory `out`; returns the checkpoint it came from."""
+    """Write the Hugging Face directory `out` (new or empty); returns the checkpoint it came from. On any
+    failure `out` is left as it was."""
     path = checkpoint_path(run_dir, step)
     config = checkpoint_model_config(path)
-    write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True, shard_bytes=shard_bytes)
+    check_out(out)
+    existed = os.path.isdir(out)
+    try:
+        write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True, shard_bytes=shard_bytes)
+    except BaseException as e:
+        _discard(out, existed)
+        if isinstance(e, OSError):
+            raise ValueError(f"--out {out}: cannot write ({e.strerror or e})") from None
+        raise
     return path
+
+
+def _discard(out: str, existed: bool) -> None:
+    """Remove what a failed export wrote into `out`, which was empty (`existed`) or absent."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in os.listdir(out):
+        os.remove(os.path.join(out, name))
+
+
+def shard_limit(shard_gb: float) -> int:
+    """--shard-gb in bytes; ValueError unless it is a finite number > 0."""
+    if not (math.isfinite(shard_gb) and shard_gb > 0):
+        raise ValueError(f"--shard-gb {shard_gb}: must be a number of GiB > 0")
+    return max(1, int(shard_gb * 2**30))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="the training run directory (run.dir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--out", required=True, help="output directory: new (created) or empty")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weight dtype in the export")
     parser.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30, help="largest shard file, GiB")
     args = parser.parse_args(argv)
     try:
-        path = export(args.run_dir, args.out, args.step, args.dtype, int(args.shard_gb * 2**30))
-    except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker
+        path = export(args.run_dir, args.out, args.step, args.dtype, shard_limit(args.shard_gb))
+    except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker or shard file
         print(f"export error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} to {args.out}")

@@ -2,7 +2,9 @@
 
 Reads each run's `metrics.jsonl` and draws, over optimizer steps: loss (solid) with the held-out eval
 loss (markers), gradient norm, learning rate, tokens/s. Several runs are overlaid, one colour each,
-labelled by their directory name. Needs matplotlib (`pip install -e ".[plot]"`).
+labelled by their directory name (by their path where two share a name). Needs matplotlib
+(`pip install -e ".[plot]"`). A run dir without records or an `--out` matplotlib cannot write (a
+directory, no image extension, a missing directory) exits with status 2 and one line.
 """
 
 import argparse
@@ -15,20 +17,52 @@ PANELS = (("loss", "loss (line) and eval loss (dots)"), ("grad_norm", "gradient 
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of `<run_dir>/metrics.jsonl` (a torn last line is skipped); ValueError if there are none."""
+    """The records of `<run_dir>/metrics.jsonl`: JSON objects with a "step" (a torn last line is
+    skipped); ValueError if there are none."""
     path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(run_dir):
+        raise ValueError(f"{run_dir} is a file; give the run directory that holds metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    records.append(record)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (not a metrics file?)") from None
     if not records:
-        raise ValueError(f"{path} holds no records")
+        raise ValueError(f"{path} holds no records (JSON lines with a \"step\")")
     return records
+
+
+def labels(run_dirs: list[str]) -> list[str]:
+    """Each run's directory name, or its path where two runs share a name (else one would hide the other)."""
+    names = [os.path.basename(os.path.normpath(d)) or d for d in run_dirs]
+    return [name if names.count(name) == 1 else os.path.normpath(d) for name, d in zip(names, run_dirs)]
+
+
+def check_out(out: str) -> None:
+    """ValueError unless `out` is a file path with an image extension matplotlib writes, in an existing
+    directory (matplotlib would append .png to a name without one, and write next to a directory)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory; give a file such as {os.path.join(out, 'curves.png')}")
+    if ext not in formats:
+        raise ValueError(f"--out {out}: {'unsupported image extension .' + ext if ext else 'no image extension'} "
+                         f"(use .png, or one of {', '.join(sorted(formats))})")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"--out {out}: {parent} {what}")
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -65,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output PNG")
     args = parser.parse_args(argv)
     try:
-        runs = {os.path.basename(os.path.normpath(d)) or d: read_metrics(d) for d in args.run_dirs}
+        check_out(args.out)
+        runs = {label: read_metrics(d) for label, d in zip(labels(args.run_dirs), args.run_dirs)}
         plot(runs, args.out)
     except ImportError:
         print("error: plotting needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: --out {args.out}: cannot write ({e.strerror or e})", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0

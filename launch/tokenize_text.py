@@ -8,8 +8,9 @@ else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_token
 reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
 boundary). Files are read in chunks that end at line breaks, so memory stays bounded; the output
 appears atomically (written to `<out>.tmp`, then renamed; a failure removes the `.tmp`). Refused, with
-one line and exit status 2: `--out` naming an input file, a missing or unreadable `tokenizer.json`,
-input that yields no tokens.
+one line and exit status 2: `--out` (or its sidecar) naming an input or the tokenizer, `--out` a
+directory or in a missing one, a missing or unreadable `tokenizer.json`, input that is missing, a
+directory, not UTF-8, or yields no tokens.
 
 Not named `tokenize.py`: scripts in launch/ run with launch/ on sys.path, where such a file would
 shadow the standard library's `tokenize` module (imported by torch through `inspect`).
@@ -27,22 +28,27 @@ CHUNK_CHARS = 1 << 22
 
 def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
     """The text of `path` in pieces of about `chunk_chars` characters, each ending at a line break."""
-    with open(path, encoding="utf-8") as f:
-        lines, size = [], 0
-        for line in f:
-            lines.append(line)
-            size += len(line)
-            if size >= chunk_chars:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines, size = [], 0
+            for line in f:
+                lines.append(line)
+                size += len(line)
+                if size >= chunk_chars:
+                    yield "".join(lines)
+                    lines, size = [], 0
+            if lines:
                 yield "".join(lines)
-                lines, size = [], 0
-        if lines:
-            yield "".join(lines)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"input file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
 
 
 def load_tokenizer(path: str):
     """A `tokenizers.Tokenizer` from a local tokenizer.json; ValueError naming the file otherwise."""
     from tokenizers import Tokenizer
 
+    if os.path.isdir(path):
+        raise ValueError(f"--tokenizer: {path} is a directory; give the tokenizer.json file in it")
     if not os.path.isfile(path):
         raise ValueError(f"--tokenizer: no such file {path}")
     try:
@@ -51,18 +57,33 @@ def load_tokenizer(path: str):
         raise ValueError(f"--tokenizer: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
 
 
-def check_paths(paths: list[str], out: str) -> None:
-    """ValueError if an input is missing or is the output file (writing would destroy it)."""
+def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
+    """ValueError if an input is missing or a directory, if `out` cannot be a file, or if `out`, its
+    `.tmp` or its `.json` sidecar is an input or the tokenizer (writing would destroy it)."""
     for path in paths:
+        if os.path.isdir(path):
+            raise ValueError(f"input {path} is a directory, not a text file")
         if not os.path.isfile(path):
             raise ValueError(f"no such input file {path}")
-        if os.path.exists(out) and os.path.samefile(path, out):
-            raise ValueError(f"--out {out} is also an input file; writing it would destroy the input")
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a directory; give a file path such as {os.path.join(out, 'train.bin')}")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"--out {out}: {parent} {what}")
+    outputs = {out: f"--out {out}", out + ".json": f"--out {out}'s sidecar {out}.json",
+               out + ".tmp": f"--out {out}'s temporary file {out}.tmp"}
+    targets = [(p, "an input file", "the input") for p in paths]
+    targets.append((tokenizer_path, "the --tokenizer file", "the tokenizer"))
+    for written, name in outputs.items():
+        for path, what, victim in targets:
+            if os.path.isfile(path) and os.path.exists(written) and os.path.samefile(path, written):
+                raise ValueError(f"{name} is also {what}; writing it would destroy {victim}")
 
 
 def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
     """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
-    check_paths(paths, out)
+    check_paths(paths, out, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
@@ -106,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos)
-    except (ValueError, OSError, UnicodeDecodeError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a failed write (disk full) names no file: then it is the output
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"{args.out}: {meta['num_tokens']:,} tokens, {meta['dtype']}, vocab {meta['vocab_size']:,}")
     return 0

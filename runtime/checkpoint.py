@@ -189,7 +189,7 @@ def save(step: int, directory: str, app_state: dict, *, keep: int = 0, meta: dic
         _barrier()
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        what = "no space left on device" if full else f"{_reason(e)}"
+        what = "no space left on device" if full else f"{failure_reason(e)}"
         raise RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
                        f"kept (newest: {latest_checkpoint(directory) or 'none'})") from None
     _barrier()  # every rank's shards are on disk
@@ -213,17 +213,17 @@ def _causes(error: BaseException | None):
     if error is None:
         return
     yield error
-    for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> WrappedException
-        yield from _causes(getattr(failure, "exc", None))
+    for failure in getattr(error, "failures", {}).values():  # CheckpointException: rank -> (exception, traceback)
+        yield from _causes(failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", None))
     yield from _causes(error.__cause__)
 
 
-def _reason(error: BaseException) -> str:
+def failure_reason(error: BaseException) -> str:
     """The first root cause of `error` in one line, at most 200 characters."""
     causes = list(_causes(error))
     root = next((e for e in causes if not getattr(e, "failures", None) and e.__cause__ is None), error)
     text = (str(root).strip().splitlines() or [""])[0]
-    return f"{type(root).__name__}: {text}"[:200]
+    return (f"{type(root).__name__}: {text}" if text else type(root).__name__)[:200]
 
 
 def load(path: str, app_state: dict) -> None:
@@ -237,7 +237,7 @@ def load(path: str, app_state: dict) -> None:
         with _single_process_ok():
             dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks (a BaseException)
-        raise Unloadable(_reason(e)) from None
+        raise Unloadable(failure_reason(e)) from None
 
 
 def _check_expert_layout(path: str) -> None:

@@ -224,3 +224,40 @@ def test_tokenize_errors_are_one_line_and_leave_nothing_behind(tmp_path, case, m
         and result.stderr.count("\n") == 1), result.stderr
     assert (tmp_path / "a.txt").read_text() == "the cat sat\n"  # the input survives
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp") or name.startswith("out.bin")]
+
+
+# (--tokenizer, --out, input files, relative to tmp_path; the message's key phrase)
+TOKENIZE_MISTAKES = {
+    "tokenizer_is_a_directory": ("hf", "out.bin", ["a.txt"],
+                                 "--tokenizer: {tmp}/hf is a directory; give the tokenizer.json"),
+    "input_is_a_directory": ("tokenizer.json", "out.bin", ["a.txt", "hf"],
+                             "input {tmp}/hf is a directory, not a text file"),
+    "input_not_utf8": ("tokenizer.json", "out.bin", ["a.txt", "latin1.txt"],
+                       "input file {tmp}/latin1.txt is not UTF-8 text (byte 0xe9: "),
+    "out_is_the_tokenizer": ("tokenizer.json", "tokenizer.json", ["a.txt"],
+                             "--out {tmp}/tokenizer.json is also the --tokenizer file; writing it would destroy"),
+    "sidecar_is_the_tokenizer": ("tokenizer.json", "tokenizer", ["a.txt"],
+                                 "--out {tmp}/tokenizer's sidecar {tmp}/tokenizer.json is also the --tokenizer file"),
+    "out_is_a_directory": ("tokenizer.json", "hf", ["a.txt"],
+                           "--out {tmp}/hf is a directory; give a file path such as {tmp}/hf/train.bin"),
+    "out_in_a_missing_directory": ("tokenizer.json", "nodir/out.bin", ["a.txt"],
+                                   "--out {tmp}/nodir/out.bin: {tmp}/nodir does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZE_MISTAKES))
+def test_tokenize_mistakes_exit_2_in_one_line_and_touch_nothing(tmp_path, capsys, case):
+    from launch.tokenize_text import main
+
+    _tiny_tokenizer(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "a.txt").write_text("the cat sat\n")
+    (tmp_path / "latin1.txt").write_bytes("the caf\xe9 mat\n".encode("latin-1"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    tokenizer, out, inputs, phrase = TOKENIZE_MISTAKES[case]
+    assert main(["--tokenizer", str(tmp_path / tokenizer), "--out", str(tmp_path / out),
+                 *[str(tmp_path / name) for name in inputs]]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert phrase.format(tmp=tmp_path) in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing written

@@ -86,3 +86,48 @@ def test_plot_metrics_writes_a_png_of_several_runs(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     result = subprocess.run(cmd[:2] + [str(tmp_path / "missing"), "--out", str(out)], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "no metrics.jsonl" in result.stderr
+
+
+# (run dirs, --out, relative to tmp_path; the message's key phrase). "run" holds a good metrics.jsonl.
+PLOT_MISTAKES = {
+    "run_dir_is_the_metrics_file": (["run/metrics.jsonl"], "o.png",
+                                    "{tmp}/run/metrics.jsonl is a file; give the run directory that holds"),
+    "metrics_not_utf8": (["binary"], "o.png", "{tmp}/binary/metrics.jsonl is not UTF-8 text"),
+    "metrics_without_steps": (["no_steps"], "o.png", "{tmp}/no_steps/metrics.jsonl holds no records"),
+    "metrics_not_objects": (["not_objects"], "o.png", "{tmp}/not_objects/metrics.jsonl holds no records"),
+    "out_is_a_directory": (["run"], "run", "--out {tmp}/run is a directory; give a file such as {tmp}/run/curves.png"),
+    "out_without_extension": (["run"], "curves", "--out {tmp}/curves: no image extension (use .png"),
+    "out_not_an_image": (["run"], "curves.txt", "--out {tmp}/curves.txt: unsupported image extension .txt"),
+    "out_in_a_missing_directory": (["run"], "nodir/o.png", "--out {tmp}/nodir/o.png: {tmp}/nodir does not exist"),
+}
+
+
+def _metrics_dirs(tmp_path):
+    for name, text in (("run", '{"step": 0, "loss": 3.0, "grad_norm": 1.0, "lr": 0.001, "tokens_per_s": 100.0}\n'),
+                       ("no_steps", '{"loss": 3.0}\n{"loss": 2.9}\n'), ("not_objects", "[1, 2]\n3\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(text)
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\x80\x03}q\x00.")  # e.g. a pickle
+
+
+@pytest.mark.parametrize("case", list(PLOT_MISTAKES))
+def test_plot_mistakes_exit_2_in_one_line_and_write_nothing(tmp_path, capsys, case):
+    pytest.importorskip("matplotlib")
+    from launch.plot_metrics import main
+
+    _metrics_dirs(tmp_path)
+    runs, out, phrase = PLOT_MISTAKES[case]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main([*[str(tmp_path / r) for r in runs], "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert phrase.format(tmp=tmp_path) in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_plot_labels_runs_that_share_a_name_by_their_path():
+    from launch.plot_metrics import labels
+
+    assert labels(["runs/a", "runs/b/"]) == ["a", "b"]
+    assert labels(["exp1/run", "exp2/run/", "other"]) == ["exp1/run", "exp2/run", "other"]  # one curve per run

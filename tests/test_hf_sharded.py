@@ -1,5 +1,10 @@
 """`--model.init_from` on real gloo ranks: every layout loads the same weights as one process, takes the
-same first step, and each rank reads only about its share of the checkpoint's bytes."""
+same first step, and each rank reads only about its share of the checkpoint's bytes; launch/export_hf.py
+writes a DCP checkpoint back out, and its user mistakes exit 2 in one line."""
+
+import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -171,3 +176,73 @@ def test_export_bad_step_exits_2(tmp_path, capsys):
 
     assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--step", "3"]) == 2
     assert "--step 3: no complete checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A run dir with one complete checkpoint, step_1, of the debug model trained one step on one rank."""
+    from launch.pretrain import main
+
+    run_dir = str(tmp_path_factory.mktemp("trained") / "run")
+    argv = ARGS + ONE + ["--training.steps=1", "--eval.interval=0", f"--run.dir={run_dir}"]
+    assert run_ranks(lambda r, w: main(argv), 1, as_torchrun=True) == [0]
+    return run_dir
+
+
+def _damage(step_dir, how):
+    shards = sorted(f for f in os.listdir(step_dir) if f.endswith(".distcp"))
+    if how == "truncate_shard":
+        os.truncate(os.path.join(step_dir, shards[0]), 4096)  # inside the first weight
+    elif how == "delete_shard":
+        os.remove(os.path.join(step_dir, shards[0]))
+    elif how == "delete_metadata":
+        os.remove(os.path.join(step_dir, ".metadata"))
+    elif how == "marker_adds_a_layer":  # the marker's model config asks for a weight the checkpoint lacks
+        with open(os.path.join(step_dir, "COMPLETE")) as f:
+            meta = json.load(f)
+        meta["model"]["n_layers"] += 1
+        with open(os.path.join(step_dir, "COMPLETE"), "w") as f:
+            json.dump(meta, f)
+
+
+# (argv after the defaults `--run-dir {run} --out {tmp}/out`, later flags win; damage; the message's key phrase)
+EXPORT_MISTAKES = {
+    "run_dir_missing": (["--run-dir", "{tmp}/nope"], None, "--run-dir {tmp}/nope: no such directory"),
+    "run_dir_is_a_file": (["--run-dir", "{tmp}/file"], None, "--run-dir {tmp}/file: not a directory"),
+    "run_dir_is_the_checkpoint": (["--run-dir", "{run}/checkpoints/step_1"], None,
+                                  "is a checkpoint: give the run directory that holds checkpoints/ (and --step 1)"),
+    "run_dir_is_checkpoints": (["--run-dir", "{run}/checkpoints"], None,
+                               "--run-dir {run}/checkpoints is a checkpoints/ directory"),
+    "shard_gb_zero": (["--shard-gb", "0"], None, "--shard-gb 0.0: must be a number of GiB > 0"),
+    "shard_gb_negative": (["--shard-gb", "-1"], None, "--shard-gb -1.0: must be a number of GiB > 0"),
+    "shard_gb_inf": (["--shard-gb", "inf"], None, "--shard-gb inf: must be a number of GiB > 0"),
+    "out_is_a_file": (["--out", "{tmp}/file"], None, "--out {tmp}/file is a file: give a new or an empty dir"),
+    "out_not_empty": (["--out", "{run}"], None, "--out {run} exists and is not empty"),
+    "out_under_a_file": (["--out", "{tmp}/file/out"], None,
+                         "--out {tmp}/file/out: its parent {tmp}/file is not a directory"),
+    "truncated_shard": ([], "truncate_shard", "does not load, a shard file is missing or damaged (EOFError)"),
+    "missing_shard": ([], "delete_shard", "does not load, a shard file is missing or damaged (FileNotFoundError: "),
+    "missing_metadata": ([], "delete_metadata", "step_1: unreadable DCP metadata (FileNotFoundError: "),
+    "marker_config_not_the_weights": ([], "marker_adds_a_layer", "holds no layers.3.attention_norm.weight, a weight"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case", list(EXPORT_MISTAKES))
+def test_export_mistakes_exit_2_in_one_line_and_write_nothing(trained_run, tmp_path, capsys, case):
+    from launch.export_hf import main
+
+    extra, damage, phrase = EXPORT_MISTAKES[case]
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(trained_run, run_dir)
+    if damage:
+        _damage(os.path.join(run_dir, "checkpoints", "step_1"), damage)
+    (tmp_path / "file").write_text("")
+    fill = {"tmp": str(tmp_path), "run": run_dir}
+    argv = [a.format(**fill) for a in ["--run-dir", "{run}", "--out", "{tmp}/out", *extra]]
+    before = sorted(os.listdir(run_dir))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("export error: ") and phrase.format(**fill) in err, err
+    assert not os.path.exists(tmp_path / "out") and sorted(os.listdir(run_dir)) == before  # nothing written

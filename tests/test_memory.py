@@ -55,6 +55,43 @@ def test_cli_writes_the_documented_json(tmp_path, capsys):
     assert "peak" in capsys.readouterr().out
 
 
+# (arguments, with {tmp} the test's tmp_path; the message's key phrase). debug.toml infers its degrees (-1).
+ESTIMATE_MISTAKES = {
+    "config_missing": (["--config", "{tmp}/nope.toml"], "--config: cannot read {tmp}/nope.toml: No such file"),
+    "config_not_toml": (["--config", "{tmp}/bad.toml"], "--config: {tmp}/bad.toml is not valid TOML"),
+    "config_unknown_key": (["--config", "{tmp}/unknown.toml", "--world", "2"], "training.stepz: unknown key (valid: "),
+    "config_wrong_type": (["--config", "{tmp}/wrong_type.toml", "--world", "2"], "training.steps: expected int, got"),
+    "override_invalid": (["--world", "2", "--training.grad_accum=0"], "training.grad_accum=0 must be >= 1"),
+    "override_typo": (["--wrold", "2"], "--wrold: expected --config PATH or --section.key=value"),
+    "world_inferred": ([], "--world: the config infers parallel.dp_replicate, dp_shard or cp (-1: -1, -1, -1)"),
+    "world_inferred_twice": (["--config", "{tmp}/two_inferred.toml"], "--world: the config infers"),  # was world 1
+    "world_zero": (["--world", "0"], "--world 0: must be >= 1"),
+    "world_negative": (["--world", "-2"], "--world -2: must be >= 1"),
+    "world_not_the_degrees": (["--config", "configs/kimi_k2_256gpu.toml", "--world", "8"],
+                              "parallel.cp=1 = 256 ranks, but the world size is 8"),
+    "rank_too_large": (["--world", "2", "--rank", "2"], "--rank 2: must be in 0..1 for a world of 2"),
+    "rank_negative": (["--world", "2", "--rank", "-1"], "--rank -1: must be in 0..1 for a world of 2"),
+    "json_in_a_missing_directory": (["--world", "2", "--json", "{tmp}/nodir/e.json"],
+                                    "--json {tmp}/nodir/e.json: its directory does not exist"),
+    "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp}: is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(ESTIMATE_MISTAKES))
+def test_estimate_mistakes_exit_2_in_one_line_before_estimating(tmp_path, capsys, case):
+    (tmp_path / "bad.toml").write_text("this is = not [toml\n")
+    (tmp_path / "unknown.toml").write_text("[training]\nstepz = 3\n")
+    (tmp_path / "wrong_type.toml").write_text('[training]\nsteps = "many"\n')
+    (tmp_path / "two_inferred.toml").write_text("[parallel]\ndp_replicate = 1\ndp_shard = -1\ncp = -1\n")
+    argv, phrase = ESTIMATE_MISTAKES[case]
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/debug.toml", "--device", "cpu", *[a.format(tmp=tmp_path) for a in argv]])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("error: ") and phrase.format(tmp=tmp_path) in captured.err, captured.err
+
+
 def _muon_step_ratio(rank, world_size):
     """Peak extra memory of one sharded-Muon step / this rank's largest bucket, overlap on and off."""
     from benchmarks.counters import count_step
