@@ -330,27 +330,25 @@ def _train_steps(ctx, argv, steps: int = 3) -> dict:
 
 
 def build_model_quick(config, meshes, layout, device):
-    """runtime.train.build_model, but random normal weights drawn on the device instead of the
-    seeded, layout-independent init (which draws on the CPU row by row: minutes for billions)."""
-    from models import Transformer
-    from parallel.parallelize import parallelize
+    """runtime.train.build_model (so FSDP mixed precision, activation checkpointing and prefetch are
+    the run's), but random normal weights drawn on the device instead of the seeded,
+    layout-independent init (which draws on the CPU row by row: minutes for billions)."""
+    from runtime import train as T
 
-    with torch.device("meta"):
-        model = Transformer(config.model)
-    parallelize(model, meshes, layout)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.dim() == 1:
-                local.fill_(1.0)  # norm weights
-            else:
-                local.normal_(0.0, config.model.init_std)
-        for b in model.buffers():
-            b.zero_()
-    for router in model.routers():
-        router.aux_loss_weight = 1.0 / config.training.grad_accum
-    return model
+    return T.build_model(config, meshes, layout, device, init=_random_normal_)
+
+
+@torch.no_grad()
+def _random_normal_(model) -> None:
+    """Every local shard drawn on its device: norm weights 1, matrices normal(0, init_std), buffers 0."""
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.dim() == 1:
+            local.fill_(1.0)  # norm weights
+        else:
+            local.normal_(0.0, model.config.init_std)
+    for b in model.buffers():
+        b.zero_()
 
 
 def section_calibration(ctx) -> dict:
@@ -401,9 +399,18 @@ def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def resolve_device(name: str) -> torch.device:
+    """`name` as a device; "cuda" without an index is the current CUDA device, since
+    torch.cuda.set_device rejects a device without an index (ValueError)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Context:
     def __init__(self, args):
-        self.device = torch.device(args.device)
+        self.device = resolve_device(args.device)
         self.small = args.small
         self.timer = Timer(self.device, target_s=0.02 if args.small else 0.3, max_iters=5 if args.small else 50)
         self.results = {}

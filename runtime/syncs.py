@@ -14,7 +14,10 @@ What is counted (one per call; each is at least one host wait on CUDA):
                 output_size, bincount (its CUDA kernel reads min/max to size the output), histc
                 without an explicit range, equal / is_nonzero (return a Python bool)
   copy          blocking copies between host and device (`.to(device)` from pageable memory
-                without non_blocking, and device-to-host copies): seen only when a device exists
+                without non_blocking, and device-to-host copies): seen only when a device exists;
+                and device tensors made from host data by our code (`torch.tensor(x, device=...)`,
+                `torch.as_tensor`: a pageable copy that waits for the stream on CUDA, which the
+                dispatcher never sees; `torch.full` is the sync-free way), in every run
 Which tensors count: those on `device_type` (the run's device). In a CPU run that is every tensor,
 so the count is what the same code would do on a GPU, except copies between host and device
 (there are none on a CPU) and `torch.cuda.synchronize` calls (not dispatcher ops). Tensors that
@@ -23,7 +26,8 @@ CPU scalars by torch's convention and ours), and code that deliberately works on
 under `host_side()`. Collectives are not syncs: NCCL orders them on the stream.
 Blind spot (torch 2.13.0): torch-function modes are not active while autograd recomputes an
 activation-checkpointed region, so a CPU run misses `.tolist()` there (dispatch-level syncs such
-as `.item()` are still counted; on a GPU the tolist is a device-to-host copy and is counted).
+as `.item()` are still counted; on a GPU the tolist is a device-to-host copy and is counted), and
+every run misses `torch.tensor(x, device=...)` there.
 
 Private torch API (checked on torch 2.13.0): `torch.utils._python_dispatch.TorchDispatchMode`, the
 documented way to intercept dispatcher calls (no public alias), as in benchmarks/counters.py.
@@ -32,6 +36,7 @@ documented way to intercept dispatcher calls (no public alias), as in benchmarks
 import collections
 import contextlib
 import os
+import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -53,6 +58,8 @@ _SHAPE_OPS = {
 }
 # Python-level tensor methods that copy device data to the host; dispatch does not see them on CPU.
 _READBACK_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "tolist", torch.Tensor.cpu: "tolist"}
+# Tensors made from Python or NumPy data (`device` is keyword-only in both).
+_FACTORIES = (torch.tensor, torch.as_tensor)
 
 
 @dataclass
@@ -164,24 +171,38 @@ def _blocking_transfer(name: str, args, kwargs) -> bool:
 
 
 class _FunctionCounter(TorchFunctionMode):
-    """Readbacks that never reach the dispatcher for CPU tensors (tolist, numpy, cpu)."""
+    """What the dispatcher never sees: readbacks of CPU tensors (tolist, numpy, cpu; counted in a CPU
+    run only, a GPU run's dispatcher sees them as device-to-host copies) and device tensors made from
+    host data (`_FACTORIES`) by code of this repository (torch's own, e.g. AdamW's CPU step scalars, are
+    host tensors by design)."""
 
     def __init__(self, counts: SyncCounts, device_type: str):
         super().__init__()
         self.counts, self.device_type = counts, device_type
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kind = _READBACK_METHODS.get(func)
+        kwargs = kwargs or {}
+        kind = _READBACK_METHODS.get(func) if self.device_type == "cpu" else None
         if kind and _on_device(args[0], self.device_type):
             self.counts.add(kind, func.__name__)
-        return func(*args, **(kwargs or {}))
+        elif func in _FACTORIES and self._from_host(args, kwargs):
+            self.counts.add("copy", func.__name__)
+        return func(*args, **kwargs)
+
+    def _from_host(self, args, kwargs) -> bool:
+        device = kwargs.get("device")
+        if device is None or torch.device(device).type != self.device_type:
+            return False
+        if args and isinstance(args[0], torch.Tensor):
+            return False  # a tensor's own copy: the dispatcher sees it
+        caller = os.path.abspath(sys._getframe(2).f_code.co_filename)  # 0: here, 1: __torch_function__
+        ours = caller.startswith(_ROOT) and not any(d in caller for d in ("site-packages", "dist-packages"))
+        return ours and caller != os.path.abspath(__file__)
 
 
 @contextlib.contextmanager
 def count_syncs(device_type: str = "cpu"):
     """`with count_syncs("cuda") as counts: train_step(...)` -> counts (SyncCounts) of this rank."""
     counts = SyncCounts()
-    # On a GPU run the dispatcher sees a device tensor's tolist/cpu as a device-to-host copy.
-    readbacks = _FunctionCounter(counts, device_type) if device_type == "cpu" else contextlib.nullcontext()
-    with readbacks, _DispatchCounter(counts, device_type):
+    with _FunctionCounter(counts, device_type), _DispatchCounter(counts, device_type):
         yield counts

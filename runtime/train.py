@@ -50,11 +50,13 @@ from runtime.staging import to_device
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch.device) -> nn.Module:
+def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch.device, init=None) -> nn.Module:
     """The parallelized model, each rank holding only its shards, initialized from the seed.
 
     Built on the meta device, so even the largest preset costs no memory before it is sharded; the
-    seeded init gives the same global weights for every layout (models/seeded_init.py)."""
+    seeded init gives the same global weights for every layout (models/seeded_init.py). `init(model)`,
+    if given, fills the shards instead of the seeded init and model.init_from (benchmarks/gpu_check.py:
+    random weights drawn on the device)."""
     with torch.device("meta"):
         model = Transformer(config.model)
     t = config.training
@@ -62,7 +64,9 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
                 activation_checkpoint=t.activation_checkpoint)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
-    if not init_from_pretrained(config, model, dist.get_rank() if dist.is_initialized() else 0):
+    if init is not None:
+        init(model)
+    elif not init_from_pretrained(config, model, dist.get_rank() if dist.is_initialized() else 0):
         model.init_weights(seed=config.training.seed)
     for router in model.routers():  # each forward's sequences are this share of the step's (cp == 1)
         router.aux_loss_weight = 1.0 / (layout.dp * config.training.grad_accum)
@@ -163,7 +167,8 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     start = time.perf_counter()
     objective = objective or NextToken(config)
     local_loss, global_tokens, extra = objective.forward_backward(model, loader.next_step(), device)
-    signalled = torch.tensor(float(preemption is not None and preemption.signalled), device=local_loss.device)
+    # torch.full, not torch.tensor: a tensor from host data is a pageable copy, which on CUDA waits for the stream
+    signalled = torch.full((), float(preemption is not None and preemption.signalled), device=local_loss.device)
     local = torch.stack([local_loss.float(), signalled])
     loss, sigterms = global_loss(local) if dist.is_initialized() else local
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf

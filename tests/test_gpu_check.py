@@ -4,8 +4,10 @@ so the one command a GPU user runs cannot rot; its calibration is what the proje
 import json
 import math
 
+import torch
+
 from benchmarks.device_model import DEVICES, calibrate
-from benchmarks.gpu_check import main
+from benchmarks.gpu_check import main, parse_args, run, train_argv
 from multirank import run_ranks
 
 
@@ -30,3 +32,31 @@ def test_every_section_runs_and_the_projection_reads_the_calibration(tmp_path):
     device = calibrate(DEVICES["h200"], path)
     assert device.sustained_tflops == out["kimi_blocks_gflops"]["bfloat16"] / 1e3
     assert set(out["rates_tflops"]) >= {"matmul_bf16", "grouped_mm_bf16", "attention_bf16"}
+
+
+def test_the_default_device_cuda_gets_an_index(monkeypatch, tmp_path):
+    """`--device cuda` (the default) names no index, which torch.cuda.set_device rejects: the check
+    takes the current device's. The stand-in validates as torch.cuda.set_device does (CPU build)."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(torch.cuda._utils._get_device_index(d)))
+    out = run(parse_args(["--sections", "calibration", "--json", str(tmp_path / "x.json")]))
+    assert seen == [0] and out["device"] == "cuda:0", (seen, out["device"])
+
+
+def _logits_dtype(rank, world_size, argv):
+    from benchmarks.gpu_check import build_model_quick
+    from parallel.meshes import build_meshes
+    from runtime.config import load_config
+
+    config = load_config(argv)
+    layout = config.layout(1)
+    model = build_model_quick(config, build_meshes(layout, "cpu"), layout, torch.device("cpu"))
+    return str(model(torch.zeros(1, 8, dtype=torch.int64)).dtype)
+
+
+def test_the_train_step_computes_in_the_configured_param_dtype():
+    """The GPU step runs moonlight widths with --training.param_dtype=bfloat16: FSDP must all-gather
+    and compute in bf16 (fp32 would time fp32 matmuls against the bf16 peak)."""
+    argv = train_argv(True, torch.device("cpu"), 0) + ["--training.param_dtype=bfloat16"]
+    assert run_ranks(_logits_dtype, 1, argv) == ["torch.bfloat16"]

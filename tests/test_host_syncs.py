@@ -18,7 +18,7 @@ from benchmarks.host_syncs import measure
 from launch.pretrain import main
 from models.moe import expert_counts
 from multirank import run_ranks
-from runtime.syncs import count_syncs, host_side, mark_host
+from runtime.syncs import count_syncs, host_side, mark_host, mark_optimizer_host_state
 
 
 def test_counts_the_ops_that_sync_on_cuda():
@@ -119,3 +119,21 @@ def test_profile_mode_reports_syncs(tmp_path):
         assert sorted(per_step) == ["1", "2"]
         # 2 ranks: ep=2 over the debug preset's 2 MoE layers, one micro-batch
         assert all(s["total"] == 1 + 2 for s in per_step.values()), per_step
+
+
+def test_device_tensors_made_from_host_data_are_counted():
+    """torch.tensor(x, device=...) copies from pageable host memory, which on CUDA waits for the stream;
+    the dispatcher never sees that copy. torch's own host scalars (AdamW's CPU steps) are not ours."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    adamw = torch.optim.AdamW([p], foreach=True)
+    adamw.step()
+    mark_optimizer_host_state(adamw)
+    with count_syncs() as c:
+        torch.tensor(1.0, device="cpu")
+        torch.as_tensor([1, 2], device=torch.device("cpu"))
+        torch.tensor(1.0)  # a host tensor
+        torch.full((), 1.0, device="cpu")  # a fill: no copy
+        adamw.step()  # torch.tensor(1.0, device="cpu") inside torch: a host scalar by design
+    assert c.by_kind == {"copy": 2}, c.as_dict()
+    assert all("test_host_syncs.py" in site for site in c.by_site), c.as_dict()
