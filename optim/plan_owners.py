@@ -25,21 +25,43 @@ def assign(params, world_size, prefer_holders=False):
     Orders: fewest candidate ranks first, then largest (so blocks that may go anywhere in a wide
     group, like experts, fill what narrow groups left), and plain largest first (LPT). Without replica split
     a block has R instances, placed together: row r of its candidates is replica r's group.
+    Where a block above the mean load is not the first order's first (Kimi K2's mixed replica split
+    at W >= 1024: a dense FFN block after the attention blocks), LPT runs first; when it reaches
+    that block's FLOPs, which no order beats, the first order stops as soon as it is sure to end
+    past the 1% bound, where it would lose (the same pick as the plain sequence, a pass saved).
     """
     reps = [1 if p.split else p.groups.shape[0] for p in params]
     n_blocks = [len(p.block_boxes) for p in params]
     cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
     width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
     largest = max((p.flops for p, n in zip(params, n_blocks) if n), default=0)  # no rank can load less
-    best = None
-    for key in (lambda pi: (width[pi], -params[pi].flops), lambda pi: -params[pi].flops):
-        # a parameter's blocks share its key, and sorts are stable: ties keep parameter/block order
-        items = _items(sorted(range(len(params)), key=key), n_blocks)
-        loads, owner, replica = _greedy(params, items, world_size, cap, reps, prefer_holders)
-        if best is None or loads.max() < best[0].max():
-            best = loads, owner, replica
-        if best[0].max() <= max(1.01 * cap, largest):  # balanced within 1%, or no order can do better
-            break
+    bound = max(1.01 * cap, largest)  # balanced within 1%, or no order can do better
+    by_width = sorted(range(len(params)), key=lambda pi: (width[pi], -params[pi].flops))
+    lpt = sorted(range(len(params)), key=lambda pi: -params[pi].flops)
+
+    def run(order, stop=None):  # a parameter's blocks share its key, sorts are stable: ties keep order
+        return _greedy(params, _items(order, n_blocks), world_size, cap, reps, prefer_holders, stop)
+
+    first = next((pi for pi in by_width if n_blocks[pi]), None)
+    if largest > 1.01 * cap and first is not None and params[first].flops < largest:
+        # the largest block, above the mean, comes after others in the first order, so it likely
+        # lands on a loaded rank there: LPT first, and if LPT reaches `largest`, which no order
+        # beats, the first order only until it is sure to end past `bound` (then it would lose):
+        # a load past it, or, before the largest block is placed, every rank it may go to (one
+        # replica's) loaded more than bound - largest
+        second = run(lpt)
+        big = next(pi for pi in by_width if n_blocks[pi] and params[pi].flops == largest)
+        ranks = params[big].groups.ravel() if params[big].split else params[big].groups[0]
+        ahead = set(by_width[: by_width.index(big) + 1])  # at their start, the largest block is still to place
+
+        def lost(pi, loads):
+            return loads.max() > bound or (pi in ahead and loads[ranks].min() + largest > bound)
+
+        best = _pick(run(by_width, lost if second[0].max() == largest else None), second, bound)
+    else:  # the first order; LPT only if it is not balanced
+        best = run(by_width)
+        if best[0].max() > bound:
+            best = _pick(best, run(lpt), bound)
     _, owner, replica = best
     counts = np.array([n * r for n, r in zip(n_blocks, reps)], dtype=np.int64)
     inst = {"param": np.repeat(np.arange(len(params), dtype=np.int64), counts),
@@ -47,6 +69,14 @@ def assign(params, world_size, prefer_holders=False):
             "replica": replica, "owner": owner,
             "flops": np.repeat(np.array([p.flops for p in params], dtype=np.float64), counts)}
     return inst
+
+
+def _pick(first, second, bound):
+    """The first order's pass if it ends within `bound` (None: it stopped, sure to end past it), else
+    the one with the lower largest load, the first on a tie."""
+    if first is not None and (first[0].max() <= bound or second[0].max() >= first[0].max()):
+        return first
+    return second
 
 
 def _items(order, n_blocks) -> list[tuple[int, int]]:
@@ -67,9 +97,10 @@ def _per_instance(n_blocks, reps, fill, dtype=np.int64) -> np.ndarray:
     return out
 
 
-def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
+def _greedy(params, items, world_size, cap, reps, prefer_holders=False, stop=None):
     """One greedy pass over `items`: (loads, owner and replica of every instance, flat in (parameter,
-    block, replica) order; the per-parameter [n_blocks, R] arrays written below are views of them)."""
+    block, replica) order; the per-parameter [n_blocks, R] arrays written below are views of them).
+    None as soon as stop(parameter, loads) holds, asked where the items' parameter changes."""
     loads = np.zeros(world_size)
     counts = [len(p.block_boxes) * r for p, r in zip(params, reps)]
     ends = np.cumsum(counts, dtype=np.int64)
@@ -80,10 +111,13 @@ def _greedy(params, items, world_size, cap, reps, prefer_holders=False):
     info, heaps, share_heaps, holders = {}, {}, {}, {}  # per (piece template, split) / group / mask
     symmetric = None  # the group array whose replica rows hold equal loads, if the last block kept them so
     unequal = set()  # group arrays found with unequal rows in this pass: not checked again (slow path, same picks)
-    i = 0
+    i, previous = 0, None
     while i < len(items):
         pi, b = items[i]
         i += 1
+        if stop is not None and pi != previous and stop(pi, loads):
+            return None
+        previous = pi
         p = params[pi]
         last, symmetric = symmetric, None
         held, whole_on, masks, pattern, share = _info(info, p)

@@ -480,3 +480,62 @@ def test_items_are_the_plain_list_of_blocks():
         n_blocks = rng.integers(0, 5, size=rng.integers(0, 7)).tolist()
         order = rng.permutation(len(n_blocks)).tolist()
         assert plan_owners._items(order, n_blocks) == [(pi, b) for pi in order for b in range(n_blocks[pi])]
+
+
+def _plain_assign(params, world_size):
+    """`assign`'s selection as the plain sequence: the first order (fewest candidates, then largest),
+    then LPT only if the first leaves a rank over max(1.01 x mean, largest block), kept only if its
+    largest load is strictly lower. Returns (owner, replica) of every instance."""
+    reps = [1 if p.split else p.groups.shape[0] for p in params]
+    n_blocks = [len(p.block_boxes) for p in params]
+    cap = sum(p.flops * n * r for p, n, r in zip(params, n_blocks, reps)) / world_size
+    width = [p.groups.size if p.split else p.groups.shape[1] for p in params]
+    bound = max(1.01 * cap, max(p.flops for p in params))
+    runs = []
+    for key in (lambda pi: (width[pi], -params[pi].flops), lambda pi: -params[pi].flops):
+        items = [(pi, b) for pi in sorted(range(len(params)), key=key) for b in range(n_blocks[pi])]
+        runs.append(plan_owners._greedy(params, items, world_size, cap, reps))
+        if runs[0][0].max() <= bound:
+            break
+    best = runs[1] if len(runs) == 2 and runs[1][0].max() < runs[0][0].max() else runs[0]
+    return best[1], best[2]
+
+
+def test_lpt_first_picks_what_the_plain_sequence_picks(monkeypatch):
+    """A block above the mean load that the first order places after smaller ones: `assign` runs LPT
+    first and stops the first order once it is sure to end past the bound (here: every rank the
+    largest block may go to is loaded when its turn comes). Against the plain sequence, in each of
+    its outcomes: the first order stopped (LPT wins), the first order within the bound (it wins),
+    LPT short of the largest block (both run whole, the lower wins)."""
+    from optim.plan import _layouts
+
+    small = [spec(f"a{i}", (4, 8), WHOLE, (4, 2), (R, S0)) for i in range(4)]  # 2 candidates, 4 replicas
+    big, after = spec("b", (64, 64), WHOLE, (1, 8), (R, S0)), spec("c", (8, 64), WHOLE, (1, 8), (R, S0))
+    cases = {
+        "stopped": (small + [big, after], 8),
+        "stopped, largest last": (small + [big], 8),
+        "first within bound": ([spec(f"a{i}", (4, 8), WHOLE, (2, 2), (R, S0)) for i in range(4)] + [big, after], 8),
+        "lpt short": ([spec("a", (4, 8), WHOLE, (1, 1), (R, S0), first_rank=2),
+                       spec("b3", (3 * 64, 64), per_head_rows(3), (1, 2), (R, S0))], 8),
+    }
+    greedy, seen = plan_owners._greedy, []
+
+    def recording(*args):
+        out = greedy(*args)
+        seen.append((args[-1] is not None, out is None))  # (asked to stop past the bound, stopped)
+        return out
+
+    monkeypatch.setattr(plan_owners, "_greedy", recording)
+    outcomes = {}
+    for name, (specs, world) in cases.items():
+        params, _ = _layouts(specs, PlanOptions())
+        seen.clear()
+        inst = plan_owners.assign(params, world)
+        outcomes[name] = list(seen)
+        owner, replica = _plain_assign(params, world)
+        assert np.array_equal(inst["owner"], owner) and np.array_equal(inst["replica"], replica), name
+    # LPT, then the first order told to stop: it stops / runs to the end within the bound; LPT short
+    # of the largest block: the first order runs whole
+    assert outcomes == {"stopped": [(False, False), (True, True)], "stopped, largest last": [(False, False), (True, True)],
+                        "first within bound": [(False, False), (True, False)],
+                        "lpt short": [(False, False), (False, False)]}, outcomes
