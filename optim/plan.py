@@ -287,7 +287,8 @@ def _buckets(plan: Plan) -> int:
     (parameter, block, replica) order, so an instance's byte offset among its owner's is the bytes of
     the (owner, parameter) segments before its own (a [world, params] table) plus its rank inside its
     segment, which only the few segments that straddle a bucket boundary need. The global order is a
-    stable sort of the (shape group, parameter)-ordered instances by bucket: a radix sort."""
+    stable sort of the instances by (bucket, shape group): a radix sort; the permuted arrays reuse
+    one buffer (at W = 4096 each is 6.1 M instances: fresh memory is page faults)."""
     inst, params = plan.inst, plan.params
     sg_of = np.array([p.shape_group for p in params], dtype=np.int64)
     by_col = np.argsort(sg_of, kind="stable")  # parameters in (shape group, parameter) order
@@ -304,11 +305,17 @@ def _buckets(plan: Plan) -> int:
     if len(at):
         bucket[at] = (start[seg[at]] + _rank_in_group(seg[at]) * nbytes[seg[at] % len(params)]) // size
     inst["bucket"] = bucket
-    by_sg = _by_shape_group(inst["param"], sg_of)
-    canon = by_sg[_stable_argsort(bucket[by_sg])]
+    key = sg_of[inst["param"]]  # (bucket, shape group); a stable sort keeps (parameter, block, replica) inside
+    key += bucket * len(plan.shape_groups)
+    canon = _stable_argsort(key)
+    del key
+    n_buckets = int(bucket.max()) + 1 if len(bucket) else 0
+    scratch = np.empty(len(canon), dtype=np.int64)  # one buffer for the permuted arrays (all 8-byte)
     for k in list(inst):
-        inst[k] = inst[k][canon]
-    return int(bucket.max()) + 1 if len(bucket) else 0
+        out = scratch.view(inst[k].dtype)
+        np.take(inst[k], canon, out=out, mode="clip")  # "raise" would buffer: a fresh array each
+        inst[k], scratch = out, inst[k].view(np.int64)  # the old array is the next one's buffer
+    return n_buckets
 
 
 def _rank_in_group(key: np.ndarray) -> np.ndarray:
@@ -319,14 +326,6 @@ def _rank_in_group(key: np.ndarray) -> np.ndarray:
     out = np.empty(len(key), dtype=np.int64)
     out[order] = np.arange(len(key)) - np.repeat(first, np.diff(np.r_[first, len(key)]))
     return out
-
-
-def _by_shape_group(param: np.ndarray, sg_of: np.ndarray) -> np.ndarray:
-    """Instance indices ordered by (shape group, parameter), keeping their order inside a parameter;
-    `param` is sorted (assign's order)."""
-    bounds = np.searchsorted(param, np.arange(len(sg_of) + 1))
-    ranges = [np.arange(bounds[pi], bounds[pi + 1]) for pi in np.argsort(sg_of, kind="stable")]
-    return np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
 
 
 def _stable_argsort(key: np.ndarray) -> np.ndarray:
