@@ -119,16 +119,20 @@ def gram_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @contextlib.contextmanager
 def _tf32_matmuls(enabled: bool):
-    """Allow TF32 for CUDA fp32 matmuls inside the block (restored after; nothing when not enabled)."""
+    """Allow TF32 for CUDA fp32 matmuls inside the block (restored after; nothing when not enabled).
+    Through `fp32_precision`, not the legacy `allow_tf32`: reading the legacy flag raises once anything
+    in the process enabled TF32 the new way (e.g. `torch.backends.fp32_precision = "tf32"`, torch 2.13),
+    while a round trip of the new one leaves a legacy setting readable."""
     if not enabled:
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        matmul.fp32_precision = before
 
 
 def standard_iterations(X_BSL: torch.Tensor, schedule) -> torch.Tensor:

@@ -244,3 +244,27 @@ def test_gram_flops_hand_count_and_measured():
                 orthogonalize(torch.randn(shape).to(dtype), steps=steps, method="gram")
             expected = shape[0] * ns_flops(*shape[1:], steps=steps, method="gram", dtype=dtype)
             assert counter.get_total_flops() == expected, (dtype, shape, steps)
+
+
+@pytest.mark.parametrize("api, value", [("legacy", False), ("new", "ieee"), ("new", "tf32")])
+def test_tf32_scope_works_whichever_tf32_api_the_process_used(api, value):
+    """ns_tf32 on CUDA: the scope sets and restores TF32 whether the process set its TF32 flag with the
+    legacy `allow_tf32` or with the new `fp32_precision` (after which reading the legacy flag raises,
+    as PyTorch's recommended `torch.backends.fp32_precision = "tf32"` does); a legacy setting stays
+    readable after it. The flags exist on CPU builds too; nothing here runs a CUDA matmul."""
+    from optim.newton_schulz import _tf32_matmuls
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        if api == "legacy":
+            matmul.allow_tf32 = value
+        else:
+            matmul.fp32_precision = value
+        with _tf32_matmuls(True):
+            assert matmul.fp32_precision == "tf32"
+        assert matmul.fp32_precision == ("ieee" if api == "legacy" else value)
+        if api == "legacy":
+            assert matmul.allow_tf32 is value
+    finally:
+        matmul.fp32_precision = saved
