@@ -61,6 +61,7 @@ from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
 from parallel.meshes import rank_mesh  # noqa: E402
 from runtime.config import load_config  # noqa: E402
+from runtime.paths import check_output_file  # noqa: E402
 
 GIB = 2**30
 DEVICES = {"h200": 139.8, "h100": 79.2, "cpu": None}  # GiB torch reports for H200 141 GB / H100 80 GB
@@ -377,10 +378,8 @@ def job_from_args(args, overrides: list[str]) -> Job:
         raise ValueError(f"--world {world}: must be >= 1")
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
-    if args.json and os.path.isdir(args.json):
-        raise ValueError(f"--json {args.json}: is a directory")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise ValueError(f"--json {args.json}: its directory does not exist")
+    if args.json:
+        check_output_file("--json", args.json, "estimate.json")
     return Job(config, config.layout(world), args.rank, args.device)
 
 

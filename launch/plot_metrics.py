@@ -12,6 +12,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime.paths import check_output_file  # noqa: E402
+
 PANELS = (("loss", "loss (line) and eval loss (dots)"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens / s"))
 
@@ -54,15 +57,10 @@ def check_out(out: str) -> None:
 
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(out)[1].lstrip(".").lower()
-    if os.path.isdir(out):
-        raise ValueError(f"--out {out} is a directory; give a file such as {os.path.join(out, 'curves.png')}")
+    check_output_file("--out", out, "curves.png")
     if ext not in formats:
         raise ValueError(f"--out {out}: {'unsupported image extension .' + ext if ext else 'no image extension'} "
                          f"(use .png, or one of {', '.join(sorted(formats))})")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise ValueError(f"--out {out}: {parent} {what}")
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -23,6 +23,9 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime.paths import check_output_file  # noqa: E402
+
 CHUNK_CHARS = 1 << 22
 
 
@@ -65,12 +68,7 @@ def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
             raise ValueError(f"input {path} is a directory, not a text file")
         if not os.path.isfile(path):
             raise ValueError(f"no such input file {path}")
-    if os.path.isdir(out):
-        raise ValueError(f"--out {out} is a directory; give a file path such as {os.path.join(out, 'train.bin')}")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise ValueError(f"--out {out}: {parent} {what}")
+    check_output_file("--out", out, "train.bin")
     outputs = {out: f"--out {out}", out + ".json": f"--out {out}'s sidecar {out}.json",
                out + ".tmp": f"--out {out}'s temporary file {out}.tmp"}
     targets = [(p, "an input file", "the input") for p in paths]

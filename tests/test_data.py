@@ -239,7 +239,7 @@ TOKENIZE_MISTAKES = {
     "sidecar_is_the_tokenizer": ("tokenizer.json", "tokenizer", ["a.txt"],
                                  "--out {tmp}/tokenizer's sidecar {tmp}/tokenizer.json is also the --tokenizer file"),
     "out_is_a_directory": ("tokenizer.json", "hf", ["a.txt"],
-                           "--out {tmp}/hf is a directory; give a file path such as {tmp}/hf/train.bin"),
+                           "--out {tmp}/hf is a directory; give a file such as {tmp}/hf/train.bin"),
     "out_in_a_missing_directory": ("tokenizer.json", "nodir/out.bin", ["a.txt"],
                                    "--out {tmp}/nodir/out.bin: {tmp}/nodir does not exist"),
 }

@@ -72,8 +72,8 @@ ESTIMATE_MISTAKES = {
     "rank_too_large": (["--world", "2", "--rank", "2"], "--rank 2: must be in 0..1 for a world of 2"),
     "rank_negative": (["--world", "2", "--rank", "-1"], "--rank -1: must be in 0..1 for a world of 2"),
     "json_in_a_missing_directory": (["--world", "2", "--json", "{tmp}/nodir/e.json"],
-                                    "--json {tmp}/nodir/e.json: its directory does not exist"),
-    "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp}: is a directory"),
+                                    "--json {tmp}/nodir/e.json: {tmp}/nodir does not exist"),
+    "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp} is a directory; give a file such as {tmp}/estimate.json"),
 }
 
 
