@@ -49,10 +49,13 @@ def check_environment(config) -> None:
 def check_token_sources(config) -> None:
     """Every token source the run will read (training, held-out) opens, holds a window of data.seq_len + 1
     tokens in its split and only ids below model.vocab_size: what the loaders would find after init."""
+    scanned = set()  # a held-out split reads data.path too: its ids are scanned once
     for split, (data, holdout, key) in config.token_splits().items():
         Loader(data, config.training.seed, grad_accum=config.training.grad_accum,
                vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key)
-        check_token_ids(data, config.model.vocab_size, key)
+        if (data.source, data.path) not in scanned:
+            check_token_ids(data, config.model.vocab_size, key)
+            scanned.add((data.source, data.path))
 
 
 def rendezvous_store(rank: int, world_size: int) -> dist.Store:
