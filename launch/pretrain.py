@@ -81,11 +81,20 @@ def stop(rank: int, message: str, code: int) -> int:
     return code
 
 
+def set_allocator_defaults(environ=os.environ) -> None:
+    """Expandable segments for the CUDA caching allocator, unless the user chose an allocator setting:
+    MoE tensors change size every step (tokens per expert), which fragments fixed-size segments. Read by
+    torch when CUDA first allocates, so set before any CUDA work; no effect on the CPU."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def main(argv: list[str], *, check=check_environment, build_objective=None) -> int:
     """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    set_allocator_defaults()
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         config = load_config(argv)
