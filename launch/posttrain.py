@@ -53,7 +53,7 @@ def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
 
 
 def main(argv: list[str]) -> int:
-    return pretrain.main(argv, check=check_environment, build_objective=build_objective)
+    return pretrain.main(argv, check=check_environment, build_objective=build_objective, path_source="rollouts")
 
 
 if __name__ == "__main__":

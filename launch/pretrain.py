@@ -89,15 +89,16 @@ def set_allocator_defaults(environ=os.environ) -> None:
         environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def main(argv: list[str], *, check=check_environment, build_objective=None) -> int:
-    """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py."""
+def main(argv: list[str], *, check=check_environment, build_objective=None, path_source: str = "bin") -> int:
+    """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py;
+    `path_source`: what a data.path given without data.source is (runtime/config.py load_config)."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
     set_allocator_defaults()
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
-        config = load_config(argv)
+        config = load_config(argv, path_source=path_source)
         layout = config.layout(world_size)
         check(config)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective

@@ -35,7 +35,7 @@ from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.checkpoint import CheckpointConfig
-from runtime.data import DataConfig, check_split
+from runtime.data import DataConfig, check_split, unused_keys
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
 from runtime.posttrain import PosttrainConfig
@@ -138,6 +138,8 @@ class JobConfig:
         if self.profile.enabled and self.profile.steps[-1] >= self.training.steps:
             raise ConfigError(f"profile.steps={','.join(map(str, self.profile.steps))} but training.steps="
                               f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
+        if unused := unused_keys(self.data, self.eval):
+            raise ConfigError("; ".join(unused))
 
     def token_splits(self) -> dict[str, tuple[DataConfig, float, str]]:
         """{split: (data config, holdout, the key naming its file)} of the token batches the run reads
@@ -349,15 +351,19 @@ def _construct(section: str, make):
         raise ConfigError(message if message.startswith(section + ".") else f"{section}: {message}") from None
 
 
-def load_config(argv: list[str]) -> JobConfig:
+def load_config(argv: list[str], *, path_source: str = "bin") -> JobConfig:
     """The job config from `--config PATH` (optional) and `--section.key=value` overrides.
 
     Raises ConfigError (one line, naming the dotted key) on any unknown key, wrong type or invalid value.
     `--help` is not handled here: the entry point prints `help_text()` when it sees it.
+    `path_source`: the data.source that a data.path given without one means ("rollouts" for posttrain).
     """
     path, overrides = _parse_argv(argv)
     sections = _sections()
-    return _build(_collect(_read_toml(path) if path else {}, overrides, sections))
+    values = _collect(_read_toml(path) if path else {}, overrides, sections)
+    if values["data"].get("path") and "source" not in values["data"]:  # a path alone is never ignored
+        values["data"]["source"] = path_source
+    return _build(values)
 
 
 # ---- --help -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.parallelize import parallelize
 from runtime import checkpoint
 from runtime.config import JobConfig
-from runtime.data import Loader
+from runtime.data import Loader, startup_line
 from runtime.errors import Preempted, RunError
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
@@ -309,6 +309,9 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps)
     eval_loader = build_loader(config, meshes, layout, "eval") if "eval" in config.token_splits() else None
+    if rank == 0:
+        print(startup_line(loader.describe(), eval_loader and eval_loader.describe(), config.data, config.eval),
+              flush=True)
 
     def eval_loss() -> float:
         return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),

@@ -111,7 +111,8 @@ def test_rollouts_ignore_the_token_batch_shape_unless_eval_reads_a_token_file():
     rollouts = ["--config", os.path.join(CONFIGS, "posttrain_example.toml"), "--model.max_seq_len=200"]
     config = load_config(rollouts)  # data.seq_len=128 would not fit a 100-token model, but nothing reads it
     assert config.layout(1).dp == 1 and load_config(rollouts + ["--model.max_seq_len=100"]).layout(1).dp == 1
-    assert load_config(rollouts + ["--data.batch_size=3"]).layout(2).dp == 2
+    with pytest.raises(ConfigError, match=r"^data.batch_size=3 has no effect: rollouts are packed by data.batch_tokens"):
+        load_config(rollouts + ["--data.batch_size=3"])  # a key without effect is refused (issue 33)
     assert set(config.token_splits()) == set() and set(JobConfig().token_splits()) == {"train", "eval"}
     with_eval = load_config(rollouts + ["--eval.path=held_out.bin", "--data.batch_size=3"])
     assert with_eval.token_splits()["eval"][0].path == "held_out.bin" and with_eval.token_splits()["eval"][2] == "eval.path"
