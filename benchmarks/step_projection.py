@@ -61,6 +61,9 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
+from runtime.cli import user_errors
+from runtime.paths import check_outputs, config_inputs
+
 GPUS_PER_NODE = 8
 SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
 FIT_FRACTION = 0.9
@@ -434,12 +437,15 @@ def config_world(job) -> int:
     return math.prod(degrees)
 
 
+@user_errors
 def main(argv=None) -> dict:
     from benchmarks.device_model import device_model
     from runtime.config import load_config
 
     args = parse_args(argv)
     job = load_config(["--config", args.config])
+    check_outputs([("--json", args.json)], config_inputs(args.config, job)
+                  + [("the --calibration file", args.calibration)])
     device = device_model(args.device, args.calibration)
     rates = compute_rates(device, args.calibration)
     world = args.world or config_world(job)

@@ -61,7 +61,7 @@ from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
 from parallel.meshes import rank_mesh  # noqa: E402
 from runtime.config import load_config  # noqa: E402
-from runtime.paths import check_output_file  # noqa: E402
+from runtime.paths import check_output_file, config_inputs  # noqa: E402
 
 GIB = 2**30
 DEVICES = {"h200": 139.8, "h100": 79.2, "cpu": None}  # GiB torch reports for H200 141 GB / H100 80 GB
@@ -381,7 +381,7 @@ def job_from_args(args, overrides: list[str]) -> Job:
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
     if args.json:
-        check_output_file("--json", args.json, "estimate.json")
+        check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
     return Job(config, config.layout(world), args.rank, args.device)
 
 

@@ -50,14 +50,16 @@ def labels(run_dirs: list[str]) -> list[str]:
     return [name if names.count(name) == 1 else os.path.normpath(d) for name, d in zip(names, run_dirs)]
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, run_dirs: list[str] = ()) -> None:
     """ValueError unless `out` is a file path with an image extension matplotlib writes, in an existing
-    directory (matplotlib would append .png to a name without one, and write next to a directory)."""
+    directory (matplotlib would append .png to a name without one, and write next to a directory), and
+    not the metrics.jsonl of one of `run_dirs` (through a symlink or hard link: writing would destroy it)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(out)[1].lstrip(".").lower()
-    check_output_file("--out", out, "curves.png")
+    inputs = [(f"the metrics file of {d}", os.path.join(d, "metrics.jsonl")) for d in run_dirs]
+    check_output_file("--out", out, "curves.png", inputs)
     if ext not in formats:
         raise ValueError(f"--out {out}: {'unsupported image extension .' + ext if ext else 'no image extension'} "
                          f"(use .png, or one of {', '.join(sorted(formats))})")
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output PNG")
     args = parser.parse_args(argv)
     try:
-        check_out(args.out)
+        check_out(args.out, args.run_dirs)
         runs = {label: read_metrics(d) for label, d in zip(labels(args.run_dirs), args.run_dirs)}
         plot(runs, args.out)
     except ImportError:
