@@ -83,3 +83,26 @@ def copy_tokenizer(directory: str, out: str) -> list[str]:
             shutil.copyfile(os.path.join(directory, name), os.path.join(out, name))
             copied.append(name)
     return copied
+
+
+def export_ids(directory: str, vocab_size: int) -> dict:
+    """The bos/eos ids config.json states for an export with the tokenizer of `directory` (None when unknown:
+    `transformers` would otherwise assume bos 0 and eos 1); ValueError when the tokenizer's ids do not fit
+    the model's embedding (`vocab_size`)."""
+    tokenizer = load(directory)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ValueError(f"--tokenizer {directory}: {size} tokens but the model's vocab_size is {vocab_size}")
+    return {"bos_token_id": None, "eos_token_id": None, **special_ids(directory, tokenizer)}
+
+
+def write_tokenizer(directory: str, out: str, ids: dict) -> list[str]:
+    """Copy the tokenizer files into the export `out` and, unless one was copied, write a
+    generation_config.json with the known ids; returns the names written."""
+    written = copy_tokenizer(directory, out)
+    if "generation_config.json" not in written:
+        generation = {k: v for k, v in ids.items() if v is not None}
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)
+        written.append("generation_config.json")
+    return written

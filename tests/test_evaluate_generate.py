@@ -1,6 +1,7 @@
-"""launch/evaluate.py and launch/generate.py on a run that continued pretraining a tiny Hugging Face
-checkpoint on 2 ranks: evaluate's loss equals the run's logged eval_loss (from the checkpoint and from its
-fp32 export), generate's greedy tokens equal `transformers`' greedy generation on the export."""
+"""launch/evaluate.py, launch/generate.py and exports that serve, on a run that continued pretraining a tiny
+Hugging Face checkpoint on 2 ranks: evaluate's loss equals the run's logged eval_loss (from the checkpoint
+and from its fp32 export), generate's greedy tokens equal `transformers`' greedy generation on the export,
+and an export with `--tokenizer` loads and generates in `transformers` with no other file."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from launch import evaluate, export_hf, generate, tokenize_text  # noqa: E402
 
 WORDS = "the cat sat on a mat while dogs ran past quiet green hills under bright morning light".split()
 DATA = ["--data.seq_len=32", "--data.batch_size=4", "--eval.steps=2", "--eval.holdout=0.1"]
+CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 EVAL = ["--seq-len", "32", "--batch-size", "4", "--steps", "2", "--holdout", "0.1"]
 
 
@@ -38,7 +40,7 @@ def write_tokenizer(directory, text: str) -> int:
     tokenizer.train_from_iterator(text.splitlines(), trainer)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        json.dump({"eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT}, f)
     return tokenizer.get_vocab_size()
 
 
@@ -121,3 +123,57 @@ def test_sampling_is_seeded_and_top_p_1e_9_is_greedy(trained, capsys):
     assert a == b and nucleus[0]["tokens"] == greedy[0]["tokens"]
     assert generate.main(["--model", trained["run"], "--tokenizer", str(trained["root"]), "--prompt", "x"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def _dtypes(directory) -> set[str]:
+    from safetensors import safe_open
+
+    out = set()
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as f:
+                out |= {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    return out
+
+
+def test_an_export_with_its_tokenizer_serves_in_transformers(trained, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, out = str(trained["root"] / "tok"), str(tmp_path / "export")
+    assert export_hf.main(["--run-dir", trained["run"], "--out", out, "--tokenizer", tok]) == 0  # default dtype
+    eos = tokenize_text.load_tokenizer(os.path.join(tok, "tokenizer.json")).token_to_id("<eos>")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16" and _dtypes(out) == {"BF16", "F32"}
+    assert config["eos_token_id"] == eos and config["bos_token_id"] is None
+    assert json.load(open(os.path.join(out, "generation_config.json"))) == {"eos_token_id": eos}
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and tokenizer.eos_token_id == eos
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "the cat"}], tokenize=False)
+    assert prompt == "user: the cat\n"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    generated = model.generate(**inputs, do_sample=False, max_new_tokens=6)
+    assert generated.shape[1] > inputs["input_ids"].shape[1]
+    assert "default: bfloat16" in " ".join(_help(capsys, export_hf.main).split())
+
+
+def _help(capsys, main) -> str:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return capsys.readouterr().out
+
+
+def test_an_export_without_tokenizer_states_no_token_ids_and_a_bad_tokenizer_writes_nothing(trained, tmp_path, capsys):
+    out = str(tmp_path / "export")
+    assert export_hf.main(["--run-dir", trained["run"], "--out", out, "--dtype", "float32"]) == 0
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["torch_dtype"] == "float32" and config["eos_token_id"] is None and _dtypes(out) == {"F32"}
+    small = tmp_path / "small"
+    write_tokenizer(small, "a b c")  # fits; one of another vocabulary size than the model's would not:
+    big = tmp_path / "big"
+    write_tokenizer(big, " ".join(f"w{i}" for i in range(400)) * 2)
+    capsys.readouterr()
+    assert export_hf.main(["--run-dir", trained["run"], "--out", str(tmp_path / "x"), "--tokenizer", str(big)]) == 2
+    assert "tokens but the model's vocab_size is" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
