@@ -34,6 +34,7 @@ def test_the_checkpoint_supplies_the_shape_and_the_log_says_so(pretrained_run, t
     assert codes == [0] and len(records) == 1
     step_1 = os.path.join(str(pretrained_run), "checkpoints", "step_1")
     assert f"posttrain.init_from: model shape and weights from checkpoint {step_1} (step 1, saved on 1 ranks)" in out
+    assert f"| rl {records[0]['rl_loss']:.4f} | kl {records[0]['feedback_kl']:.4f} | targets " in out  # the console line
 
 
 @pytest.mark.parametrize("extra, message", [
