@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
 from runtime import init_source, pretrained  # noqa: E402
+from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollouts import read_rollouts  # noqa: E402
 from runtime.run_lock import check_run_dir  # noqa: E402
@@ -63,6 +64,9 @@ def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(help_text("launch/posttrain.py"))
+        return 0
     return pretrain.main(argv, check=check_environment, build_objective=build_objective)
 
 

@@ -424,10 +424,10 @@ _FALLBACK_HELP = {
 }
 
 
-def help_text() -> str:
-    """Usage, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
+def help_text(entry: str = "launch/pretrain.py") -> str:
+    """Usage of `entry`, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
     defaults, sections = JobConfig(), _sections()
-    out = ["usage: torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]",
+    out = [f"usage: torchrun --nproc_per_node N {entry} [--config PATH] [--section.key=value ...]",
            "", "With no --config: the embedded debug job (= configs/debug.toml). Keys and defaults:"]
     for section, cls in sections.items():
         out.append(f"\n[{section}]")
