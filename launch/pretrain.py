@@ -114,6 +114,7 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         with run_lock(config.run.dir, rank):
             meshes = build_meshes(layout, device_type)
             if rank == 0:
+                print(f"outputs: {os.path.abspath(config.run.dir)} (run.dir: metrics.jsonl, checkpoints/)", flush=True)
                 print(describe(layout, config.model), flush=True)
             train(config, layout, meshes, device, build_objective)
     except RunError as e:  # raised identically on every rank

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 
 from optim.qk_clip import padding_ignored
-from runtime import checkpoint, feedback
+from runtime import checkpoint, feedback, init_source
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
 from runtime.staging import to_device
 from runtime.syncs import host_side
@@ -54,7 +54,7 @@ class PosttrainConfig:
     vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
     teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
     ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
-    init_from: str = ""  # checkpoint dir (.../checkpoints/step_N, any layout) whose model weights start the run
+    init_from: str = ""  # a run dir (its newest checkpoint), a checkpoint dir (any layout) or a Hugging Face dir: the model's shape and starting weights
 
     def __post_init__(self):
         checks = {"sft_coef": self.sft_coef >= 0, "rl_coef": self.rl_coef >= 0,
@@ -275,10 +275,12 @@ class _ModelWeights:
 
 
 def check_init_from(path: str, model_config: dict) -> None:
-    """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model (no collective)."""
+    """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model, apart from
+    the training-only keys (runtime/init_source.py); no collective."""
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
-    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), model_config, "model.")
+    shape = {k: v for k, v in model_config.items() if k not in init_source.TRAINING_KEYS}
+    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), shape, "model.")
     if diffs:
         raise ValueError(f"posttrain.init_from: {path} holds another model ({'; '.join(diffs)})")
 
