@@ -22,7 +22,9 @@ and of its prefixes, never from tokenizing pieces on their own:
 Letters: none (token lists are plain Python lists).
 """
 
+import bisect
 import math
+import re
 from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -143,18 +145,71 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool, wha
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of rendered texts, as `apply_chat_template(tokenize=True)` makes them (no added specials)."""
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
-def _cut(tokens: list[int], text: str, full_text: str, ids: list[int], what: str) -> int:
-    """Token index where rendering `text` (a prefix of the conversation) ends inside `tokens`."""
+def _check_prefix(text: str, full_text: str, what: str) -> None:
     if not full_text.startswith(text):
         raise ValueError(f"{what}: the chat template renders the earlier messages differently once later ones "
                          f"follow (not a prefix of the whole rendering), so turns cannot be cut exactly")
-    if tokens[:len(ids)] != ids:
-        raise ValueError(f"{what}: a token straddles the boundary (the prefix tokenizes to {len(ids)} tokens that "
-                         f"are not the first {len(ids)} of the whole conversation)")
-    return len(ids)
+
+
+def _straddles(what: str, n: int) -> ValueError:
+    return ValueError(f"{what}: a token straddles the boundary (the rendering up to there tokenizes to {n} tokens "
+                      f"that are not the first {n} of the whole conversation)")
+
+
+def _cuts_exact(tokenizer, tokens: list[int], prefixes: list[str], names: list[str]) -> list[int]:
+    """Token index where each prefix rendering ends: each prefix tokenized whole (quadratic in the length)."""
+    out = []
+    for ids, what in zip(encode(tokenizer, prefixes), names):
+        if tokens[:len(ids)] != ids:
+            raise _straddles(what, len(ids))
+        out.append(len(ids))
+    return out
+
+
+def _pieces(tokenizer, text: str) -> list[tuple[int, str, bool]]:
+    """(start char, text, is an added token) of `text` split at the tokenizer's added tokens (chat control
+    tokens), which a tokenizer isolates before it tokenizes the text between them."""
+    added = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}, key=len, reverse=True)
+    if not added:
+        return [(0, text, False)]
+    out, pos = [], 0
+    for m in re.finditer("|".join(re.escape(a) for a in added), text):
+        if m.start() > pos:
+            out.append((pos, text[pos:m.start()], False))
+        out.append((m.start(), m.group(), True))
+        pos = m.end()
+    return out + ([(pos, text[pos:], False)] if pos < len(text) else [])
+
+
+def _cuts_by_pieces(tokenizer, tokens: list[int], full: str, cuts: list[int], names: list[str]) -> list[int] | None:
+    """The token index of every char cut, tokenizing each piece between control tokens once and the
+    piece around each cut up to the cut (linear in the length); None when the tokens of the pieces,
+    joined, are not the whole conversation's (then the exact quadratic path decides)."""
+    pieces = _pieces(tokenizer, full)
+    texts = [p[1] for p in pieces if not p[2]]
+    heads = [(c, bisect.bisect_right([p[0] for p in pieces], c) - 1) for c in cuts]
+    heads_text = [full[pieces[k][0]:c] for c, k in heads if c > pieces[k][0] and not pieces[k][2]]
+    encoded = iter(encode(tokenizer, texts + heads_text))
+    piece_ids, offsets = [], [0]
+    for _, text, special in pieces:
+        piece_ids.append([tokenizer.convert_tokens_to_ids(text)] if special else next(encoded))
+        offsets.append(offsets[-1] + len(piece_ids[-1]))
+    if [t for ids in piece_ids for t in ids] != tokens:
+        return None
+    out = []
+    for (c, k), what in zip(heads, names):
+        start, _, special = pieces[k]
+        if c == start:
+            out.append(offsets[k])
+            continue
+        head = next(encoded) if not special else []
+        if special or piece_ids[k][:len(head)] != head:
+            raise _straddles(what, offsets[k] + len(head))
+        out.append(offsets[k] + len(head))
+    return out
 
 
 def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int]) -> Rendered:
@@ -162,19 +217,23 @@ def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int]) ->
     the message where the template does not allow exact ranges."""
     messages, n = conv.messages, len(conv.messages)
     full = _render(tokenizer, messages, conv.tools, False, "the conversation")
-    texts = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in range(1, n)]
     assistants = [i for i in range(n) if messages[i]["role"] == "assistant"]
     if assistants and assistants[0] == 0:
         raise ValueError("messages[0] is an assistant message: its role header has nothing to follow "
                          "(start with a system or user message)")
-    prompts = [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
-               for i in assistants]
-    ids = encode(tokenizer, [full, *texts, *prompts])
-    tokens = ids[0]
-    starts = [0] + [_cut(tokens, t, full, x, f"message {i}") for i, (t, x) in enumerate(zip(texts, ids[1:]), start=1)]
+    prefixes = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in range(1, n)]
+    prefixes += [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
+                 for i in assistants]
+    names = [f"message {i}" for i in range(1, n)] + [f"message {i} (generation prompt)" for i in assistants]
+    for text, what in zip(prefixes, names):
+        _check_prefix(text, full, what)
+    tokens = encode(tokenizer, [full])[0]
+    cuts = _cuts_by_pieces(tokenizer, tokens, full, [len(t) for t in prefixes], names)
+    if cuts is None:
+        cuts = _cuts_exact(tokenizer, tokens, prefixes, names)
+    starts = [0] + cuts[:n - 1]
     bounds = starts + [len(tokens)]
-    prompt_ends = {i: _cut(tokens, t, full, x, f"message {i} (generation prompt)")
-                   for i, t, x in zip(assistants, prompts, ids[1 + len(texts):])}
+    prompt_ends = dict(zip(assistants, cuts[n - 1:]))
     ranges = []
     for i in range(n):
         start, end = bounds[i], bounds[i + 1]

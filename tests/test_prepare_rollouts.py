@@ -14,7 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from chat_tokenizers import CHATML, FIRST_SYSTEM, KIMI, LAST_MARKED, conversations, make_tokenizer_dir
-from launch.prepare_rollouts import GRPO_EPS, main
+from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
+from runtime import transcripts
+from runtime.transcripts import parse_conversation, render_conversation
 from runtime.rollout_batch import build_micro_batch
 from runtime.rollouts import read_rollouts
 
@@ -219,3 +221,25 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, dirs, capsys, case)
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert all(w in err for w in words), err
     assert os.listdir(tmp_path) == ["chats.jsonl"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "kimi"])
+def test_piecewise_cuts_equal_whole_prefix_tokenization(dirs, template, monkeypatch):
+    """The linear path (pieces between control tokens tokenized once) gives the same ranges as tokenizing
+    every prefix rendering whole; and a token straddling a cut is refused on both paths."""
+    tokenizer, eot = load_tokenizer(dirs[template], False)
+    convs = [parse_conversation(c) for c in _chats()]
+    fast = [render_conversation(tokenizer, c, eot) for c in convs]
+    monkeypatch.setattr(transcripts, "_cuts_by_pieces", lambda *args: None)
+    assert [render_conversation(tokenizer, c, eot) for c in convs] == fast
+    monkeypatch.undo()
+    glued = parse_conversation({"messages": [{"role": "user", "content": "Remin"}, {"role": "user", "content": "der"}]})
+    glue = "{% for m in messages %}{{ m.content }}{% endfor %}"  # "Remin" + "der": no control token between
+    ids = transcripts.encode(tokenizer, ["Remin", "Reminder"])
+    assert ids[1][:len(ids[0])] != ids[0]  # "Reminder" is one token (else this case proves nothing)
+    monkeypatch.setattr(tokenizer, "chat_template", glue)
+    for path in ("pieces", "exact"):
+        if path == "exact":
+            monkeypatch.setattr(transcripts, "_cuts_by_pieces", lambda *args: None)
+        with pytest.raises(ValueError, match="message 1: a token straddles the boundary"):
+            render_conversation(tokenizer, glued, eot)
