@@ -2,7 +2,7 @@
 
 Used by launch/prepare_rollouts.py; `tokenizer` is any `transformers` tokenizer with a chat template
 (this module never imports transformers). Token ranges come from renderings of the whole conversation
-and of its prefixes, never from tokenizing pieces on their own:
+and of its prefixes, never from tokenizing messages on their own:
 
   tokens        the rendering of all messages (with the tools), tokenized as `apply_chat_template` does.
   message i     starts where the rendering of messages[:i] ends (0 for the first) and ends where that
@@ -14,6 +14,10 @@ and of its prefixes, never from tokenizing pieces on their own:
                 prompt (the role header is not generated) to just after the last end-of-turn token in
                 the message's rendering (the glue a template writes after it, such as a newline, is
                 not generated either); without an end-of-turn token there, to the message's end.
+  cost          a cut is found without tokenizing each prefix whole: the text between the tokenizer's
+                added (control) tokens is tokenized once, and only the piece around each cut again. This
+                relies on tokenizers isolating added tokens before tokenizing the rest; the tokens of the
+                pieces, joined, must equal the whole conversation's, else every prefix is tokenized whole.
   hint          a message of role `hint_role` rendered just before the target assistant message.
                 With T the tokens and T' those of the conversation with the hint message: at = start
                 of message i, H = len(T') - len(T), hint = T'[at:at+H], and T' must equal
