@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from chat_tokenizers import CHATML, FIRST_SYSTEM, KIMI, LAST_MARKED, conversations, make_tokenizer_dir
+from chat_tokenizers import CHATML, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, conversations, make_tokenizer_dir
 from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
 from runtime import transcripts
 from runtime.transcripts import parse_conversation, render_conversation
@@ -26,6 +26,7 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     return {"chatml": make_tokenizer_dir(str(root / "chatml"), CHATML),
             "kimi": make_tokenizer_dir(str(root / "kimi"), KIMI, eos="[EOS]", generation_eos="<|im_end|>"),
+            "thinking": make_tokenizer_dir(str(root / "thinking"), KIMI_THINKING, eos="[EOS]", generation_eos="<|im_end|>"),
             "last": make_tokenizer_dir(str(root / "last"), LAST_MARKED),
             "first_system": make_tokenizer_dir(str(root / "first_system"), FIRST_SYSTEM),
             "none": make_tokenizer_dir(str(root / "none"), None)}
@@ -243,3 +244,44 @@ def test_piecewise_cuts_equal_whole_prefix_tokenization(dirs, template, monkeypa
             monkeypatch.setattr(transcripts, "_cuts_by_pieces", lambda *args: None)
         with pytest.raises(ValueError, match="message 1: a token straddles the boundary"):
             render_conversation(tokenizer, glued, eot)
+
+
+def _thinking_chat(second_user_turn: bool) -> dict:
+    call = {"id": "c0", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "reasoning_content": "Need the weather tool.", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+                {"role": "assistant", "reasoning_content": "It said sunny.", "content": "Sunny."}]
+    if second_user_turn:
+        messages += [{"role": "user", "content": "Tomorrow?"},
+                     {"role": "assistant", "reasoning_content": "Guess.", "content": "Probably sunny."}]
+    return {"messages": messages, "reward": 1.0, "feedback": [{"message": 3, "hint": "Cite the tool."}]}
+
+
+def test_thinking_template(tmp_path, dirs, capsys):
+    """A Kimi K2 Thinking / K2.5 style template: the generation prompt prefills <think>, so a turn is the
+    reasoning after it, </think>, the content and calls, <|im_end|>; a system hint renders as an
+    insertion. A user hint becomes the last user message, which empties the reasoning of the turns
+    before it, and a second user turn does the same to the first turn's reasoning: both refused."""
+    chat = _thinking_chat(False)
+    code, (record,) = _prepare(tmp_path, dirs["thinking"], [chat])
+    tokenizer = AutoTokenizer.from_pretrained(dirs["thinking"], local_files_only=True)
+    assert code == 0
+    for i, turn in enumerate(record["turns"]):
+        if turn["role"] == "assistant":
+            message = chat["messages"][i]
+            assert tokenizer.decode(record["tokens"][turn["start"]:turn["end"]]) == \
+                message["reasoning_content"] + "</think>" + _expected_generation("kimi", message)
+    (item,) = record["feedback"]
+    hinted = chat["messages"][:3] + [{"role": "system", "content": "Cite the tool."}] + chat["messages"][3:]
+    assert tokenizer.apply_chat_template(hinted)["input_ids"] == \
+        record["tokens"][:item["at"]] + item["hint"] + record["tokens"][item["at"]:]
+    assert _prepare(tmp_path, dirs["thinking"], [chat], "--hint-role", "user")[0] == 2
+    assert "line 1: feedback on message 3: the template does not render a user hint message as an insertion" \
+        in capsys.readouterr().err
+    assert _prepare(tmp_path, dirs["thinking"], [_thinking_chat(True)])[0] == 2
+    assert "line 1: message 2: the chat template renders the earlier messages differently" in capsys.readouterr().err
+    without_reasoning = _thinking_chat(True)
+    for m in without_reasoning["messages"]:
+        m.pop("reasoning_content", None)
+    assert _prepare(tmp_path, dirs["thinking"], [without_reasoning])[0] == 0
