@@ -47,8 +47,8 @@ class Conversation(NamedTuple):
 
 class Rendered(NamedTuple):
     tokens: list[int]
-    ranges: list[tuple[int, int]]  # per message; assistant: the generated tokens only
-    starts: list[int]  # per message: where its rendering starts (the hint goes there)
+    ranges: list[tuple[int, int] | None]  # per message; assistant: the generated tokens only; None: untracked
+    starts: list[int | None]  # per message: where its rendering starts (the hint goes there)
 
 
 # ---- parsing and validating one record ----------------------------------------------------------
@@ -69,7 +69,8 @@ def parse_conversation(record) -> Conversation:
         raise ValueError(f"group: expected a string or an integer, got {group!r}")
     return Conversation(messages, tools or None, _optional_number(record, "reward"),
                         _optional_number(record, "advantage"), None if group is None else str(group),
-                        _feedback(record.get("feedback", []), messages), _logprobs(record.get("logprobs", {}), messages))
+                        _feedback(record.get("feedback", []), messages),
+                        _logprobs(record.get("logprobs", {}), messages))
 
 
 def _messages(value) -> list[dict]:
@@ -133,6 +134,22 @@ def _logprobs(value, messages: list[dict]) -> dict[int, list[float]]:
     if out and missing:
         raise ValueError(f"logprobs: given for messages {sorted(out)} but not for assistant messages {missing} "
                          f"(give them for every assistant message or for none)")
+    return out
+
+
+def user_turns(conv: Conversation) -> list[tuple[Conversation, int]]:
+    """One (conversation, tracked_from) per user message: the messages up to the next user message, tracked
+    after this one (the first from message 0), with the feedback and log-probs of the tracked messages.
+    Each is what the engine rendered while it answered that user message (templates that empty the
+    reasoning of turns before the last user message render the earlier turns that way here too)."""
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"] or [0]
+    out = []
+    for k, u in enumerate(users):
+        end = users[k + 1] if k + 1 < len(users) else len(conv.messages)
+        first = 0 if k == 0 else u + 1
+        feedback = {i: v for i, v in conv.feedback.items() if first <= i < end}
+        logprobs = {i: v for i, v in conv.logprobs.items() if first <= i < end}
+        out.append((conv._replace(messages=conv.messages[:end], feedback=feedback, logprobs=logprobs), first))
     return out
 
 
@@ -216,36 +233,39 @@ def _cuts_by_pieces(tokenizer, tokens: list[int], full: str, cuts: list[int], na
     return out
 
 
-def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int]) -> Rendered:
-    """The conversation's tokens and every message's token range (module docstring); ValueError naming
-    the message where the template does not allow exact ranges."""
+def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int], tracked_from: int = 0) -> Rendered:
+    """The conversation's tokens and the token range of every message from `tracked_from` on (module
+    docstring; None before it: context whose rendering is not cut); ValueError naming the message where
+    the template does not allow exact ranges."""
     messages, n = conv.messages, len(conv.messages)
     full = _render(tokenizer, messages, conv.tools, False, "the conversation")
-    assistants = [i for i in range(n) if messages[i]["role"] == "assistant"]
+    tracked = range(tracked_from, n)
+    assistants = [i for i in tracked if messages[i]["role"] == "assistant"]
     if assistants and assistants[0] == 0:
         raise ValueError("messages[0] is an assistant message: its role header has nothing to follow "
                          "(start with a system or user message)")
-    prefixes = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in range(1, n)]
+    cut_at = [i for i in tracked if i > 0]  # message i starts where messages[:i] ends
+    prefixes = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in cut_at]
     prefixes += [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
                  for i in assistants]
-    names = [f"message {i}" for i in range(1, n)] + [f"message {i} (generation prompt)" for i in assistants]
+    names = [f"message {i}" for i in cut_at] + [f"message {i} (generation prompt)" for i in assistants]
     for text, what in zip(prefixes, names):
         _check_prefix(text, full, what)
     tokens = encode(tokenizer, [full])[0]
     cuts = _cuts_by_pieces(tokenizer, tokens, full, [len(t) for t in prefixes], names)
     if cuts is None:
         cuts = _cuts_exact(tokenizer, tokens, prefixes, names)
-    starts = [0] + cuts[:n - 1]
-    bounds = starts + [len(tokens)]
-    prompt_ends = dict(zip(assistants, cuts[n - 1:]))
-    ranges = []
-    for i in range(n):
-        start, end = bounds[i], bounds[i + 1]
+    starts = [None] * n
+    starts[tracked_from:] = ([0] if tracked_from == 0 else []) + cuts[:len(cut_at)]
+    prompt_ends = dict(zip(assistants, cuts[len(cut_at):]))
+    ranges = [None] * n
+    for i in tracked:
+        start, end = starts[i], starts[i + 1] if i + 1 < n else len(tokens)
         if i in prompt_ends:
-            start, end = _generated(tokens, bounds[i], prompt_ends[i], end, end_of_turn, i)
+            start, end = _generated(tokens, start, prompt_ends[i], end, end_of_turn, i)
         if start >= end:
             raise ValueError(f"message {i} ({messages[i]['role']}) renders no tokens of its own")
-        ranges.append((start, end))
+        ranges[i] = (start, end)
     return Rendered(tokens, ranges, starts)
 
 
@@ -291,9 +311,13 @@ def check_logprobs(conv: Conversation, rendered: Rendered) -> None:
 
 def to_record(conv: Conversation, rendered: Rendered, advantage: float,
               hints: dict[int, tuple[int, list[int]]]) -> dict:
-    """The rollout record (runtime/rollouts.py format): one turn per message, turn index = message index."""
+    """The rollout record (runtime/rollouts.py format): one turn per tracked message, in order (all
+    messages: turn index = message index)."""
+    tracked = [i for i, r in enumerate(rendered.ranges) if r is not None]
+    turn_of = {i: k for k, i in enumerate(tracked)}
     record = {"tokens": rendered.tokens,
-              "turns": [{"role": m["role"], "start": s, "end": e} for m, (s, e) in zip(conv.messages, rendered.ranges)],
+              "turns": [{"role": conv.messages[i]["role"], "start": rendered.ranges[i][0], "end": rendered.ranges[i][1]}
+                        for i in tracked],
               "advantage": advantage}
     if conv.logprobs:
         check_logprobs(conv, rendered)
@@ -303,5 +327,5 @@ def to_record(conv: Conversation, rendered: Rendered, advantage: float,
             logprobs[start:end] = values
         record["logprobs"] = logprobs
     if hints:
-        record["feedback"] = [{"turn": i, "hint": hint, "at": at} for i, (at, hint) in sorted(hints.items())]
+        record["feedback"] = [{"turn": turn_of[i], "hint": hint, "at": at} for i, (at, hint) in sorted(hints.items())]
     return record

@@ -285,3 +285,31 @@ def test_thinking_template(tmp_path, dirs, capsys):
     for m in without_reasoning["messages"]:
         m.pop("reasoning_content", None)
     assert _prepare(tmp_path, dirs["thinking"], [without_reasoning])[0] == 0
+
+
+def test_split_user_turns(tmp_path, dirs, capsys):
+    """--split-user-turns: one rollout per user message, rendered as the engine rendered it while answering
+    that message (earlier turns' reasoning emptied), only the messages after it tracked; feedback follows
+    its message into its rollout (turn index renumbered), the advantage its conversation."""
+    chat = _thinking_chat(True)
+    chat["feedback"].append({"message": 5, "hint": "Say you guess."})
+    chat["group"] = "g"
+    other = copy.deepcopy(chat)
+    other["reward"] = 0.0
+    code, records = _prepare(tmp_path, dirs["thinking"], [chat, other], "--split-user-turns")
+    assert code == 0 and len(records) == 4
+    assert capsys.readouterr().out.split(": ", 1)[1].startswith("2 conversations -> 4 rollouts")
+    tokenizer = AutoTokenizer.from_pretrained(dirs["thinking"], local_files_only=True)
+    first, second = records[:2]
+    assert first["tokens"] == tokenizer.apply_chat_template(chat["messages"][:4])["input_ids"]
+    assert second["tokens"] == tokenizer.apply_chat_template(chat["messages"])["input_ids"]
+    assert [t["role"] for t in first["turns"]] == ["user", "assistant", "tool", "assistant"]
+    (turn,) = second["turns"]
+    assert tokenizer.decode(second["tokens"][turn["start"]:turn["end"]]) == "Guess.</think>Probably sunny.<|im_end|>"
+    assert [f["turn"] for f in first["feedback"]] == [3] and [f["turn"] for f in second["feedback"]] == [0]
+    (item,) = second["feedback"]
+    hinted = chat["messages"][:5] + [{"role": "system", "content": "Say you guess."}] + chat["messages"][5:]
+    assert tokenizer.apply_chat_template(hinted)["input_ids"] == \
+        second["tokens"][:item["at"]] + item["hint"] + second["tokens"][item["at"]:]
+    expected = 0.5 / (2 ** -0.5 + GRPO_EPS)  # rewards 1 and 0: mean 0.5, sample std 2 ** -0.5 (each counted once)
+    assert [r["advantage"] for r in records] == pytest.approx([expected, expected, -expected, -expected], rel=1e-12)
