@@ -211,7 +211,8 @@ def _cuts_by_pieces(tokenizer, tokens: list[int], full: str, cuts: list[int], na
     joined, are not the whole conversation's (then the exact quadratic path decides)."""
     pieces = _pieces(tokenizer, full)
     texts = [p[1] for p in pieces if not p[2]]
-    heads = [(c, bisect.bisect_right([p[0] for p in pieces], c) - 1) for c in cuts]
+    piece_starts = [p[0] for p in pieces]
+    heads = [(c, bisect.bisect_right(piece_starts, c) - 1) for c in cuts]
     heads_text = [full[pieces[k][0]:c] for c, k in heads if c > pieces[k][0] and not pieces[k][2]]
     encoded = iter(encode(tokenizer, texts + heads_text))
     piece_ids, offsets = [], [0]
