@@ -11,9 +11,10 @@ and of its prefixes, never from tokenizing messages on their own:
                 differently once later ones follow (e.g. dropping old reasoning) are refused, naming the
                 message.
   assistant i   only the generated tokens: from the end of messages[:i] rendered with the generation
-                prompt (the role header is not generated) to just after the last end-of-turn token in
-                the message's rendering (the glue a template writes after it, such as a newline, is
-                not generated either); without an end-of-turn token there, to the message's end.
+                prompt (the role header is not generated) to just after the first end-of-turn token in
+                the message's rendering, where generation stopped (the glue a template writes after it,
+                such as a newline or another stop token, is not generated); without an end-of-turn token
+                there, to the message's end.
   cost          a cut is found without tokenizing each prefix whole: the text between the tokenizer's
                 added (control) tokens is tokenized once, and only the piece around each cut again. This
                 relies on tokenizers isolating added tokens before tokenizing the rest; the tokens of the
@@ -272,12 +273,12 @@ def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int], tr
 
 def _generated(tokens: list[int], begin: int, prompt_end: int, end: int, end_of_turn: set[int],
                i: int) -> tuple[int, int]:
-    """[first generated token, one past the last end-of-turn token) of assistant message i."""
+    """[first generated token, one past the first end-of-turn token) of assistant message i."""
     if not begin <= prompt_end <= end:
         raise ValueError(f"message {i}: the generation prompt ends at token {prompt_end}, outside the message's "
                          f"rendering [{begin}, {end})")
-    last = max((j for j in range(prompt_end, end) if tokens[j] in end_of_turn), default=end - 1)
-    return prompt_end, last + 1
+    stop = next((j for j in range(prompt_end, end) if tokens[j] in end_of_turn), end - 1)
+    return prompt_end, stop + 1
 
 
 def insert_hint(tokenizer, conv: Conversation, rendered: Rendered, message: int, role: str) -> tuple[int, list[int]]:

@@ -8,6 +8,9 @@ Templates (transformers renders them with trim_blocks and lstrip_blocks, hence t
   KIMI         the Kimi K2 layout (<|im_user|>user<|im_middle|>...<|im_end|>, a tool_declare block, calls in
                <|tool_calls_section_begin|>...), no generation marks, eos "[EOS]": generation stops at
                <|im_end|>, which only generation_config.json names (as in Kimi K2's directory).
+  CHATML_EOS   CHATML that writes [EOS] after each assistant <|im_end|>, outside the generation block, and
+               generation_config.json names [EOS] as a stop token too: a turn ends at its <|im_end|>,
+               the first stop token, where generation stopped.
   KIMI_THINKING KIMI with reasoning as Kimi K2 Thinking / K2.5 render it (our reading of their published
                templates): the generation prompt ends with "<think>" (the engine prefills it); assistant
                messages after the last user message render <think>reasoning</think>, earlier ones an
@@ -41,6 +44,9 @@ CHATML = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
+
+CHATML_EOS = CHATML.replace("<|im_end|>{% endgeneration %}", "<|im_end|>{% endgeneration %}[EOS]")
+assert CHATML_EOS != CHATML
 
 KIMI = (
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from chat_tokenizers import CHATML, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, conversations, make_tokenizer_dir
+from chat_tokenizers import CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, conversations, make_tokenizer_dir
 from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
 from runtime import transcripts
 from runtime.transcripts import parse_conversation, render_conversation
@@ -25,6 +25,7 @@ from runtime.rollouts import read_rollouts
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     return {"chatml": make_tokenizer_dir(str(root / "chatml"), CHATML),
+            "chatml_eos": make_tokenizer_dir(str(root / "chatml_eos"), CHATML_EOS, generation_eos="[EOS]"),
             "kimi": make_tokenizer_dir(str(root / "kimi"), KIMI, eos="[EOS]", generation_eos="<|im_end|>"),
             "thinking": make_tokenizer_dir(str(root / "thinking"), KIMI_THINKING, eos="[EOS]", generation_eos="<|im_end|>"),
             "last": make_tokenizer_dir(str(root / "last"), LAST_MARKED),
@@ -66,13 +67,15 @@ def _expected_generation(template: str, message: dict) -> str:
         + "<|im_end|>"
 
 
-def test_assistant_ranges_equal_transformers_mask(tmp_path, dirs):
+@pytest.mark.parametrize("template", ["chatml", "chatml_eos"])
+def test_assistant_ranges_equal_transformers_mask(tmp_path, dirs, template):
     """Template oracle: with `{% generation %}`, the assistant turns are exactly transformers' assistant mask
-    (system prompts, tool calls, several calls in one message, tool answers, multi-turn)."""
+    (system prompts, tool calls, several calls in one message, tool answers, multi-turn; chatml_eos: a
+    second stop token the template writes after <|im_end|> stays outside the turn)."""
     chats = _chats()
-    code, records = _prepare(tmp_path, dirs["chatml"], chats)
+    code, records = _prepare(tmp_path, dirs[template], chats)
     assert code == 0 and len(records) == len(chats)
-    tokenizer = AutoTokenizer.from_pretrained(dirs["chatml"], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(dirs[template], local_files_only=True)
     for chat, record in zip(chats, records):
         out = tokenizer.apply_chat_template(chat["messages"], tools=chat.get("tools"), return_dict=True,
                                             return_assistant_tokens_mask=True)
