@@ -11,8 +11,10 @@ It is rendered with the tokenizer directory's own chat template (`transformers` 
 files only); runtime/transcripts.py derives the token ranges and hints, and says what is refused.
 Advantage: `advantage` when given, else from `reward`: `--advantage grpo` (reward minus its group's
 mean, over the group's sample std + 1e-6; a group of one gets 0 and is counted) or `raw` (the reward).
-Every output record is validated as launch/posttrain.py will read it. Bad input: one line naming the
-input line, exit status 2, nothing written (the output appears atomically, after every line passed).
+`--split-user-turns`: one rollout per user message (runtime/transcripts.user_turns), for templates that
+empty the reasoning of turns before the last user message. Every output record is validated as
+launch/posttrain.py will read it. Bad input: one line naming the input line, exit status 2, nothing
+written (the output appears atomically, after every line passed).
 """
 
 import argparse
@@ -24,7 +26,8 @@ from collections import Counter, defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from runtime.paths import check_output_file  # noqa: E402
 from runtime.rollouts import trajectory_from_record  # noqa: E402
-from runtime.transcripts import check_logprobs, insert_hint, parse_conversation, render_conversation, to_record  # noqa: E402
+from runtime.transcripts import (check_logprobs, insert_hint, parse_conversation, render_conversation,  # noqa: E402
+                                 to_record, user_turns)
 
 GRPO_EPS = 1e-6
 
@@ -65,13 +68,11 @@ def convert(tokenizer, end_of_turn: set[int], lines: list[str], args) -> tuple[l
             continue
         counts["conversations"] += 1
         try:
-            item = _convert_line(tokenizer, end_of_turn, line, args)
+            conv = _parse_line(line)
+            parts = _convert(tokenizer, end_of_turn, conv, args, counts)
         except ValueError as e:
             raise ValueError(f"{args.inp} line {number}: {e}") from None
-        if isinstance(item, str):
-            counts[f"dropped: {item}"] += 1
-        else:
-            kept.append((number, *item))
+        kept += [(number, conv, *part) for part in parts]
     records = _with_advantages(kept, args, counts)
     vocab = len(tokenizer)
     for (number, *_), record in zip(kept, records):
@@ -85,46 +86,59 @@ def convert(tokenizer, end_of_turn: set[int], lines: list[str], args) -> tuple[l
     return records, counts
 
 
-def _convert_line(tokenizer, end_of_turn, line: str, args):
-    """(conversation, rendered, hints) or the reason it is dropped."""
+def _parse_line(line: str):
     try:
-        conv = parse_conversation(json.loads(line))
+        return parse_conversation(json.loads(line))
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+
+
+def _convert(tokenizer, end_of_turn, conv, args, counts: Counter) -> list[tuple]:
+    """(part, rendered, hints) of every rollout the conversation gives (one, or one per user turn with
+    --split-user-turns); what is dropped is counted."""
     if not any(m["role"] == "assistant" for m in conv.messages):
-        return "no assistant message"
-    rendered = render_conversation(tokenizer, conv, end_of_turn)
-    check_logprobs(conv, rendered)
-    hints = {i: insert_hint(tokenizer, conv, rendered, i, args.hint_role) for i in conv.feedback}
-    longest = max([len(rendered.tokens)] + [rendered.ranges[i][1] + len(h) for i, (_, h) in hints.items()])
-    if args.max_len and longest > args.max_len:
-        if args.drop_long:
-            return f"longer than --max-len={args.max_len}"
-        raise ValueError(f"{longest} tokens (conversation {len(rendered.tokens)}, teacher sequences with the hint "
-                         f"included) is longer than --max-len={args.max_len} (or pass --drop-long)")
+        counts["dropped: no assistant message"] += 1
+        return []
     if conv.advantage is None and conv.reward is None:
         raise ValueError("neither 'advantage' nor 'reward' is given")
-    return conv, rendered, hints
+    out = []
+    for part, first in user_turns(conv) if args.split_user_turns else [(conv, 0)]:
+        if not any(m["role"] == "assistant" for m in part.messages[first:]):
+            counts["dropped: user turn without an answer"] += 1
+            continue
+        rendered = render_conversation(tokenizer, part, end_of_turn, first)
+        check_logprobs(part, rendered)
+        hints = {i: insert_hint(tokenizer, part, rendered, i, args.hint_role) for i in part.feedback}
+        longest = max([len(rendered.tokens)] + [rendered.ranges[i][1] + len(h) for i, (_, h) in hints.items()])
+        if args.max_len and longest > args.max_len:
+            if not args.drop_long:
+                raise ValueError(f"{longest} tokens (conversation {len(rendered.tokens)}, teacher sequences with the "
+                                 f"hint included) is longer than --max-len={args.max_len} (or pass --drop-long)")
+            counts[f"dropped: longer than --max-len={args.max_len}"] += 1
+            continue
+        out.append((part, rendered, hints))
+    return out
 
 
 def _with_advantages(kept: list[tuple], args, counts: Counter) -> list[dict]:
-    """The records, each advantage `advantage` if given, else from the reward (`--advantage`)."""
+    """The records, each advantage `advantage` if given, else from its conversation's reward
+    (`--advantage`; grpo: the group statistics count each conversation once, however many rollouts)."""
+    convs = {id(conv): conv for _, conv, *_ in kept}
     groups = defaultdict(list)
-    for k, (_, conv, _, _) in enumerate(kept):
+    for key, conv in convs.items():
         if conv.advantage is None:
-            groups[conv.group if conv.group is not None else ("single", k)].append(conv.reward)
+            groups[conv.group if conv.group is not None else key].append(conv.reward)
     stats = {g: _mean_std(r) for g, r in groups.items()}
     records = []
-    for k, (_, conv, rendered, hints) in enumerate(kept):
+    for _, conv, part, rendered, hints in kept:
         advantage = conv.advantage
         if advantage is None and args.advantage == "raw":
             advantage = conv.reward
         elif advantage is None:
-            group = conv.group if conv.group is not None else ("single", k)
-            mean, std, size = stats[group]
+            mean, std, size = stats[conv.group if conv.group is not None else id(conv)]
             counts["groups of one (advantage 0)"] += size == 1
             advantage = 0.0 if size == 1 else (conv.reward - mean) / (std + GRPO_EPS)
-        records.append(to_record(conv, rendered, advantage, hints))
+        records.append(to_record(part, rendered, advantage, hints))
     return records
 
 
@@ -172,10 +186,14 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--tokenizer", required=True, help="local tokenizer directory with a chat template")
     parser.add_argument("--in", dest="inp", required=True, help="conversations, one JSON object per line")
     parser.add_argument("--out", required=True, help="rollout file for launch/posttrain.py (data.path)")
-    parser.add_argument("--max-len", type=int, default=0, help="refuse longer conversations (model.max_seq_len); 0: no limit")
-    parser.add_argument("--drop-long", action="store_true", help="drop conversations over --max-len instead of refusing")
+    parser.add_argument("--max-len", type=int, default=0,
+                        help="refuse longer conversations (model.max_seq_len); 0: no limit")
+    parser.add_argument("--drop-long", action="store_true",
+                        help="drop conversations over --max-len instead of refusing")
     parser.add_argument("--hint-role", choices=("system", "user"), default="system", help="role of the hint message")
     parser.add_argument("--advantage", choices=("grpo", "raw"), default="grpo", help="advantage from the reward")
+    parser.add_argument("--split-user-turns", action="store_true",
+                        help="one rollout per user message (for templates that empty earlier reasoning)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer directory's own code")
     return parser.parse_args(argv)
 

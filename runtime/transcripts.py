@@ -2,7 +2,7 @@
 
 Used by launch/prepare_rollouts.py; `tokenizer` is any `transformers` tokenizer with a chat template
 (this module never imports transformers). Token ranges come from renderings of the whole conversation
-and of its prefixes, never from tokenizing pieces on their own:
+and of its prefixes, never from tokenizing messages on their own:
 
   tokens        the rendering of all messages (with the tools), tokenized as `apply_chat_template` does.
   message i     starts where the rendering of messages[:i] ends (0 for the first) and ends where that
@@ -11,9 +11,14 @@ and of its prefixes, never from tokenizing pieces on their own:
                 differently once later ones follow (e.g. dropping old reasoning) are refused, naming the
                 message.
   assistant i   only the generated tokens: from the end of messages[:i] rendered with the generation
-                prompt (the role header is not generated) to just after the last end-of-turn token in
-                the message's rendering (the glue a template writes after it, such as a newline, is
-                not generated either); without an end-of-turn token there, to the message's end.
+                prompt (the role header is not generated) to just after the first end-of-turn token in
+                the message's rendering, where generation stopped (the glue a template writes after it,
+                such as a newline or another stop token, is not generated); without an end-of-turn token
+                there, to the message's end.
+  cost          a cut is found without tokenizing each prefix whole: the text between the tokenizer's
+                added (control) tokens is tokenized once, and only the piece around each cut again. This
+                relies on tokenizers isolating added tokens before tokenizing the rest; the tokens of the
+                pieces, joined, must equal the whole conversation's, else every prefix is tokenized whole.
   hint          a message of role `hint_role` rendered just before the target assistant message.
                 With T the tokens and T' those of the conversation with the hint message: at = start
                 of message i, H = len(T') - len(T), hint = T'[at:at+H], and T' must equal
@@ -22,7 +27,9 @@ and of its prefixes, never from tokenizing pieces on their own:
 Letters: none (token lists are plain Python lists).
 """
 
+import bisect
 import math
+import re
 from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -41,8 +48,8 @@ class Conversation(NamedTuple):
 
 class Rendered(NamedTuple):
     tokens: list[int]
-    ranges: list[tuple[int, int]]  # per message; assistant: the generated tokens only
-    starts: list[int]  # per message: where its rendering starts (the hint goes there)
+    ranges: list[tuple[int, int] | None]  # per message; assistant: the generated tokens only; None: untracked
+    starts: list[int | None]  # per message: where its rendering starts (the hint goes there)
 
 
 # ---- parsing and validating one record ----------------------------------------------------------
@@ -63,7 +70,8 @@ def parse_conversation(record) -> Conversation:
         raise ValueError(f"group: expected a string or an integer, got {group!r}")
     return Conversation(messages, tools or None, _optional_number(record, "reward"),
                         _optional_number(record, "advantage"), None if group is None else str(group),
-                        _feedback(record.get("feedback", []), messages), _logprobs(record.get("logprobs", {}), messages))
+                        _feedback(record.get("feedback", []), messages),
+                        _logprobs(record.get("logprobs", {}), messages))
 
 
 def _messages(value) -> list[dict]:
@@ -130,6 +138,22 @@ def _logprobs(value, messages: list[dict]) -> dict[int, list[float]]:
     return out
 
 
+def user_turns(conv: Conversation) -> list[tuple[Conversation, int]]:
+    """One (conversation, tracked_from) per user message: the messages up to the next user message, tracked
+    after this one (the first from message 0), with the feedback and log-probs of the tracked messages.
+    Each is what the engine rendered while it answered that user message (templates that empty the
+    reasoning of turns before the last user message render the earlier turns that way here too)."""
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"] or [0]
+    out = []
+    for k, u in enumerate(users):
+        end = users[k + 1] if k + 1 < len(users) else len(conv.messages)
+        first = 0 if k == 0 else u + 1
+        feedback = {i: v for i, v in conv.feedback.items() if first <= i < end}
+        logprobs = {i: v for i, v in conv.logprobs.items() if first <= i < end}
+        out.append((conv._replace(messages=conv.messages[:end], feedback=feedback, logprobs=logprobs), first))
+    return out
+
+
 # ---- rendering --------------------------------------------------------------------------------
 
 def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool, what: str) -> str:
@@ -143,57 +167,118 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool, wha
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of rendered texts, as `apply_chat_template(tokenize=True)` makes them (no added specials)."""
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
 
 
-def _cut(tokens: list[int], text: str, full_text: str, ids: list[int], what: str) -> int:
-    """Token index where rendering `text` (a prefix of the conversation) ends inside `tokens`."""
+def _check_prefix(text: str, full_text: str, what: str) -> None:
     if not full_text.startswith(text):
         raise ValueError(f"{what}: the chat template renders the earlier messages differently once later ones "
                          f"follow (not a prefix of the whole rendering), so turns cannot be cut exactly")
-    if tokens[:len(ids)] != ids:
-        raise ValueError(f"{what}: a token straddles the boundary (the prefix tokenizes to {len(ids)} tokens that "
-                         f"are not the first {len(ids)} of the whole conversation)")
-    return len(ids)
 
 
-def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int]) -> Rendered:
-    """The conversation's tokens and every message's token range (module docstring); ValueError naming
-    the message where the template does not allow exact ranges."""
+def _straddles(what: str, n: int) -> ValueError:
+    return ValueError(f"{what}: a token straddles the boundary (the rendering up to there tokenizes to {n} tokens "
+                      f"that are not the first {n} of the whole conversation)")
+
+
+def _cuts_exact(tokenizer, tokens: list[int], prefixes: list[str], names: list[str]) -> list[int]:
+    """Token index where each prefix rendering ends: each prefix tokenized whole (quadratic in the length)."""
+    out = []
+    for ids, what in zip(encode(tokenizer, prefixes), names):
+        if tokens[:len(ids)] != ids:
+            raise _straddles(what, len(ids))
+        out.append(len(ids))
+    return out
+
+
+def _pieces(tokenizer, text: str) -> list[tuple[int, str, bool]]:
+    """(start char, text, is an added token) of `text` split at the tokenizer's added tokens (chat control
+    tokens), which a tokenizer isolates before it tokenizes the text between them."""
+    added = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}, key=len, reverse=True)
+    if not added:
+        return [(0, text, False)]
+    out, pos = [], 0
+    for m in re.finditer("|".join(re.escape(a) for a in added), text):
+        if m.start() > pos:
+            out.append((pos, text[pos:m.start()], False))
+        out.append((m.start(), m.group(), True))
+        pos = m.end()
+    return out + ([(pos, text[pos:], False)] if pos < len(text) else [])
+
+
+def _cuts_by_pieces(tokenizer, tokens: list[int], full: str, cuts: list[int], names: list[str]) -> list[int] | None:
+    """The token index of every char cut, tokenizing each piece between control tokens once and the
+    piece around each cut up to the cut (linear in the length); None when the tokens of the pieces,
+    joined, are not the whole conversation's (then the exact quadratic path decides)."""
+    pieces = _pieces(tokenizer, full)
+    texts = [p[1] for p in pieces if not p[2]]
+    piece_starts = [p[0] for p in pieces]
+    heads = [(c, bisect.bisect_right(piece_starts, c) - 1) for c in cuts]
+    heads_text = [full[pieces[k][0]:c] for c, k in heads if c > pieces[k][0] and not pieces[k][2]]
+    encoded = iter(encode(tokenizer, texts + heads_text))
+    piece_ids, offsets = [], [0]
+    for _, text, special in pieces:
+        piece_ids.append([tokenizer.convert_tokens_to_ids(text)] if special else next(encoded))
+        offsets.append(offsets[-1] + len(piece_ids[-1]))
+    if [t for ids in piece_ids for t in ids] != tokens:
+        return None
+    out = []
+    for (c, k), what in zip(heads, names):
+        start, _, special = pieces[k]
+        if c == start:
+            out.append(offsets[k])
+            continue
+        head = next(encoded) if not special else []
+        if special or piece_ids[k][:len(head)] != head:
+            raise _straddles(what, offsets[k] + len(head))
+        out.append(offsets[k] + len(head))
+    return out
+
+
+def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int], tracked_from: int = 0) -> Rendered:
+    """The conversation's tokens and the token range of every message from `tracked_from` on (module
+    docstring; None before it: context whose rendering is not cut); ValueError naming the message where
+    the template does not allow exact ranges."""
     messages, n = conv.messages, len(conv.messages)
     full = _render(tokenizer, messages, conv.tools, False, "the conversation")
-    texts = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in range(1, n)]
-    assistants = [i for i in range(n) if messages[i]["role"] == "assistant"]
+    tracked = range(tracked_from, n)
+    assistants = [i for i in tracked if messages[i]["role"] == "assistant"]
     if assistants and assistants[0] == 0:
         raise ValueError("messages[0] is an assistant message: its role header has nothing to follow "
                          "(start with a system or user message)")
-    prompts = [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
-               for i in assistants]
-    ids = encode(tokenizer, [full, *texts, *prompts])
-    tokens = ids[0]
-    starts = [0] + [_cut(tokens, t, full, x, f"message {i}") for i, (t, x) in enumerate(zip(texts, ids[1:]), start=1)]
-    bounds = starts + [len(tokens)]
-    prompt_ends = {i: _cut(tokens, t, full, x, f"message {i} (generation prompt)")
-                   for i, t, x in zip(assistants, prompts, ids[1 + len(texts):])}
-    ranges = []
-    for i in range(n):
-        start, end = bounds[i], bounds[i + 1]
+    cut_at = [i for i in tracked if i > 0]  # message i starts where messages[:i] ends
+    prefixes = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in cut_at]
+    prefixes += [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
+                 for i in assistants]
+    names = [f"message {i}" for i in cut_at] + [f"message {i} (generation prompt)" for i in assistants]
+    for text, what in zip(prefixes, names):
+        _check_prefix(text, full, what)
+    tokens = encode(tokenizer, [full])[0]
+    cuts = _cuts_by_pieces(tokenizer, tokens, full, [len(t) for t in prefixes], names)
+    if cuts is None:
+        cuts = _cuts_exact(tokenizer, tokens, prefixes, names)
+    starts = [None] * n
+    starts[tracked_from:] = ([0] if tracked_from == 0 else []) + cuts[:len(cut_at)]
+    prompt_ends = dict(zip(assistants, cuts[len(cut_at):]))
+    ranges = [None] * n
+    for i in tracked:
+        start, end = starts[i], starts[i + 1] if i + 1 < n else len(tokens)
         if i in prompt_ends:
-            start, end = _generated(tokens, bounds[i], prompt_ends[i], end, end_of_turn, i)
+            start, end = _generated(tokens, start, prompt_ends[i], end, end_of_turn, i)
         if start >= end:
             raise ValueError(f"message {i} ({messages[i]['role']}) renders no tokens of its own")
-        ranges.append((start, end))
+        ranges[i] = (start, end)
     return Rendered(tokens, ranges, starts)
 
 
 def _generated(tokens: list[int], begin: int, prompt_end: int, end: int, end_of_turn: set[int],
                i: int) -> tuple[int, int]:
-    """[first generated token, one past the last end-of-turn token) of assistant message i."""
+    """[first generated token, one past the first end-of-turn token) of assistant message i."""
     if not begin <= prompt_end <= end:
         raise ValueError(f"message {i}: the generation prompt ends at token {prompt_end}, outside the message's "
                          f"rendering [{begin}, {end})")
-    last = max((j for j in range(prompt_end, end) if tokens[j] in end_of_turn), default=end - 1)
-    return prompt_end, last + 1
+    stop = next((j for j in range(prompt_end, end) if tokens[j] in end_of_turn), end - 1)
+    return prompt_end, stop + 1
 
 
 def insert_hint(tokenizer, conv: Conversation, rendered: Rendered, message: int, role: str) -> tuple[int, list[int]]:
@@ -228,9 +313,13 @@ def check_logprobs(conv: Conversation, rendered: Rendered) -> None:
 
 def to_record(conv: Conversation, rendered: Rendered, advantage: float,
               hints: dict[int, tuple[int, list[int]]]) -> dict:
-    """The rollout record (runtime/rollouts.py format): one turn per message, turn index = message index."""
+    """The rollout record (runtime/rollouts.py format): one turn per tracked message, in order (all
+    messages: turn index = message index)."""
+    tracked = [i for i, r in enumerate(rendered.ranges) if r is not None]
+    turn_of = {i: k for k, i in enumerate(tracked)}
     record = {"tokens": rendered.tokens,
-              "turns": [{"role": m["role"], "start": s, "end": e} for m, (s, e) in zip(conv.messages, rendered.ranges)],
+              "turns": [{"role": conv.messages[i]["role"], "start": rendered.ranges[i][0], "end": rendered.ranges[i][1]}
+                        for i in tracked],
               "advantage": advantage}
     if conv.logprobs:
         check_logprobs(conv, rendered)
@@ -240,5 +329,5 @@ def to_record(conv: Conversation, rendered: Rendered, advantage: float,
             logprobs[start:end] = values
         record["logprobs"] = logprobs
     if hints:
-        record["feedback"] = [{"turn": i, "hint": hint, "at": at} for i, (at, hint) in sorted(hints.items())]
+        record["feedback"] = [{"turn": turn_of[i], "hint": hint, "at": at} for i, (at, hint) in sorted(hints.items())]
     return record

@@ -8,6 +8,13 @@ Templates (transformers renders them with trim_blocks and lstrip_blocks, hence t
   KIMI         the Kimi K2 layout (<|im_user|>user<|im_middle|>...<|im_end|>, a tool_declare block, calls in
                <|tool_calls_section_begin|>...), no generation marks, eos "[EOS]": generation stops at
                <|im_end|>, which only generation_config.json names (as in Kimi K2's directory).
+  CHATML_EOS   CHATML that writes [EOS] after each assistant <|im_end|>, outside the generation block, and
+               generation_config.json names [EOS] as a stop token too: a turn ends at its <|im_end|>,
+               the first stop token, where generation stopped.
+  KIMI_THINKING KIMI with reasoning as Kimi K2 Thinking / K2.5 render it (our reading of their published
+               templates): the generation prompt ends with "<think>" (the engine prefills it); assistant
+               messages after the last user message render <think>reasoning</think>, earlier ones an
+               empty <think></think>.
   FIRST_SYSTEM CHATML that renders a system message only in first place (as many templates do): a system
                hint renders as nothing (must be refused; a user hint works).
   LAST_MARKED  renders the final message differently: prefixes are not prefixes (must be refused).
@@ -19,7 +26,7 @@ import random
 
 SPECIAL = ["[BOS]", "[EOS]", "<|im_start|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
            "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-           "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"]
 
 CHATML = (
     "{%- if tools %}<|im_start|>system{{ '\\n' }}{% if messages[0].role == 'system' %}{{ messages[0].content }}"
@@ -37,6 +44,9 @@ CHATML = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
+
+CHATML_EOS = CHATML.replace("<|im_end|>{% endgeneration %}", "<|im_end|>{% endgeneration %}[EOS]")
+assert CHATML_EOS != CHATML
 
 KIMI = (
     "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
@@ -56,6 +66,17 @@ KIMI = (
     "{%- else -%}{{ message.content }}{%- endif -%}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+
+KIMI_THINKING = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    + KIMI.replace("{%- if message.role == 'assistant' and message.tool_calls -%}",
+                   "{%- if message.role == 'assistant' -%}<think>{% if loop.index0 > ns.last_user %}"
+                   "{{ message.reasoning_content or '' }}{% endif %}</think>{%- endif -%}"
+                   "{%- if message.role == 'assistant' and message.tool_calls -%}")
+    .replace("<|im_assistant|>assistant<|im_middle|>{%- endif -%}", "<|im_assistant|>assistant<|im_middle|><think>{%- endif -%}"))
+assert KIMI_THINKING.count("<think>") == 2
 
 FIRST_SYSTEM = CHATML.replace("{%- if message.role == 'system' and loop.first %}", "{%- if message.role == 'system' %}")
 assert FIRST_SYSTEM != CHATML

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from chat_tokenizers import CHATML, FIRST_SYSTEM, KIMI, LAST_MARKED, conversations, make_tokenizer_dir
-from launch.prepare_rollouts import GRPO_EPS, main
+from chat_tokenizers import CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, conversations, make_tokenizer_dir
+from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
+from runtime import transcripts
+from runtime.transcripts import parse_conversation, render_conversation
 from runtime.rollout_batch import build_micro_batch
 from runtime.rollouts import read_rollouts
 
@@ -23,7 +25,9 @@ from runtime.rollouts import read_rollouts
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     return {"chatml": make_tokenizer_dir(str(root / "chatml"), CHATML),
+            "chatml_eos": make_tokenizer_dir(str(root / "chatml_eos"), CHATML_EOS, generation_eos="[EOS]"),
             "kimi": make_tokenizer_dir(str(root / "kimi"), KIMI, eos="[EOS]", generation_eos="<|im_end|>"),
+            "thinking": make_tokenizer_dir(str(root / "thinking"), KIMI_THINKING, eos="[EOS]", generation_eos="<|im_end|>"),
             "last": make_tokenizer_dir(str(root / "last"), LAST_MARKED),
             "first_system": make_tokenizer_dir(str(root / "first_system"), FIRST_SYSTEM),
             "none": make_tokenizer_dir(str(root / "none"), None)}
@@ -63,13 +67,15 @@ def _expected_generation(template: str, message: dict) -> str:
         + "<|im_end|>"
 
 
-def test_assistant_ranges_equal_transformers_mask(tmp_path, dirs):
+@pytest.mark.parametrize("template", ["chatml", "chatml_eos"])
+def test_assistant_ranges_equal_transformers_mask(tmp_path, dirs, template):
     """Template oracle: with `{% generation %}`, the assistant turns are exactly transformers' assistant mask
-    (system prompts, tool calls, several calls in one message, tool answers, multi-turn)."""
+    (system prompts, tool calls, several calls in one message, tool answers, multi-turn; chatml_eos: a
+    second stop token the template writes after <|im_end|> stays outside the turn)."""
     chats = _chats()
-    code, records = _prepare(tmp_path, dirs["chatml"], chats)
+    code, records = _prepare(tmp_path, dirs[template], chats)
     assert code == 0 and len(records) == len(chats)
-    tokenizer = AutoTokenizer.from_pretrained(dirs["chatml"], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(dirs[template], local_files_only=True)
     for chat, record in zip(chats, records):
         out = tokenizer.apply_chat_template(chat["messages"], tools=chat.get("tools"), return_dict=True,
                                             return_assistant_tokens_mask=True)
@@ -219,3 +225,94 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, dirs, capsys, case)
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert all(w in err for w in words), err
     assert os.listdir(tmp_path) == ["chats.jsonl"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "kimi"])
+def test_piecewise_cuts_equal_whole_prefix_tokenization(dirs, template, monkeypatch):
+    """The linear path (pieces between control tokens tokenized once) gives the same ranges as tokenizing
+    every prefix rendering whole; and a token straddling a cut is refused on both paths."""
+    tokenizer, eot = load_tokenizer(dirs[template], False)
+    convs = [parse_conversation(c) for c in _chats()]
+    fast = [render_conversation(tokenizer, c, eot) for c in convs]
+    monkeypatch.setattr(transcripts, "_cuts_by_pieces", lambda *args: None)
+    assert [render_conversation(tokenizer, c, eot) for c in convs] == fast
+    monkeypatch.undo()
+    glued = parse_conversation({"messages": [{"role": "user", "content": "Remin"}, {"role": "user", "content": "der"}]})
+    glue = "{% for m in messages %}{{ m.content }}{% endfor %}"  # "Remin" + "der": no control token between
+    ids = transcripts.encode(tokenizer, ["Remin", "Reminder"])
+    assert ids[1][:len(ids[0])] != ids[0]  # "Reminder" is one token (else this case proves nothing)
+    monkeypatch.setattr(tokenizer, "chat_template", glue)
+    for path in ("pieces", "exact"):
+        if path == "exact":
+            monkeypatch.setattr(transcripts, "_cuts_by_pieces", lambda *args: None)
+        with pytest.raises(ValueError, match="message 1: a token straddles the boundary"):
+            render_conversation(tokenizer, glued, eot)
+
+
+def _thinking_chat(second_user_turn: bool) -> dict:
+    call = {"id": "c0", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "reasoning_content": "Need the weather tool.", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+                {"role": "assistant", "reasoning_content": "It said sunny.", "content": "Sunny."}]
+    if second_user_turn:
+        messages += [{"role": "user", "content": "Tomorrow?"},
+                     {"role": "assistant", "reasoning_content": "Guess.", "content": "Probably sunny."}]
+    return {"messages": messages, "reward": 1.0, "feedback": [{"message": 3, "hint": "Cite the tool."}]}
+
+
+def test_thinking_template(tmp_path, dirs, capsys):
+    """A Kimi K2 Thinking / K2.5 style template: the generation prompt prefills <think>, so a turn is the
+    reasoning after it, </think>, the content and calls, <|im_end|>; a system hint renders as an
+    insertion. A user hint becomes the last user message, which empties the reasoning of the turns
+    before it, and a second user turn does the same to the first turn's reasoning: both refused."""
+    chat = _thinking_chat(False)
+    code, (record,) = _prepare(tmp_path, dirs["thinking"], [chat])
+    tokenizer = AutoTokenizer.from_pretrained(dirs["thinking"], local_files_only=True)
+    assert code == 0
+    for i, turn in enumerate(record["turns"]):
+        if turn["role"] == "assistant":
+            message = chat["messages"][i]
+            assert tokenizer.decode(record["tokens"][turn["start"]:turn["end"]]) == \
+                message["reasoning_content"] + "</think>" + _expected_generation("kimi", message)
+    (item,) = record["feedback"]
+    hinted = chat["messages"][:3] + [{"role": "system", "content": "Cite the tool."}] + chat["messages"][3:]
+    assert tokenizer.apply_chat_template(hinted)["input_ids"] == \
+        record["tokens"][:item["at"]] + item["hint"] + record["tokens"][item["at"]:]
+    assert _prepare(tmp_path, dirs["thinking"], [chat], "--hint-role", "user")[0] == 2
+    assert "line 1: feedback on message 3: the template does not render a user hint message as an insertion" \
+        in capsys.readouterr().err
+    assert _prepare(tmp_path, dirs["thinking"], [_thinking_chat(True)])[0] == 2
+    assert "line 1: message 2: the chat template renders the earlier messages differently" in capsys.readouterr().err
+    without_reasoning = _thinking_chat(True)
+    for m in without_reasoning["messages"]:
+        m.pop("reasoning_content", None)
+    assert _prepare(tmp_path, dirs["thinking"], [without_reasoning])[0] == 0
+
+
+def test_split_user_turns(tmp_path, dirs, capsys):
+    """--split-user-turns: one rollout per user message, rendered as the engine rendered it while answering
+    that message (earlier turns' reasoning emptied), only the messages after it tracked; feedback follows
+    its message into its rollout (turn index renumbered), the advantage its conversation."""
+    chat = _thinking_chat(True)
+    chat["feedback"].append({"message": 5, "hint": "Say you guess."})
+    chat["group"] = "g"
+    other = copy.deepcopy(chat)
+    other["reward"] = 0.0
+    code, records = _prepare(tmp_path, dirs["thinking"], [chat, other], "--split-user-turns")
+    assert code == 0 and len(records) == 4
+    assert capsys.readouterr().out.split(": ", 1)[1].startswith("2 conversations -> 4 rollouts")
+    tokenizer = AutoTokenizer.from_pretrained(dirs["thinking"], local_files_only=True)
+    first, second = records[:2]
+    assert first["tokens"] == tokenizer.apply_chat_template(chat["messages"][:4])["input_ids"]
+    assert second["tokens"] == tokenizer.apply_chat_template(chat["messages"])["input_ids"]
+    assert [t["role"] for t in first["turns"]] == ["user", "assistant", "tool", "assistant"]
+    (turn,) = second["turns"]
+    assert tokenizer.decode(second["tokens"][turn["start"]:turn["end"]]) == "Guess.</think>Probably sunny.<|im_end|>"
+    assert [f["turn"] for f in first["feedback"]] == [3] and [f["turn"] for f in second["feedback"]] == [0]
+    (item,) = second["feedback"]
+    hinted = chat["messages"][:5] + [{"role": "system", "content": "Say you guess."}] + chat["messages"][5:]
+    assert tokenizer.apply_chat_template(hinted)["input_ids"] == \
+        second["tokens"][:item["at"]] + item["hint"] + second["tokens"][item["at"]:]
+    expected = 0.5 / (2 ** -0.5 + GRPO_EPS)  # rewards 1 and 0: mean 0.5, sample std 2 ** -0.5 (each counted once)
+    assert [r["advantage"] for r in records] == pytest.approx([expected, expected, -expected, -expected], rel=1e-12)
