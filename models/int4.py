@@ -16,6 +16,7 @@ names are the checkpoint's (with the K2.5 `language_model.` prefix).
 """
 
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -79,10 +80,16 @@ def read_scheme(quant: dict, where: str) -> Int4Scheme:
 
 
 def unpack(packed_RW: torch.Tensor) -> torch.Tensor:
-    """int32 [R, W] -> int8 [R, 8 W] in [-8, 7]: nibble i of word w is value 8 w + i."""
-    shifts = torch.arange(0, 32, BITS, dtype=torch.int32)
-    nibbles = (packed_RW.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then mask: sign bits drop out
-    return (nibbles - 8).to(torch.int8).flatten(-2)
+    """int32 [R, W] -> int8 [R, 8 W] in [-8, 7]: nibble i of word w is value 8 w + i.
+
+    Through the words' bytes (byte k of a little-endian word holds values 2k and 2k + 1 in its low and
+    high nibble): 18x faster than shifting each word 8 times (0.033 vs 0.59 s for 2048 x 7168 on one core)."""
+    R, W = packed_RW.shape
+    bytes_RB = packed_RW.contiguous().view(torch.uint8).view(R, W, 4)
+    if sys.byteorder == "big":
+        bytes_RB = bytes_RB.flip(-1)
+    nibbles = torch.stack((bytes_RB & 0xF, bytes_RB >> 4), dim=-1).view(R, 8 * W)
+    return nibbles.view(torch.int8) - 8
 
 
 def pack(q_RC: torch.Tensor) -> torch.Tensor:
@@ -94,10 +101,16 @@ def pack(q_RC: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed_RW: torch.Tensor, scale_RG: torch.Tensor) -> torch.Tensor:
-    """fp32 [R, 8 W] = q * scale of its group (exact: a 4-bit integer times a bf16/fp16 scale fits fp32)."""
-    q = unpack(packed_RW).float()
-    scale = scale_RG.float().repeat_interleave(GROUP, 1)[:, : q.shape[1]]
-    return q[:, : scale.shape[1]] * scale
+    """fp32 [R, 8 W] = q * scale of its group (exact: a 4-bit integer times a bf16/fp16 scale fits fp32).
+    The last group may be partial (8 W not a multiple of 32): scale_RG has ceil(8 W / 32) groups."""
+    q_RC = unpack(packed_RW)
+    R, C = q_RC.shape
+    G = scale_RG.shape[1]
+    if C != G * GROUP:
+        q_RC = torch.nn.functional.pad(q_RC, (0, G * GROUP - C))
+    w_RC = q_RC.float()
+    w_RC.view(R, G, GROUP).mul_(scale_RG.float().unsqueeze(-1))  # in place: 0.14 s for 2048 x 7168 on one
+    return w_RC[:, :C]  # core, against 0.11 s for a bf16 -> fp32 copy of the same weight (int8 * fp32: 0.31 s)
 
 
 def quantize(w_RC: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

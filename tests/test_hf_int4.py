@@ -271,3 +271,28 @@ def test_plain_expert_where_the_config_quantizes_is_refused(dirs, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config, quantization_config=QUANT), f)
     assert "model.layers.1.mlp.experts.0.gate_proj.weight is F32, but quantization_config" in _error(path)
+
+
+# ---- the published shape and the 256-GPU config ----------------------------------------------------
+
+def test_k25_config_maps_to_the_kimi_k2_preset_and_the_256gpu_config_loads(tmp_path):
+    """Kimi K2's published decoder fields inside a K2.5 wrapper (text_config + quantization_config) read as
+    the kimi_k2_1t preset's shape, and configs/kimi_k25_256gpu.toml builds on them (Muon, QK-clip tau 100)."""
+    import dataclasses
+
+    from int4_reference import k25_config
+    from models import preset
+    from runtime.config import load_config
+    from test_hf import _KIMI_K2
+
+    (tmp_path / "config.json").write_text(json.dumps(k25_config({k: v for k, v in _KIMI_K2.items()
+                                                                 if k != "quantization_config"})))
+    config, fmt = read_hf_config(str(tmp_path))
+    assert fmt.prefix == "language_model." and fmt.int4.targets == ("Linear",) and fmt.fp8_block is None
+    shape = {"vocab_size", "dim", "n_layers", "n_dense_layers", "n_heads", "q_lora_rank", "kv_lora_rank",
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "inter_dim", "moe_inter_dim", "n_routed_experts",
+             "n_shared_experts", "n_activated_experts", "route_scale"}
+    ours, k2 = dataclasses.asdict(config), dataclasses.asdict(preset("kimi_k2_1t"))
+    assert {k: ours[k] for k in shape} == {k: k2[k] for k in shape}
+    job = load_config(["--config", "configs/kimi_k25_256gpu.toml", f"--model.init_from={tmp_path}"])
+    assert job.model == config and job.optim.name == "muon" and job.optim.qk_clip_tau == 100.0
