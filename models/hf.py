@@ -79,10 +79,15 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     return notes
 
 
+_LINEAR_MODULES = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                   "up_proj", "down_proj", "lm_head"}
+
+
 def _is_linear(key: str) -> bool:
     """Whether checkpoint key `key` is the weight of an nn.Linear in the Hugging Face model (what a
     compressed-tensors target "Linear" matches): projections and the head, not embeddings, norms or the router."""
-    return key.endswith("_proj.weight") or key == "lm_head.weight"
+    module, _, param = key.rpartition(".")
+    return param == "weight" and module.rsplit(".", 1)[-1] in _LINEAR_MODULES
 
 
 def _check_int4(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):

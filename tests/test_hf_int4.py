@@ -230,6 +230,9 @@ BAD = {
                                                + ["re:.*experts.*"]), None,
                               "language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed is INT4, but "
                               "quantization_config (targets ['Linear'], ignore ["),
+    "linear_target_covers_attention": (lambda c: _quant(c, ignore=["re:.*lm_head"]), None,
+                                       "F32, but quantization_config (targets ['Linear'], ignore ['re:.*lm_head']) "
+                                       "quantizes language_model.model.layers.0.self_attn."),
     "targets_miss_the_experts": (lambda c: _targets(c, ["re:.*self_attn.*"]), None,
                                  "(targets ['re:.*self_attn.*'], ignore ['re:.*self_attn.*', "),
 }
