@@ -57,7 +57,8 @@ class CheckpointFiles:
             if key is not None and entries.get(key, (name,))[0] != name:
                 raise ValueError(f"{directory}/{INDEX}: {key!r} listed in {name} but not found there")
         text = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
-        return cls(directory, _int4_entries(text), prefix, {k: v for k, v in entries.items() if not k.startswith(prefix)})
+        others = {k: v for k, v in entries.items() if not k.startswith(prefix)}
+        return cls(directory, _int4_entries(text), prefix, others)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][2]
@@ -97,7 +98,8 @@ class CheckpointFiles:
         (r0, r1), (c0, c1) = box
         base, g0, g1 = key[: -len("weight")], c0 // int4.GROUP, -(-c1 // int4.GROUP)
         words = self.int4_part(key, "weight_packed")[1][1]
-        packed = self.read(base + "weight_packed", ((r0, r1), (g0 * int4.WORDS_PER_GROUP, min(g1 * int4.WORDS_PER_GROUP, words))))
+        w0, w1 = g0 * int4.WORDS_PER_GROUP, min(g1 * int4.WORDS_PER_GROUP, words)
+        packed = self.read(base + "weight_packed", ((r0, r1), (w0, w1)))
         scale = self.read(base + "weight_scale", ((r0, r1), (g0, g1)))
         return int4.dequantize(packed, scale)[:, c0 - g0 * int4.GROUP: c1 - g0 * int4.GROUP]
 

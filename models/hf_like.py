@@ -66,7 +66,8 @@ def write_like(config: ModelConfig, fetch, out: str, like: str, *, dtype: torch.
         quantized = experts_dtype == "int4" and files.dtype_code(source.keys(1)[0]) == "I4"
         for r in _records(name, source, shapes[name], fetch, torch.float32 if quantized else dtype):
             written.add(r.key)
-            records += _int4_records(files, fmt.prefix, r) if quantized else [dataclasses.replace(r, key=fmt.prefix + r.key)]
+            plain = [dataclasses.replace(r, key=fmt.prefix + r.key)]
+            records += _int4_records(files, fmt.prefix, r) if quantized else plain
     records += _copied(files, written)
     write_shards(records, out, shard_bytes)
     _write_config(like, out, drop_quantization=experts_dtype == "bfloat16" and fmt.int4 is not None)
@@ -88,12 +89,13 @@ def _int4_records(files: CheckpointFiles, prefix: str, record: TensorRecord) -> 
     base = prefix + record.key[: -len("weight")]
     return [TensorRecord(base + "weight_packed", (rows, -(-cols // int4.PER_WORD)), torch.int32, lambda: part(0)),
             TensorRecord(base + "weight_scale", (rows, -(-cols // int4.GROUP)), scale_dtype, lambda: part(1)),
-            TensorRecord(base + "weight_shape", (2,), shape_dtype, lambda: torch.tensor([rows, cols], dtype=shape_dtype))]
+            TensorRecord(base + "weight_shape", (2,), shape_dtype,
+                         lambda: torch.tensor([rows, cols], dtype=shape_dtype))]
 
 
 def _copied(files: CheckpointFiles, written: set[str]) -> list[TensorRecord]:
     """Byte-for-byte records of every stored tensor of `files` that the export does not write."""
-    stored = {files.prefix + k: (e[0], e[1], e[2]) for k, e in files.entries.items() if k not in written and e[1] != "I4"}
+    stored = {files.prefix + k: e[:3] for k, e in files.entries.items() if k not in written and e[1] != "I4"}
     for key, entry in files.entries.items():
         if key not in written and entry[1] == "I4":  # e.g. an MTP layer's INT4 experts: their three parts
             stored |= {files.prefix + key[: -len("weight")] + p: v for p, v in entry[3].items()}

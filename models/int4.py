@@ -75,7 +75,8 @@ def read_scheme(quant: dict, where: str) -> Int4Scheme:
                              f"quantization is supported")
     targets = group.get("targets")
     if not targets or not all(isinstance(t, str) for t in targets):
-        raise ValueError(f"{where}: quantization_config config_groups.{name}.targets={targets!r}: expected a list of names")
+        raise ValueError(f"{where}: quantization_config config_groups.{name}.targets={targets!r}: expected a list "
+                         f"of names")
     return Int4Scheme(targets=tuple(targets), ignore=tuple(quant.get("ignore") or ()))
 
 

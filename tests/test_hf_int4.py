@@ -36,7 +36,8 @@ def dirs(tmp_path_factory):
     int4_copy(out["src"], out["k25"], out["plain"])
     int4_copy(out["src"], out["k25_root"], quant_at_root=True, scale_dtype=torch.float16)
     int4_copy(out["src"], out["k2"], k25=False)
-    random_hf_model(hf_config(**dict(SHAPE, n_routed_experts=4, n_group=2, topk_group=1)), seed=1).save_pretrained(out["e4_src"])
+    e4 = hf_config(**dict(SHAPE, n_routed_experts=4, n_group=2, topk_group=1))
+    random_hf_model(e4, seed=1).save_pretrained(out["e4_src"])
     int4_copy(out["e4_src"], out["e4"], seed=1)
     return out
 

@@ -5,7 +5,6 @@ and, through its dequantization, in `transformers`."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
