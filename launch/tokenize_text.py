@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from runtime import tokenizer_dir  # noqa: E402
-from runtime.paths import check_output_file  # noqa: E402
+from runtime.paths import check_not_input, check_output_file  # noqa: E402
 
 CHUNK_CHARS = 1 << 22
 
@@ -67,12 +67,9 @@ def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
     check_output_file("--out", out, "train.bin")
     outputs = {out: f"--out {out}", out + ".json": f"--out {out}'s sidecar {out}.json",
                out + ".tmp": f"--out {out}'s temporary file {out}.tmp"}
-    targets = [(p, "an input file", "the input") for p in paths]
-    targets.append((tokenizer_path, "the --tokenizer file", "the tokenizer"))
+    inputs = [("an input file", p) for p in paths] + [("the --tokenizer file", tokenizer_path)]
     for written, name in outputs.items():
-        for path, what, victim in targets:
-            if os.path.isfile(path) and os.path.exists(written) and os.path.samefile(path, written):
-                raise ValueError(f"{name} is also {what}; writing it would destroy {victim}")
+        check_not_input(name, written, inputs)
 
 
 def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None,

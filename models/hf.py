@@ -216,9 +216,10 @@ def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch
 
 
 def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_interleave: bool,
-             shard_bytes: int) -> None:
+             shard_bytes: int, config_extra: dict | None = None) -> None:
     """config.json + safetensors shards from `fetch(our_name) -> full tensor`, called once per tensor
-    and dropped after its experts/rows are written: memory is bounded by the largest tensor."""
+    and dropped after its experts/rows are written: memory is bounded by the largest tensor. config.json
+    states `dtype` (as `torch_dtype` and transformers 5's `dtype`); `config_extra` adds fields (token ids)."""
     with torch.device("meta"):
         meta = Transformer(config)
     shapes = {n: tuple(t.shape) for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}
@@ -226,8 +227,10 @@ def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_
     for name, source in hf_sources(meta, rope_interleave).items():
         records += _records(name, source, shapes[name], fetch, dtype)
     write_shards(records, path, shard_bytes)
+    written = str(dtype).removeprefix("torch.")  # the router bias stays fp32, as in the published checkpoints
+    raw = {**hf_config_dict(config, rope_interleave), "torch_dtype": written, "dtype": written, **(config_extra or {})}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(config, rope_interleave), f, indent=2)
+        json.dump(raw, f, indent=2)
 
 
 def _records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecord]:

@@ -34,8 +34,9 @@ from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
+from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
-from runtime.data import DataConfig, check_split
+from runtime.data import DataConfig, check_split, unused_keys
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
 from runtime.posttrain import PosttrainConfig
@@ -138,6 +139,8 @@ class JobConfig:
         if self.profile.enabled and self.profile.steps[-1] >= self.training.steps:
             raise ConfigError(f"profile.steps={','.join(map(str, self.profile.steps))} but training.steps="
                               f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
+        if unused := unused_keys(self.data, self.eval):
+            raise ConfigError("; ".join(unused))
 
     def token_splits(self) -> dict[str, tuple[DataConfig, float, str]]:
         """{split: (data config, holdout, the key naming its file)} of the token batches the run reads
@@ -319,12 +322,16 @@ def _lookup(sections: dict, section: str, key: str):
 def _build(values: dict[str, dict]) -> JobConfig:
     defaults, built = JobConfig(), {}
     overrides = dict(values.pop("model"))
+    given_preset = overrides.get("preset")
     name = overrides.pop("preset", defaults.model_preset)
     init_from = overrides.pop("init_from", "")
     if name not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)})")
     for section, section_values in values.items():
         built[section] = _construct(section, lambda: dataclasses.replace(getattr(defaults, section), **section_values))
+    if built["posttrain"].init_from:  # the model's shape (and, for a Hugging Face dir, the weights) come from there
+        built["model"], init_from = _posttrain_model(built["posttrain"].init_from, init_from, given_preset, overrides)
+        return JobConfig(model_preset=name, model_init_from=init_from, **built)
     built["model"] = _construct("model", lambda: _model_config(name, init_from, overrides))
     return JobConfig(model_preset=name, model_init_from=init_from, **built)
 
@@ -340,6 +347,17 @@ def _model_config(name: str, init_from: str, overrides: dict) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
+def _posttrain_model(path: str, model_init_from: str, given_preset, overrides: dict) -> tuple[ModelConfig, str]:
+    """(model config, model.init_from) when posttrain.init_from is given (runtime/init_source.py)."""
+    if model_init_from:
+        raise ConfigError(f"model.init_from={model_init_from} and posttrain.init_from={path}: give one (both name "
+                          f"the starting weights)")
+    try:
+        return init_source.model_config(path, given_preset, overrides), path if init_source.kind(path) == "hf" else ""
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _construct(section: str, make):
     """Run a section constructor, turning its validation ValueError into a ConfigError on the section."""
     try:
@@ -349,15 +367,19 @@ def _construct(section: str, make):
         raise ConfigError(message if message.startswith(section + ".") else f"{section}: {message}") from None
 
 
-def load_config(argv: list[str]) -> JobConfig:
+def load_config(argv: list[str], *, path_source: str = "bin") -> JobConfig:
     """The job config from `--config PATH` (optional) and `--section.key=value` overrides.
 
     Raises ConfigError (one line, naming the dotted key) on any unknown key, wrong type or invalid value.
     `--help` is not handled here: the entry point prints `help_text()` when it sees it.
+    `path_source`: the data.source that a data.path given without one means ("rollouts" for posttrain).
     """
     path, overrides = _parse_argv(argv)
     sections = _sections()
-    return _build(_collect(_read_toml(path) if path else {}, overrides, sections))
+    values = _collect(_read_toml(path) if path else {}, overrides, sections)
+    if values["data"].get("path") and "source" not in values["data"]:  # a path alone is never ignored
+        values["data"]["source"] = path_source
+    return _build(values)
 
 
 # ---- --help -----------------------------------------------------------------------------------
@@ -408,10 +430,10 @@ _FALLBACK_HELP = {
 }
 
 
-def help_text() -> str:
-    """Usage, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
+def help_text(entry: str = "launch/pretrain.py") -> str:
+    """Usage of `entry`, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
     defaults, sections = JobConfig(), _sections()
-    out = ["usage: torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]",
+    out = [f"usage: torchrun --nproc_per_node N {entry} [--config PATH] [--section.key=value ...]",
            "", "With no --config: the embedded debug job (= configs/debug.toml). Keys and defaults:"]
     for section, cls in sections.items():
         out.append(f"\n[{section}]")

@@ -36,7 +36,7 @@ _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain)
+    source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain); unset with data.path: bin (posttrain: rollouts)
     seq_len: int = 128  # tokens per training sequence
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
     path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
@@ -49,6 +49,9 @@ class DataConfig:
         if self.source in ("bin", "rollouts") and not self.path:
             kind = "token file" if self.source == "bin" else "rollouts file (JSON lines)"
             raise ValueError(f"data.path: source {self.source!r} needs the path of a {kind}")
+        if self.path and self.source in ("corpus", "synthetic"):
+            raise ValueError(f"data.path={self.path!r} is read only by data.source 'bin' or 'rollouts', but data.source="
+                             f"{self.source!r}: drop one of them (a data.path alone means a token file)")
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
 
@@ -56,10 +59,61 @@ class DataConfig:
         return self.batch_size * self.seq_len
 
 
+def startup_line(train: str, held_out: str | None, data: DataConfig, eval_config) -> str:
+    """The one start-up line naming the data: `train` and `held_out` are the loaders' describe() (None:
+    no evaluation, whose reason the line gives)."""
+    if held_out is None:
+        held_out = ("none (eval.interval=0)" if not eval_config.enabled()
+                    else "none (post-training evaluates only an eval.path token file)")
+    elif eval_config.enabled():
+        held_out += f"; {eval_config.steps} batches of data.batch_size every {eval_config.interval} steps"
+    return f"data: {train} | held-out: {held_out}"
+
+
 class MicroBatch(NamedTuple):
     inputs_BS: torch.Tensor  # int64 token ids
     labels_BS: torch.Tensor  # int64 next-token ids
     positions_S: torch.Tensor  # int64 global positions of the S tokens (RoPE and the causal mask)
+
+
+def unused_keys(data: DataConfig, eval_config) -> list[str]:
+    """One message per [data] / [eval] key set away from its default that the chosen mode never reads
+    (a key with no effect is refused, never silently ignored); `eval_config`: runtime/evaluate.EvalConfig."""
+    data_default, eval_default = DataConfig(), type(eval_config)()
+    eval_file = eval_config.enabled() and bool(eval_config.path)
+
+    def changed(cfg, default, key):
+        return getattr(cfg, key) != getattr(default, key)
+
+    out = []
+    if changed(data, data_default, "dtype") and data.source != "bin" and not eval_file:
+        out.append(f"data.dtype={data.dtype} applies to token files only (data.source='bin' or eval.path), but "
+                   f"data.source={data.source!r} and no eval.path is read")
+    if changed(data, data_default, "batch_tokens") and data.source != "rollouts":
+        out.append(f"data.batch_tokens={data.batch_tokens} is read only by data.source='rollouts' (post-training; "
+                   f"token batches are data.batch_size x data.seq_len), but data.source={data.source!r}")
+    for key in ("seq_len", "batch_size"):
+        if changed(data, data_default, key) and data.source == "rollouts" and not eval_file:
+            out.append(f"data.{key}={getattr(data, key)} has no effect: rollouts are packed by data.batch_tokens, "
+                       f"and data.seq_len/batch_size shape only eval.path's batches (none is read)")
+    out += _unused_eval_keys(data, eval_config, eval_default)
+    return out
+
+
+def _unused_eval_keys(data: DataConfig, config, default) -> list[str]:
+    changed = [k for k in ("steps", "path", "holdout") if getattr(config, k) != getattr(default, k)]
+    if not config.enabled():
+        return [f"eval.{k}={getattr(config, k)} has no effect with eval.interval=0 (evaluation off)" for k in changed]
+    out = []
+    if data.source == "rollouts" and not config.path:
+        out += [f"eval.{k}={getattr(config, k)} has no effect: post-training evaluates only on an eval.path token file"
+                for k in ("interval", "steps", "holdout") if getattr(config, k) != getattr(default, k)]
+    elif "holdout" in changed and config.path:
+        out.append(f"eval.holdout={config.holdout} has no effect: eval.path={config.path!r} is the held-out data")
+    elif "holdout" in changed and data.source == "synthetic":
+        out.append(f"eval.holdout={config.holdout} has no effect on data.source='synthetic' (held-out batches are "
+                   f"drawn from their own random stream)")
+    return out
 
 
 def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
@@ -177,6 +231,8 @@ class Loader:
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
         tokens, source_vocab = open_tokens(config, path_key)
         self.tokens = split_tokens(tokens, holdout, split)
+        self.source_tokens, self.holdout, self.split, self.path_key = (
+            None if tokens is None else len(tokens)), holdout, split, path_key
         self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
@@ -192,6 +248,17 @@ class Loader:
         if self.tokens is not None and len(self.tokens) < self.config.seq_len + 1:
             raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
                              f"tokens but {self.part}the {self.config.source} source has only {len(self.tokens)}")
+
+    def describe(self) -> str:
+        """What this loader reads, for the start-up line: source, file, tokens, documents, split."""
+        c = self.config
+        if c.source == "synthetic":
+            return f"synthetic: uniform random ids < {self.vocab_size} (the {self.split} stream)"
+        if self.split == "eval" and self.holdout:
+            return f"the last {len(self.tokens):,} tokens of the training source (eval.holdout={self.holdout})"
+        what = "corpus (bundled byte-level text)" if c.source == "corpus" else f"bin {c.path} ({self.tokens.dtype})"
+        text = f"{what}: {self.source_tokens:,} tokens, documents not recorded"
+        return text + (f"; training reads the first {len(self.tokens):,}" if self.holdout else "")
 
     def batch(self, step: int) -> list[MicroBatch]:
         """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""

@@ -156,10 +156,16 @@ class RolloutLoader:
         """Reads and validates the whole file `data.path` (ValueError naming it and the line), unless
         `trajectories` are given (in memory, e.g. fresh on-policy rollouts)."""
         self.trajs = trajectories if trajectories is not None else read_rollouts(data.path, vocab_size, max_seq_len)
+        self.path = data.path if trajectories is None else "(in memory)"
         self.plan = StepPlan([t.cost() for t in self.trajs], seed, data.batch_tokens)
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp_degree, cp_rank, cp_degree
         self.grad_accum = grad_accum
         self.step = 0
+
+    def describe(self) -> str:
+        """What this loader reads, for the start-up line."""
+        return (f"rollouts data.path={self.path}: {sum(len(t.tokens) for t in self.trajs):,} tokens, "
+                f"{len(self.trajs):,} trajectories, at most {self.plan.batch_tokens:,} tokens a step")
 
     def batch(self, step: int) -> RolloutStep:
         """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step)."""
