@@ -162,8 +162,10 @@ def test_train_then_export_like_round_trip(k25, tmp_path, capsys):
     bad = str(tmp_path / "bad")
     assert export_main(["--run-dir", run_dir, "--out", bad, "--like", k25["e4"]]) == 2
     assert export_main(["--run-dir", run_dir, "--out", bad, "--experts-dtype", "bfloat16"]) == 2
+    assert export_main(["--run-dir", run_dir, "--out", bad, "--like", k25["k25"], "--tokenizer", k25["k25"]]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and "n_routed_experts=4 there, 8 here" in err[0] and "has no effect without --like" in err[1]
+    assert len(err) == 3 and "n_routed_experts=4 there, 8 here" in err[0] and "has no effect without --like" in err[1]
+    assert f"--tokenizer {k25['k25']} has no effect with --like" in err[2]
     assert not os.path.exists(bad)
     assert export_main(["--run-dir", run_dir, "--out", out, "--like", k25["k25"], "--dtype", "float32"]) == 0
     step = os.path.join(run_dir, "checkpoints", "step_1")
