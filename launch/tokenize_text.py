@@ -1,8 +1,12 @@
 """Tokenize text files into a flat token file for `data.source = "bin"` (the nanoGPT / Megatron layout).
 
     python launch/tokenize_text.py --tokenizer tokenizer.json --out data/train.bin a.txt b.txt ...
+    python launch/tokenize_text.py --tokenizer KIMI_K25_DIR --trust-remote-code --workers 8 --out ... files
 
-Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Writes
+Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package), or a tokenizer directory that
+`transformers.AutoTokenizer` loads (Kimi's tiktoken tokenizer needs `--trust-remote-code`):
+runtime/tokenizer_dir.py; nothing is downloaded. `--workers N` tokenizes on N processes, with the same
+output for any N. Writes
 the token ids of all files, in order, as one flat array: uint16 when every id fits (vocab <= 65536),
 else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_tokens"} that the loader
 reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
@@ -24,6 +28,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime import tokenizer_dir  # noqa: E402
 from runtime.paths import check_not_input, check_output_file  # noqa: E402
 
 CHUNK_CHARS = 1 << 22
@@ -46,18 +51,9 @@ def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
         raise ValueError(f"input file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
 
 
-def load_tokenizer(path: str):
-    """A `tokenizers.Tokenizer` from a local tokenizer.json; ValueError naming the file otherwise."""
-    from tokenizers import Tokenizer
-
-    if os.path.isdir(path):
-        raise ValueError(f"--tokenizer: {path} is a directory; give the tokenizer.json file in it")
-    if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer: no such file {path}")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises plain Exception for a malformed file
-        raise ValueError(f"--tokenizer: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """A tokenizer from a local tokenizer.json or tokenizer directory (runtime/tokenizer_dir.py)."""
+    return tokenizer_dir.load_tokenizer(path, trust_remote_code)
 
 
 def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
@@ -76,17 +72,20 @@ def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
         check_not_input(name, written, inputs)
 
 
-def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
+def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None,
+                   trust_remote_code: bool = False, workers: int = 1) -> dict:
     """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
     check_paths(paths, out, tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: must be >= 1")
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos is not None and eos_id is None:
         raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
     try:
-        num_tokens = _write_ids(tokenizer, paths, out + ".tmp", dtype, eos_id)
+        num_tokens = _write_ids(tokenizer, paths, out + ".tmp", dtype, eos_id, workers)
         if num_tokens == 0:
             raise ValueError(f"the input files ({', '.join(paths)}) hold no tokens")
         os.replace(out + ".tmp", out)
@@ -99,12 +98,12 @@ def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | N
     return meta
 
 
-def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: int | None) -> int:
+def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: int | None, workers: int = 1) -> int:
     num_tokens = 0
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, tokenizer_dir.ParallelEncoder(tokenizer, workers) as encoder:
         for path in paths:
-            for chunk in _chunks(path):
-                ids = np.asarray(tokenizer.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
+            for chunk_ids in encoder.map(_chunks(path)):
+                ids = np.asarray(chunk_ids, dtype=dtype)
                 f.write(ids.tobytes())
                 num_tokens += len(ids)
             if eos_id is not None:
@@ -115,13 +114,16 @@ def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tokenize text files into a flat .bin of token ids.")
-    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json")
+    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json or tokenizer directory")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a tokenizer directory run its own code (Kimi's tokenization_kimi.py)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
     parser.add_argument("--out", required=True, help="output token file, e.g. data/train.bin")
     parser.add_argument("--eos", default=None, help="token appended after each file (e.g. '<|endoftext|>')")
     parser.add_argument("files", nargs="+", help="UTF-8 text files, tokenized in this order")
     args = parser.parse_args(argv)
     try:
-        meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos)
+        meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos, args.trust_remote_code, args.workers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
