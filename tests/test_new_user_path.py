@@ -218,9 +218,11 @@ def test_the_rest_of_the_new_user_path_as_docs_new_user_md_writes_it(trained, ca
     assert capfd.readouterr().out.strip()
     assert run_command(posttrain_line) == [0, 0]
     out = capfd.readouterr().out
-    assert f"posttrain.init_from: model shape and weights from checkpoint {os.path.join('runs/cpt', 'checkpoints', 'step_2')}" in out
+    assert f"posttrain.init_from: model shape and weights from checkpoint {os.path.join('runs/cpt', 'checkpoints', 'step_2')} (step 2, saved on 2 ranks)" in out
     records = [json.loads(line) for line in open(root / "runs" / "post" / "metrics.jsonl")]
-    assert len(records) == 1 and records[0]["target_tokens"] > 0 and "| rl " in out
+    assert len(records) == 1 and records[0]["target_tokens"] > 0
+    r = records[0]  # the console line of post-training
+    assert f"| rl {r['rl_loss']:.4f} | kl {r['feedback_kl']:.4f} | targets {r['target_tokens']} |" in out
 
 
 def test_a_tiktoken_tokenizer_without_tokenizer_json_is_carried_whole(tmp_path):
