@@ -10,7 +10,8 @@ run's held-out batches (runtime/evaluate.py): the same (seed, batch) draws from 
 fraction of the file (0: the whole file, as with `eval.path`), so with the run's data.seq_len,
 data.batch_size, eval.steps, eval.holdout and training.seed the loss equals its logged `eval_loss`.
 Prints `loss L  perplexity P  (N tokens)`, or one JSON object with `--json`. A bad argument exits with
-status 2 and one line.
+status 2 and one line. One process, fp32 on the CPU: for models that fit one host's memory (a run with
+training.param_dtype = "bfloat16" logged its eval_loss in bf16 and differs by that rounding).
 """
 
 import argparse
@@ -20,8 +21,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
-
-import torch  # noqa: E402
 
 from launch.model_source import load_model  # noqa: E402
 from runtime.data import DataConfig, Loader  # noqa: E402
@@ -86,5 +85,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
     sys.exit(main(sys.argv[1:]))

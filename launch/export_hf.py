@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from launch import tokenizer_files  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
-from launch import tokenizer_files  # noqa: E402
 from runtime import checkpoint  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 

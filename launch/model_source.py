@@ -10,10 +10,12 @@ the model config its COMPLETE marker records; a Hugging Face directory through m
 """
 
 import os
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-from launch.export_hf import checkpoint_model_config, checkpoint_path, dcp_fetch
+from launch.export_hf import PREFIX, checkpoint_model_config, checkpoint_path, dcp_fetch
 from models.hf import load_pretrained
 from models.model import Transformer
 from runtime import checkpoint
@@ -47,9 +49,17 @@ def load_model(path: str, step: int | None = None) -> tuple[Transformer, str]:
 
 @torch.no_grad()
 def load_checkpoint(path: str) -> Transformer:
-    """The model of the DCP checkpoint `path`, whole, fp32, CPU, eval mode."""
+    """The model of the DCP checkpoint `path`, whole, fp32, CPU, eval mode: one DCP read of every tensor
+    in place; a checkpoint it does not fit (routed experts' w1 and w3 stored apart, from before they were
+    fused) or a damaged one goes tensor by tensor through export_hf's reader, which says what is wrong."""
     model = Transformer(checkpoint_model_config(path))
-    fetch = dcp_fetch(path)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        tensor.copy_(fetch(name))
+    state = model.state_dict()
+    try:
+        with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({PREFIX + name: t for name, t in state.items()}, checkpoint_id=path, no_dist=True)
+    except (Exception, dcp.CheckpointException):  # CheckpointException is a BaseException
+        fetch = dcp_fetch(path)
+        for name, tensor in state.items():
+            tensor.copy_(fetch(name))
     return model.eval()

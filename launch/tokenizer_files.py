@@ -6,7 +6,9 @@ serves on its own.
     copy_tokenizer(dir, out) -> names of the files copied
 
 Ids come from the directory's generation_config.json when it has one (what `transformers` generation
-reads), else from tokenizer_config.json's `bos_token` / `eos_token` looked up in tokenizer.json.
+reads), else from tokenizer_config.json's `bos_token` / `eos_token` looked up in tokenizer.json or in its
+`added_tokens_decoder`. An export also carries tokenizers without a tokenizer.json (Kimi K2's tiktoken.model
+with its tokenization_*.py code, loaded with trust_remote_code); launch/generate.py needs tokenizer.json.
 """
 
 import json
@@ -22,6 +24,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "tiktoken.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 SPECIAL = ("bos", "eos")
+VOCABULARIES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")  # one makes a tokenizer dir
 
 
 def tokenizer_path(directory: str, flag: str = "--tokenizer") -> str:
@@ -63,9 +66,17 @@ def special_ids(directory: str, tokenizer) -> dict[str, int | list[int]]:
         for s in SPECIAL:
             token = raw.get(f"{s}_token")
             token = token.get("content") if isinstance(token, dict) else token
-            if f"{s}_token_id" not in ids and isinstance(token, str) and tokenizer.token_to_id(token) is not None:
-                ids[f"{s}_token_id"] = tokenizer.token_to_id(token)
+            if f"{s}_token_id" not in ids and isinstance(token, str) and _token_id(token, tokenizer, raw) is not None:
+                ids[f"{s}_token_id"] = _token_id(token, tokenizer, raw)
     return ids
+
+
+def _token_id(token: str, tokenizer, config: dict) -> int | None:
+    """The id of `token`: from tokenizer.json when loaded, else tokenizer_config.json's added_tokens_decoder."""
+    if tokenizer is not None:
+        return tokenizer.token_to_id(token)
+    added = config.get("added_tokens_decoder", {})
+    return next((int(i) for i, t in added.items() if isinstance(t, dict) and t.get("content") == token), None)
 
 
 def eos_ids(directory: str, tokenizer) -> tuple[int, ...]:
@@ -74,11 +85,20 @@ def eos_ids(directory: str, tokenizer) -> tuple[int, ...]:
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
+def check_directory(directory: str) -> None:
+    """ValueError naming --tokenizer unless `directory` holds a vocabulary file (VOCABULARIES)."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--tokenizer {directory}: {'not a directory' if os.path.exists(directory) else 'no such directory'}")
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in VOCABULARIES):
+        raise ValueError(f"--tokenizer {directory}: no tokenizer files (none of {', '.join(VOCABULARIES)})")
+
+
 def copy_tokenizer(directory: str, out: str) -> list[str]:
-    """Copy the tokenizer files of `directory` into `out`; ValueError if it has no tokenizer.json."""
-    tokenizer_path(directory)
+    """Copy the tokenizer files of `directory` (and its tokenization_*.py code) into `out`."""
+    check_directory(directory)
     copied = []
-    for name in TOKENIZER_FILES:
+    code = sorted(n for n in os.listdir(directory) if n.startswith("tokenization_") and n.endswith(".py"))
+    for name in TOKENIZER_FILES + tuple(code):
         if os.path.isfile(os.path.join(directory, name)):
             shutil.copyfile(os.path.join(directory, name), os.path.join(out, name))
             copied.append(name)
@@ -89,8 +109,9 @@ def export_ids(directory: str, vocab_size: int) -> dict:
     """The bos/eos ids config.json states for an export with the tokenizer of `directory` (None when unknown:
     `transformers` would otherwise assume bos 0 and eos 1); ValueError when the tokenizer's ids do not fit
     the model's embedding (`vocab_size`)."""
-    tokenizer = load(directory)
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    check_directory(directory)
+    tokenizer = load(directory) if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    size = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else 0
     if size > vocab_size:
         raise ValueError(f"--tokenizer {directory}: {size} tokens but the model's vocab_size is {vocab_size}")
     return {"bos_token_id": None, "eos_token_id": None, **special_ids(directory, tokenizer)}

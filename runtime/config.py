@@ -329,7 +329,8 @@ def _build(values: dict[str, dict]) -> JobConfig:
         raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)})")
     for section, section_values in values.items():
         built[section] = _construct(section, lambda: dataclasses.replace(getattr(defaults, section), **section_values))
-    if built["posttrain"].init_from:  # the model's shape (and, for a Hugging Face dir, the weights) come from there
+    if built["posttrain"].init_from and built["data"].source == "rollouts":  # post-training: the model's shape
+        # (and, for a Hugging Face dir, the weights) come from there; launch/pretrain.py refuses the key
         built["model"], init_from = _posttrain_model(built["posttrain"].init_from, init_from, given_preset, overrides)
         return JobConfig(model_preset=name, model_init_from=init_from, **built)
     built["model"] = _construct("model", lambda: _model_config(name, init_from, overrides))

@@ -25,16 +25,14 @@ def pretrained_run(tmp_path_factory):
     return run_dir
 
 
-def test_the_checkpoint_supplies_the_shape_and_the_log_says_so(pretrained_run, tmp_path, capfd):
+def test_the_checkpoint_supplies_the_shape(pretrained_run):
+    """No [model] key: the run dir's newest checkpoint gives the shape (the 2-rank post-training run from a
+    checkpoint, with its start-up line and console line, is tests/test_new_user_path.py's last step)."""
     config = load_config([*ROLLOUTS, f"--posttrain.init_from={pretrained_run}"])
-    assert (config.model.n_layers, config.model.dim) == (2, 32)
-    codes, records = run_pretrain(tmp_path / "post", 1, [*ROLLOUTS, f"--posttrain.init_from={pretrained_run}"],
-                                  entry=posttrain.main)
-    out = capfd.readouterr().out
-    assert codes == [0] and len(records) == 1
+    assert (config.model.n_layers, config.model.dim) == (2, 32) and config.model_init_from == ""
+    posttrain.check_environment(config)
     step_1 = os.path.join(str(pretrained_run), "checkpoints", "step_1")
-    assert f"posttrain.init_from: model shape and weights from checkpoint {step_1} (step 1, saved on 1 ranks)" in out
-    assert f"| rl {records[0]['rl_loss']:.4f} | kl {records[0]['feedback_kl']:.4f} | targets " in out  # the console line
+    assert load_config([*ROLLOUTS, f"--posttrain.init_from={step_1}"]).model == config.model
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,7 +1,9 @@
-"""launch/evaluate.py, launch/generate.py and exports that serve, on a run that continued pretraining a tiny
-Hugging Face checkpoint on 2 ranks: evaluate's loss equals the run's logged eval_loss (from the checkpoint
-and from its fp32 export), generate's greedy tokens equal `transformers`' greedy generation on the export,
-and an export with `--tokenizer` loads and generates in `transformers` with no other file."""
+"""The new user's path of docs/new_user.md, its commands run as written: a tiny Hugging Face checkpoint
+with its tokenizer -> tokenize_text -> continued pretraining on 2 ranks -> evaluate -> export with the
+tokenizer -> `transformers` loads and generates -> post-training from the checkpoint. Around it:
+evaluate's loss equals the run's logged eval_loss (from the checkpoint and from its fp32 export),
+generate's greedy tokens equal `transformers`' greedy generation on the export, and an export with
+`--tokenizer` serves in `transformers` with no other file."""
 
 import json
 import os
@@ -12,12 +14,11 @@ import torch
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from entry_point import run_ok  # noqa: E402
+from doc_commands import commands, doc_blocks, run_command  # noqa: E402
 from hf_reference import hf_config, random_hf_model  # noqa: E402
 from launch import evaluate, export_hf, generate, tokenize_text  # noqa: E402
 
 WORDS = "the cat sat on a mat while dogs ran past quiet green hills under bright morning light".split()
-DATA = ["--data.seq_len=32", "--data.batch_size=4", "--eval.steps=2", "--eval.holdout=0.1"]
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 EVAL = ["--seq-len", "32", "--batch-size", "4", "--steps", "2", "--holdout", "0.1"]
 
@@ -44,21 +45,40 @@ def write_tokenizer(directory, text: str) -> int:
     return tokenizer.get_vocab_size()
 
 
+def write_rollouts(path, tokenizer) -> None:
+    """Chat-like transcripts in the tokenizer's ids: user turn, assistant turn (with a hint on every other)."""
+    with open(path, "w") as f:
+        for i in range(4):
+            user, reply = tokenizer.encode(" ".join(WORDS[i:i + 4])).ids, tokenizer.encode(" ".join(WORDS[i + 4:i + 9])).ids
+            feedback = [{"turn": 1, "hint": tokenizer.encode("quiet green").ids}] if i % 2 else []
+            f.write(json.dumps({"tokens": user + reply, "advantage": 1.0 - i / 2, "feedback": feedback,
+                                "turns": [{"role": "user", "start": 0, "end": len(user)},
+                                          {"role": "assistant", "start": len(user), "end": len(user) + len(reply)}]})
+                    + "\n")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tokenizer, a tiny HF checkpoint of its vocabulary, a token file, and a 2-rank run from them."""
+    """$MODEL: a tiny HF checkpoint with a tokenizer of its vocabulary; corpus.txt; then the first two commands
+    of docs/new_user.md (tokenize, continue pretraining on 2 ranks), run in that directory."""
     root = tmp_path_factory.mktemp("user")
-    text = write_text(root / "a.txt", 300)
+    text = write_text(root / "corpus.txt", 300)
     vocab = write_tokenizer(root / "tok", text)
     random_hf_model(hf_config(vocab_size=vocab)).save_pretrained(root / "hf")
-    data = str(root / "train.bin")
-    assert tokenize_text.main(["--tokenizer", str(root / "tok" / "tokenizer.json"), "--out", data,
-                               "--eos", "<eos>", str(root / "a.txt")]) == 0
-    run_dir = str(root / "run")
-    records = run_ok(run_dir, 2, ["--data.source=bin", f"--data.path={data}", *DATA, f"--model.init_from={root / 'hf'}",
-                                  "--training.steps=2", "--training.warmup_steps=1", "--eval.interval=2",
-                                  "--checkpoint.interval=2", "--optim.lr=0.01"])
-    return {"root": root, "data": data, "run": run_dir, "records": records}
+    write_tokenizer(root / "hf", text)  # the same tokenizer, inside the checkpoint as published ones have it
+    cwd, model = os.getcwd(), os.environ.get("MODEL")
+    os.environ["MODEL"] = str(root / "hf")
+    os.chdir(root)
+    try:
+        steps = commands(doc_blocks("new_user.md")[0])
+        for line in steps[:2]:
+            assert set(run_command(line)) == {0}, line
+        yield {"root": root, "data": str(root / "train.bin"), "run": str(root / "runs" / "cpt"),
+               "records": [json.loads(line) for line in open(root / "runs" / "cpt" / "metrics.jsonl")],
+               "later": steps[2:]}
+    finally:
+        os.chdir(cwd)
+        os.environ.pop("MODEL") if model is None else os.environ.__setitem__("MODEL", model)
 
 
 def _json_out(capsys, main, argv) -> list[dict]:
@@ -177,3 +197,53 @@ def test_an_export_without_tokenizer_states_no_token_ids_and_a_bad_tokenizer_wri
     assert export_hf.main(["--run-dir", trained["run"], "--out", str(tmp_path / "x"), "--tokenizer", str(big)]) == 2
     assert "tokens but the model's vocab_size is" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_the_rest_of_the_new_user_path_as_docs_new_user_md_writes_it(trained, capfd, monkeypatch):
+    """Commands 3-6 (evaluate, export with the tokenizer, generate, post-train from the checkpoint) and the
+    doc's Python snippet (transformers loads the export and generates), in the fixture's directory."""
+    root = trained["root"]
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MODEL", str(root / "hf"))
+    write_rollouts(root / "rollouts.jsonl", tokenize_text.load_tokenizer(str(root / "hf" / "tokenizer.json")))
+    evaluate_line, export_line, generate_line, posttrain_line = trained["later"]
+    assert run_command(evaluate_line) == [0]
+    assert f"loss {trained['records'][-1]['eval_loss']:.6f}" in capfd.readouterr().out  # the run's eval_loss
+    assert run_command(export_line) == [0]
+    assert capfd.readouterr().out == "exported runs/cpt/checkpoints/step_2 to cpt_hf\n"
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(os.listdir("cpt_hf"))
+    assert run_command(generate_line) == [0]
+    assert capfd.readouterr().out.startswith("the cat")
+    exec(doc_blocks("new_user.md", "python")[0], {})  # transformers: AutoTokenizer + AutoModelForCausalLM + generate
+    assert capfd.readouterr().out.strip()
+    assert run_command(posttrain_line) == [0, 0]
+    out = capfd.readouterr().out
+    assert f"posttrain.init_from: model shape and weights from checkpoint {os.path.join('runs/cpt', 'checkpoints', 'step_2')} (step 2, saved on 2 ranks)" in out
+    records = [json.loads(line) for line in open(root / "runs" / "post" / "metrics.jsonl")]
+    assert len(records) == 1 and records[0]["target_tokens"] > 0
+    r = records[0]  # the console line of post-training
+    assert f"| rl {r['rl_loss']:.4f} | kl {r['feedback_kl']:.4f} | targets {r['target_tokens']} |" in out
+
+
+def test_a_tiktoken_tokenizer_without_tokenizer_json_is_carried_whole(tmp_path):
+    """Kimi K2's layout: tiktoken.model + tokenization_kimi.py (trust_remote_code) + tokenizer_config.json whose
+    added_tokens_decoder names the special tokens' ids; a chat_template.jinja next to it."""
+    from launch import tokenizer_files
+
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    for name in ("tiktoken.model", "tokenization_kimi.py", "chat_template.jinja"):
+        (kimi / name).write_text(name)
+    (kimi / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"}, "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {"70": {"content": "[BOS]"}, "71": {"content": "[EOS]"}}}))
+    ids = tokenizer_files.export_ids(str(kimi), vocab_size=80)
+    assert ids == {"bos_token_id": 70, "eos_token_id": 71}
+    out = tmp_path / "out"
+    out.mkdir()
+    written = tokenizer_files.write_tokenizer(str(kimi), str(out), ids)
+    assert set(written) == {"tiktoken.model", "tokenization_kimi.py", "chat_template.jinja", "tokenizer_config.json",
+                            "generation_config.json"} == set(os.listdir(out))
+    assert json.load(open(out / "generation_config.json")) == ids
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        tokenizer_files.export_ids(str(tmp_path), vocab_size=80)
