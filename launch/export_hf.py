@@ -1,6 +1,7 @@
 """Export a training checkpoint as a Hugging Face DeepSeek-V3 directory.
 
-    python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4] [--tokenizer DIR]
+    python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4]
+                               [--tokenizer DIR [--trust-remote-code]]
                                [--like SRC_DIR [--experts-dtype int4|bfloat16]]
 
 Reads the DCP checkpoint `checkpoints/step_N` (default: the newest complete one) and the model config
@@ -8,11 +9,13 @@ its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safete
 model.safetensors.index.json with one key per expert, as the published checkpoints have them (w13's
 halves as gate_proj and up_proj). Checkpoints from before w1 and w3 were fused export too. One
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
-rank's shards), so memory stays bounded by the largest tensor. A bad argument (a run dir without
-checkpoints, an `--out` that is a file or not empty, `--shard-gb` <= 0) or a checkpoint that does not
-load exits with status 2 and one line; a failed export removes what it wrote. `--like SRC_DIR` writes
-in the layout of the directory training started from (Kimi K2.5: its nesting, INT4 experts re-quantized,
-vision tower and projector copied byte for byte, its config.json and other files: models/hf_like.py).
+rank's shards), so memory stays bounded by the largest tensor. `--out`'s missing parents are created. A
+bad argument (a run dir without checkpoints, an `--out` that is a file, not empty or inside an input,
+`--shard-gb` <= 0) or a checkpoint that does not load exits with status 2 and one line; a failed export
+removes what it wrote. `--like SRC_DIR` writes in the layout of the directory training started from (Kimi
+K2.5: its nesting, INT4 experts re-quantized, vision tower and projector copied byte for byte, its
+config.json and other files: models/hf_like.py). `--tokenizer DIR`: runtime/tokenizer_dir.py loads it
+(Kimi's tiktoken tokenizer with `--trust-remote-code`); launch/tokenizer_files.py copies its files.
 """
 
 import argparse
@@ -67,15 +70,26 @@ def check_run_dir(run_dir: str) -> None:
         raise ValueError(f"--run-dir {run_dir} is a checkpoints/ directory: give the run directory above it")
 
 
-def check_out(out: str) -> None:
-    """ValueError unless `out` is a new or an empty directory (an export never mixes with other files)."""
+def check_out(out: str, inputs: dict[str, str] | None = None) -> str | None:
+    """ValueError unless `out` is a new or an empty directory (an export never mixes with other files) outside
+    every input directory ({flag: path}); returns the outermost directory the export will create (`out` or a
+    missing parent of it), None when `out` exists."""
     if os.path.isdir(out):
         if os.listdir(out):
             raise ValueError(f"--out {out} exists and is not empty: give a new or an empty directory")
     elif os.path.exists(out):
         raise ValueError(f"--out {out} is a file: give a new or an empty directory")
-    elif not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ValueError(f"--out {out}: its parent {os.path.dirname(os.path.abspath(out))} is not a directory")
+    for flag, path in (inputs or {}).items():
+        if os.path.commonpath([os.path.realpath(out), os.path.realpath(path)]) == os.path.realpath(path):
+            raise ValueError(f"--out {out} is inside {flag} {path}: give a directory outside the inputs")
+    if os.path.isdir(out):
+        return None
+    top = os.path.abspath(out)
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    if not os.path.isdir(os.path.dirname(top)):
+        raise ValueError(f"--out {out}: its parent {os.path.dirname(top)} is not a directory")
+    return top
 
 
 def checkpoint_model_config(path: str) -> ModelConfig:
@@ -125,7 +139,7 @@ def dcp_fetch(path: str):
 
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
            shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None, like: str | None = None,
-           experts_dtype: str = "int4") -> str:
+           experts_dtype: str = "int4", trust_remote_code: bool = False) -> str:
     """Write the Hugging Face directory `out` (new or empty); returns the checkpoint it came from. On any
     failure `out` is left as it was. `tokenizer`: a directory whose tokenizer files join the export."""
     if tokenizer is not None and like is not None:
@@ -134,12 +148,13 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat
     path = checkpoint_path(run_dir, step)
     config = checkpoint_model_config(path)
     unknown = {"bos_token_id": None, "eos_token_id": None}  # not transformers' defaults 0 and 1
-    ids = tokenizer_files.export_ids(tokenizer, config.vocab_size) if tokenizer else unknown
-    check_out(out)
-    existed = os.path.isdir(out)
+    ids = tokenizer_files.export_ids(tokenizer, config.vocab_size, trust_remote_code) if tokenizer else unknown
+    inputs = {"--run-dir": run_dir, "--tokenizer": tokenizer, "--like": like}
+    created = check_out(out, {flag: p for flag, p in inputs.items() if p is not None})
     if like is not None:
         check_like(config, like)  # before anything is written
     try:
+        os.makedirs(out, exist_ok=True)
         if like is not None:
             write_like(config, dcp_fetch(path), out, like, dtype=DTYPES[dtype], experts_dtype=experts_dtype,
                        shard_bytes=shard_bytes)
@@ -149,17 +164,18 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat
         if tokenizer:
             tokenizer_files.write_tokenizer(tokenizer, out, ids)
     except BaseException as e:
-        _discard(out, existed)
+        _discard(out, created)
         if isinstance(e, OSError):
             raise ValueError(f"--out {out}: cannot write ({e.strerror or e})") from None
         raise
     return path
 
 
-def _discard(out: str, existed: bool) -> None:
-    """Remove what a failed export wrote into `out`, which was empty (`existed`) or absent."""
-    if not existed:
-        shutil.rmtree(out, ignore_errors=True)
+def _discard(out: str, created: str | None) -> None:
+    """Remove what a failed export wrote into `out`: the directories it `created` (out and missing parents),
+    or the files it wrote into the empty `out`."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
         return
     for name in os.listdir(out):
         os.remove(os.path.join(out, name))
@@ -181,6 +197,8 @@ def main(argv: list[str]) -> int:
                         help="weight dtype in the export (default: %(default)s; config.json states it)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer directory (tokenizer.json, tokenizer_config."
                         "json, chat template...) to copy into the export, with bos/eos ids and generation_config.json")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="with --tokenizer: run its own code (Kimi K2.5's tokenization_kimi.py)")
     parser.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30, help="largest shard file, GiB")
     parser.add_argument("--like", default=None, help="write in the layout of this Hugging Face directory (e.g. the "
                         "K2.5 directory training started from)")
@@ -190,8 +208,11 @@ def main(argv: list[str]) -> int:
     try:
         if args.experts_dtype is not None and args.like is None:
             raise ValueError(f"--experts-dtype {args.experts_dtype} has no effect without --like")
+        if args.trust_remote_code and args.tokenizer is None:
+            raise ValueError("--trust-remote-code has no effect without --tokenizer")
         path = export(args.run_dir, args.out, args.step, args.dtype, shard_limit(args.shard_gb), args.tokenizer,
-                      like=args.like, experts_dtype=args.experts_dtype or "int4")
+                      like=args.like, experts_dtype=args.experts_dtype or "int4",
+                      trust_remote_code=args.trust_remote_code)
     except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker or shard file
         print(f"export error: {e}", file=sys.stderr)
         return 2

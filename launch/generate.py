@@ -1,13 +1,15 @@
 """Text in, text out: sample from a model with its tokenizer, in one process.
 
-    python launch/generate.py --model RUN_DIR|CHECKPOINT_DIR|HF_DIR [--tokenizer DIR] --prompt "Once upon"
+    python launch/generate.py --model RUN_DIR|CHECKPOINT_DIR|HF_DIR [--tokenizer DIR [--trust-remote-code]]
+                              --prompt "Once upon"
                               [--prompt ...] [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--json]
 
 `--model`: as launch/evaluate.py (a run's newest checkpoint or `--step N`, one checkpoint, or a Hugging
-Face directory). `--tokenizer`: a directory with tokenizer.json (default: the model directory when it
-holds one, as an export made with `--tokenizer` does); its generation_config.json or tokenizer_config.json
-names the end-of-sequence token, after which a completion stops. No `--prompt`: one prompt per line of
-standard input. Decoding is runtime/generate.py (KV cache): temperature 0 is greedy; otherwise the
+Face directory). `--tokenizer`: a tokenizer directory, tokenizer.json or one AutoTokenizer loads (Kimi
+K2.5's tiktoken tokenizer needs `--trust-remote-code`; runtime/tokenizer_dir.py), default: the model
+directory when it holds one, as an export made with `--tokenizer` does; its generation_config.json or
+tokenizer_config.json names the end-of-sequence token, after which a completion stops. No `--prompt`: one
+prompt per line of standard input. Decoding is runtime/generate.py (KV cache): temperature 0 is greedy; otherwise the
 temperature-scaled distribution, truncated to the top-p nucleus, sampled from a generator seeded by
 (`--seed`, prompt index). Prints each completion, or with `--json` one JSON object per prompt (prompt,
 completion, prompt_tokens, tokens, stopped). A bad argument exits with status 2 and one line.
@@ -22,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from launch import tokenizer_files  # noqa: E402
 from launch.model_source import load_model  # noqa: E402
+from runtime import tokenizer_dir  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.generate import SamplingConfig, generate  # noqa: E402
 
@@ -50,7 +52,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="run dir, checkpoint dir or Hugging Face dir")
     parser.add_argument("--step", type=int, default=None, help="with a run dir: this checkpoint step (default: newest)")
-    parser.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: --model's)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model's)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the tokenizer directory's own code (Kimi K2.5's tokenization_kimi.py)")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; none: stdin lines)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated at most per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -61,10 +65,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    tokenizer_dir = args.tokenizer or args.model
-    tokenizer = tokenizer_files.load(tokenizer_dir, "--tokenizer" if args.tokenizer else "--model (no --tokenizer)")
+    directory, flag = args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "--model (no --tokenizer)"
+    tokenizer = tokenizer_dir.load_directory(directory, args.trust_remote_code, flag)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                              stop_tokens=tokenizer_files.eos_ids(tokenizer_dir, tokenizer))
+                              stop_tokens=tokenizer_dir.eos_ids(directory, tokenizer, flag))
     prompts = args.prompt if args.prompt is not None else [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or lines on standard input")

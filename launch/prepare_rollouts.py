@@ -24,6 +24,7 @@ import sys
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime import tokenizer_dir  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 from runtime.rollouts import trajectory_from_record  # noqa: E402
 from runtime.transcripts import (check_logprobs, insert_hint, parse_conversation, render_conversation,  # noqa: E402
@@ -34,15 +35,7 @@ GRPO_EPS = 1e-6
 
 def load_tokenizer(path: str, trust_remote_code: bool):
     """(tokenizer, end-of-turn token ids) of a local tokenizer directory; ValueError naming --tokenizer."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(path):
-        raise ValueError(f"--tokenizer {path} is not a directory (give the model's tokenizer directory)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises many kinds here (OSError, ValueError, ImportError)
-        detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer ({type(e).__name__}: {detail})") from None
+    tokenizer = tokenizer_dir.load_transformers(path, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"--tokenizer {path} has no chat template (no chat_template in tokenizer_config.json "
                          f"and no chat_template.jinja)")
@@ -52,12 +45,8 @@ def load_tokenizer(path: str, trust_remote_code: bool):
 def end_of_turn_ids(tokenizer, path: str) -> set[int]:
     """The tokenizer's eos token and generation_config.json's eos_token_id(s) (where generation stops)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    config = os.path.join(path, "generation_config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids
+    eos = tokenizer_dir.generation_ids(path).get("eos_token_id")
+    return ids | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def convert(tokenizer, end_of_turn: set[int], lines: list[str], args) -> tuple[list[dict], Counter]:

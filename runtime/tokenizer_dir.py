@@ -1,18 +1,24 @@
-"""A local tokenizer, from a `tokenizer.json` file or a Hugging Face tokenizer directory, for our tools.
+"""A local tokenizer, from a `tokenizer.json` file or a Hugging Face tokenizer directory, for every tool.
 
-    tokenizer = load_tokenizer(path, trust_remote_code=False)
+    tokenizer = load_tokenizer(path, trust_remote_code=False)      # a file or a directory (tokenize_text)
+    tokenizer = load_directory(directory, trust_remote_code=False) # a directory (generate, export_hf)
     tokenizer.get_vocab_size(with_added_tokens=True); tokenizer.token_to_id(token) -> int | None
-    tokenizer.encode(text, add_special_tokens=False).ids -> list[int]
+    tokenizer.encode(text, add_special_tokens=False).ids -> list[int]; tokenizer.decode(ids) -> str
+    special_ids(directory, tokenizer) -> {"bos_token_id": id, "eos_token_id": id}   (those that are known)
+    load_transformers(directory, trust_remote_code=False) -> the transformers tokenizer (chat templates)
     with ParallelEncoder(tokenizer, workers) as encoder: encoder.map(texts) -> token ids of each text, in order
 
 Sources, in this order: a `tokenizer.json` file, or a directory holding one (the `tokenizers` package);
 otherwise a directory that `transformers.AutoTokenizer` loads from its `tokenizer_config.json`. Kimi K2 /
 K2.5 ship the second kind: `tiktoken.model` + `tokenization_kimi.py` (custom code named by the config's
-`auto_map`), which runs only with `trust_remote_code=True`; without it the load is refused in one line.
-Nothing is downloaded. Both kinds answer the `tokenizers.Tokenizer` calls above, so a tool written for
-one reads the other. Special-token strings in the text encode as their ids in both (as `tokenizers` and
-Kimi's tokenizer do). `ParallelEncoder` forks worker processes that inherit the loaded tokenizer; the
-ids come back in input order, so the output is the same for any number of workers.
+`auto_map`), which runs only with `trust_remote_code=True`; without it the load is refused in one line
+naming --trust-remote-code. Nothing is downloaded. Both kinds answer the `tokenizers.Tokenizer` calls
+above, so a tool written for one reads the other. Special-token strings in the text encode as their ids
+in both (as `tokenizers` and Kimi's tokenizer do). Special ids come from the directory's
+generation_config.json when it has one (what `transformers` generation reads), else from
+tokenizer_config.json's `bos_token` / `eos_token` looked up in the tokenizer. `ParallelEncoder` forks
+worker processes that inherit the loaded tokenizer; the ids come back in input order, so the output is
+the same for any number of workers.
 """
 
 import itertools
@@ -22,56 +28,108 @@ import os
 from dataclasses import dataclass
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+SPECIAL = ("bos", "eos")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The tokenizer at `path` (file or directory); ValueError (one line, starting with --tokenizer) otherwise."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
+    """The tokenizer at `path` (file or directory); ValueError (one line, starting with `flag`) otherwise."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, TOKENIZER_JSON)):
-            return _tokenizers_file(os.path.join(path, TOKENIZER_JSON))
+            return _tokenizers_file(os.path.join(path, TOKENIZER_JSON), flag)
         if os.path.isfile(os.path.join(path, TOKENIZER_CONFIG)):
-            return _auto_tokenizer(path, trust_remote_code)
-        raise ValueError(f"--tokenizer: {path} is a directory; give the tokenizer.json file or a Hugging Face "
+            return AutoTokenizerAdapter(load_transformers(path, trust_remote_code, flag))
+        raise ValueError(f"{flag}: {path} is a directory; give the tokenizer.json file or a Hugging Face "
                          f"tokenizer directory (it has neither {TOKENIZER_JSON} nor {TOKENIZER_CONFIG})")
     if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer: no such file {path}")
-    return _tokenizers_file(path)
+        raise ValueError(f"{flag}: no such file {path}")
+    return _tokenizers_file(path, flag)
 
 
-def _tokenizers_file(path: str):
+def load_directory(directory: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
+    """The tokenizer of the tokenizer DIRECTORY `directory` (tools that also read its generation_config.json
+    and tokenizer_config.json: special_ids); ValueError naming `flag` for a file or a missing path."""
+    _check_directory(directory, flag)
+    return load_tokenizer(directory, trust_remote_code, flag)
+
+
+def load_transformers(directory: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
+    """`transformers.AutoTokenizer` of the local directory (for its chat template, added tokens...), refused in
+    one line when its tokenizer_config.json names custom code and `trust_remote_code` is False."""
+    _check_directory(directory, flag)
+    code = custom_code(directory, flag) if os.path.isfile(os.path.join(directory, TOKENIZER_CONFIG)) else None
+    if code and not trust_remote_code:
+        raise ValueError(f"{flag}: {directory} loads its tokenizer with custom code ({code}, from "
+                         f"{TOKENIZER_CONFIG} auto_map); pass --trust-remote-code to run it")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:  # whatever transformers or the tokenizer's own code raises: name it in one line
+        raise ValueError(f"{flag}: {directory} does not load with transformers.AutoTokenizer "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+def _check_directory(directory: str, flag: str) -> None:
+    if not os.path.isdir(directory):
+        what = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise ValueError(f"{flag} {directory}: {what} (give the model's tokenizer directory)")
+
+
+def _tokenizers_file(path: str, flag: str):
     from tokenizers import Tokenizer
 
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception for a malformed file
-        raise ValueError(f"--tokenizer: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+        raise ValueError(f"{flag}: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
 
 
-def custom_code(directory: str) -> str | None:
+def custom_code(directory: str, flag: str = "--tokenizer") -> str | None:
     """The custom tokenizer class `tokenizer_config.json` asks AutoTokenizer to import (auto_map), or None."""
-    try:
-        with open(os.path.join(directory, TOKENIZER_CONFIG)) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--tokenizer: {directory}/{TOKENIZER_CONFIG} is not readable JSON ({e})") from None
+    config = read_json(os.path.join(directory, TOKENIZER_CONFIG), flag)
     auto = (config.get("auto_map") or {}).get("AutoTokenizer")
     names = [auto] if isinstance(auto, str) else [n for n in auto or [] if n]
     return names[0] if names else None
 
 
-def _auto_tokenizer(directory: str, trust_remote_code: bool) -> "AutoTokenizerAdapter":
-    code = custom_code(directory)
-    if code and not trust_remote_code:
-        raise ValueError(f"--tokenizer: {directory} loads its tokenizer with custom code ({code}, from "
-                         f"{TOKENIZER_CONFIG} auto_map); pass --trust-remote-code to run it")
-    from transformers import AutoTokenizer
-
+def read_json(path: str, flag: str = "--tokenizer") -> dict:
+    """The JSON object in `path`; ValueError naming `flag` and the file otherwise."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
-    except Exception as e:  # whatever the tokenizer's own code raises: name it in one line
-        raise ValueError(f"--tokenizer: {directory} does not load with transformers.AutoTokenizer "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return AutoTokenizerAdapter(tokenizer)
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: {path} is not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: {path} is not a JSON object")
+    return value
+
+
+def generation_ids(directory: str, flag: str = "--tokenizer") -> dict:
+    """bos_token_id / eos_token_id (an id or a list of ids) of `directory`/generation_config.json, those set."""
+    path = os.path.join(directory, "generation_config.json")
+    raw = read_json(path, flag) if os.path.isfile(path) else {}
+    return {f"{s}_token_id": raw[f"{s}_token_id"] for s in SPECIAL if raw.get(f"{s}_token_id") is not None}
+
+
+def special_ids(directory: str, tokenizer, flag: str = "--tokenizer") -> dict:
+    """{"bos_token_id": ..., "eos_token_id": ...}, each only when the directory says which token it is: its
+    generation_config.json (what `transformers` generation reads), else tokenizer_config.json's `bos_token` /
+    `eos_token` looked up in the loaded `tokenizer`."""
+    ids = generation_ids(directory, flag)
+    config = os.path.join(directory, TOKENIZER_CONFIG)
+    raw = read_json(config, flag) if os.path.isfile(config) else {}
+    for s in SPECIAL:
+        token = raw.get(f"{s}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if f"{s}_token_id" not in ids and isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            ids[f"{s}_token_id"] = tokenizer.token_to_id(token)
+    return ids
+
+
+def eos_ids(directory: str, tokenizer, flag: str = "--tokenizer") -> tuple[int, ...]:
+    """The end-of-sequence ids generation stops at (none known: an empty tuple)."""
+    eos = special_ids(directory, tokenizer, flag).get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 @dataclass
@@ -98,6 +156,9 @@ class AutoTokenizerAdapter:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Encoding:
         return Encoding(list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 _WORKER_TOKENIZER = None  # set in the parent right before forking: the workers inherit it

@@ -205,6 +205,14 @@ def _damage(step_dir, how):
             json.dump(meta, f)
 
 
+def _word_level(directory) -> None:
+    """`directory`/tokenizer.json: a 3-token word-level tokenizer (fits any model)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    directory.mkdir()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
 # (argv after the defaults `--run-dir {run} --out {tmp}/out`, later flags win; damage; the message's key phrase)
 EXPORT_MISTAKES = {
     "run_dir_missing": (["--run-dir", "{tmp}/nope"], None, "--run-dir {tmp}/nope: no such directory"),
@@ -220,7 +228,16 @@ EXPORT_MISTAKES = {
     "out_not_empty": (["--out", "{run}"], None, "--out {run} exists and is not empty"),
     "out_under_a_file": (["--out", "{tmp}/file/out"], None,
                          "--out {tmp}/file/out: its parent {tmp}/file is not a directory"),
+    "out_inside_the_run": (["--out", "{run}/export"], None, "--out {run}/export is inside --run-dir {run}: give a"),
+    "out_inside_the_checkpoint": (["--out", "{run}/checkpoints/step_1/new/hf"], None,
+                                  "--out {run}/checkpoints/step_1/new/hf is inside --run-dir {run}"),
+    "out_inside_the_tokenizer": (["--tokenizer", "{tmp}/tok", "--out", "{tmp}/tok/export"], None,
+                                 "--out {tmp}/tok/export is inside --tokenizer {tmp}/tok: give a"),
+    "trust_remote_code_without_tokenizer": (["--trust-remote-code"], None,
+                                            "--trust-remote-code has no effect without --tokenizer"),
     "truncated_shard": ([], "truncate_shard", "does not load, a shard file is missing or damaged (EOFError)"),
+    "truncated_shard_new_parents": (["--out", "{tmp}/new/parents/out"], "truncate_shard",
+                                    "does not load, a shard file is missing or damaged (EOFError)"),
     "missing_shard": ([], "delete_shard", "does not load, a shard file is missing or damaged (FileNotFoundError: "),
     "missing_metadata": ([], "delete_metadata", "step_1: unreadable DCP metadata (FileNotFoundError: "),
     "marker_config_not_the_weights": ([], "marker_adds_a_layer", "holds no layers.3.attention_norm.weight, a weight"),
@@ -238,6 +255,7 @@ def test_export_mistakes_exit_2_in_one_line_and_write_nothing(trained_run, tmp_p
     if damage:
         _damage(os.path.join(run_dir, "checkpoints", "step_1"), damage)
     (tmp_path / "file").write_text("")
+    _word_level(tmp_path / "tok")
     fill = {"tmp": str(tmp_path), "run": run_dir}
     argv = [a.format(**fill) for a in ["--run-dir", "{run}", "--out", "{tmp}/out", *extra]]
     before = sorted(os.listdir(run_dir))
@@ -246,3 +264,12 @@ def test_export_mistakes_exit_2_in_one_line_and_write_nothing(trained_run, tmp_p
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("export error: ") and phrase.format(**fill) in err, err
     assert not os.path.exists(tmp_path / "out") and sorted(os.listdir(run_dir)) == before  # nothing written
+    assert not os.path.exists(tmp_path / "new") and os.listdir(tmp_path / "tok") == ["tokenizer.json"]
+
+
+def test_export_creates_the_missing_parents_of_out(trained_run, tmp_path):
+    from launch.export_hf import main
+
+    out = tmp_path / "new" / "parents" / "out"
+    assert main(["--run-dir", trained_run, "--out", str(out), "--dtype", "float32"]) == 0
+    assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(out))

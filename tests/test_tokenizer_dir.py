@@ -1,11 +1,15 @@
 """launch/tokenize_text.py with a Hugging Face tokenizer directory (runtime/tokenizer_dir.py): a tiny Kimi-style
 tiktoken tokenizer (a `tiktoken.model` rank file + a `tokenization_kimi.py` loader named by `auto_map`)
 tokenizes exactly as `transformers.AutoTokenizer(..., trust_remote_code=True)` and `tiktoken` itself do;
-`--workers 1` and `--workers 4` write the same file; without `--trust-remote-code` it is refused in one line."""
+`--workers 1` and `--workers 4` write the same file; without `--trust-remote-code` it is refused in one line.
+The same directory with launch/generate.py (ids in and text out as AutoTokenizer's) and launch/export_hf.py
+--tokenizer (its files carried whole, bos/eos ids right), each refusing it without the flag."""
 
 import base64
+import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -177,3 +181,95 @@ def test_refused_in_one_line_and_nothing_written(tok_dir, capsys, extra, phrase)
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and phrase in err, err
     assert not [p for p in os.listdir(base) if p.startswith("refused")]
+
+
+# ---- the same directory with every tool: launch/generate.py and launch/export_hf.py --tokenizer ----------------
+
+@pytest.fixture(scope="module")
+def kimi_model(tok_dir, tmp_path_factory):
+    """A tiny random Hugging Face model whose vocabulary is the Kimi-style tokenizer's (275 ids), and a run
+    directory holding the same weights as its one complete checkpoint (what export_hf reads)."""
+    from hf_reference import hf_config, random_hf_model
+
+    from models.hf import load_pretrained
+    from runtime import checkpoint
+
+    base, ranks = tok_dir
+    root = tmp_path_factory.mktemp("kimi_model")
+    random_hf_model(hf_config(vocab_size=len(ranks) + len(SPECIAL))).save_pretrained(root / "hf")
+    model = load_pretrained(str(root / "hf"))
+    run = root / "run"
+    checkpoint.save(1, checkpoint.checkpoint_dir(str(run)), {"train": {"model": model.state_dict()}},
+                    meta={"model": dataclasses.asdict(model.config)})
+    return {"hf": str(root / "hf"), "run": str(run), "tokenizer": str(base / "kimi"), "n": len(ranks)}
+
+
+def test_generate_with_the_kimi_style_directory_encodes_and_decodes_as_autotokenizer(kimi_model, capsys):
+    from transformers import AutoTokenizer
+
+    from launch import generate
+    from runtime import tokenizer_dir
+
+    prompts = ["the cat sat on the mat", "中文 the[EOS] cat"]
+    argv = ["--model", kimi_model["hf"], "--tokenizer", kimi_model["tokenizer"], "--trust-remote-code",
+            "--temperature", "0", "--max-new-tokens", "8", "--json"]
+    assert generate.main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    hf = AutoTokenizer.from_pretrained(kimi_model["tokenizer"], trust_remote_code=True)
+    eos = kimi_model["n"] + 1  # [EOS]: tokenizer_config.json's eos_token, in its added_tokens_decoder
+    assert len(results) == 2 and eos in results[1]["prompt_tokens"]  # the in-text [EOS] is one special id
+    loaded = tokenizer_dir.load_directory(kimi_model["tokenizer"], trust_remote_code=True)
+    assert tokenizer_dir.eos_ids(kimi_model["tokenizer"], loaded) == (eos,)  # where generation stops
+    for prompt, result in zip(prompts, results):
+        assert result["prompt_tokens"] == hf.encode(prompt, add_special_tokens=False)
+        tokens = result["tokens"][:-1] if result["stopped"] else result["tokens"]
+        assert len(tokens) >= 1 and result["completion"] == hf.decode(tokens)
+        assert result["stopped"] == (result["tokens"][-1] == eos) and eos not in tokens
+
+
+def test_export_with_the_kimi_style_directory_carries_it_whole(kimi_model, tmp_path, capsys):
+    """Files copied byte for byte, bos/eos ids from its added tokens, and AutoTokenizer loads the export's
+    copy (with its tokenization_kimi.py) to the same ids; --out's missing parents are created."""
+    from transformers import AutoTokenizer
+
+    from launch import export_hf
+
+    source = tmp_path / "kimi"
+    shutil.copytree(kimi_model["tokenizer"], source, ignore=shutil.ignore_patterns("__pycache__"))
+    (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out = tmp_path / "a" / "b" / "export"
+    assert export_hf.main(["--run-dir", kimi_model["run"], "--out", str(out), "--tokenizer", str(source),
+                           "--trust-remote-code", "--dtype", "float32"]) == 0
+    n = kimi_model["n"]
+    ids = {"bos_token_id": n, "eos_token_id": n + 1}
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids and json.loads((out / "generation_config.json").read_text()) == ids
+    copied = {"tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json", "chat_template.jinja"}
+    assert copied | {"generation_config.json", "config.json"} <= set(os.listdir(out))
+    assert all((out / name).read_bytes() == (source / name).read_bytes() for name in copied)
+    text = "the cat[EOS] 中文 sat"
+    ours = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    theirs = AutoTokenizer.from_pretrained(str(source), trust_remote_code=True)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    assert ours.eos_token_id == n + 1 and ours.bos_token_id == n
+
+
+@pytest.mark.parametrize("tool", ["generate", "export_hf", "prepare_rollouts"])
+def test_every_tool_refuses_the_custom_code_without_the_flag_in_one_line(kimi_model, tmp_path, capsys, tool):
+    from launch import export_hf, generate, prepare_rollouts
+
+    tokenizer = kimi_model["tokenizer"]
+    if tool == "generate":
+        code = generate.main(["--model", kimi_model["hf"], "--tokenizer", tokenizer, "--prompt", "the cat"])
+    elif tool == "prepare_rollouts":
+        chats = tmp_path.parent / f"{tmp_path.name}_chats.jsonl"  # the input, outside the directory checked
+        chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "reward": 1.0}) + "\n")
+        code = prepare_rollouts.main(["--tokenizer", tokenizer, "--in", str(chats), "--out", str(tmp_path / "r.jsonl")])
+    else:
+        code = export_hf.main(["--run-dir", kimi_model["run"], "--out", str(tmp_path / "a" / "out"),
+                               "--tokenizer", tokenizer])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (f"--tokenizer: {tokenizer} loads its tokenizer with custom code (tokenization_kimi.TikTokenTokenizer, "
+            f"from tokenizer_config.json auto_map); pass --trust-remote-code to run it") in err
+    assert os.listdir(tmp_path) == []  # nothing written (export_hf: not even --out's parent)
