@@ -53,17 +53,27 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
-    mtp = {k for k in present if _LAYER.match(k) and int(_LAYER.match(k).group(1)) >= config.n_layers}
+    mtp = {k for k in present if _is_mtp(k, fmt)}
     scales = {k + "_scale_inv" for k in expected if files.dtype_code(k) == "F8_E4M3"}
     unexpected = sorted(present - set(expected) - mtp - scales - {k for k in present if k.endswith(_IGNORED_SUFFIXES)})
     if unexpected:
-        raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+        deeper = sorted({int(m.group(1)) for m in map(_LAYER.match, unexpected) if m and int(m.group(1)) >= config.n_layers})
+        why = (f" (layers {deeper[0]}..{deeper[-1]}: the model has n_layers={config.n_layers} and config.json declares "
+               f"{fmt.n_mtp_layers} multi-token-prediction layers)") if deeper else ""
+        raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}{why}")
     for key, shape in expected.items():
         _check_tensor(files, key, shape, fmt)
     notes = []
     if mtp:
-        notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {config.n_layers})")
+        notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {fmt.first_mtp_layer})")
     return notes
+
+
+def _is_mtp(key: str, fmt: CheckpointFormat) -> bool:
+    """A key of the multi-token-prediction layers config.json declares (num_nextn_predict_layers after its
+    num_hidden_layers); any other layer the config does not use is an unexpected tensor, not skipped."""
+    match = _LAYER.match(key)
+    return bool(match) and fmt.first_mtp_layer <= int(match.group(1)) < fmt.first_mtp_layer + fmt.n_mtp_layers
 
 
 def _check_tensor(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):

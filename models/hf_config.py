@@ -51,6 +51,7 @@ class CheckpointFormat:
     rope_interleave: bool  # rotary dims stored as interleaved pairs (DeepSeek), not halves
     n_mtp_layers: int  # multi-token-prediction layers after the last layer (not loaded)
     fp8_block: tuple[int, int] | None  # weight_block_size of float8_e4m3fn weights, None if unquantized
+    first_mtp_layer: int = 0  # config.json's num_hidden_layers: the MTP layers' keys start at this layer index
 
 
 def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
@@ -87,7 +88,8 @@ def model_config(raw: dict, where: str) -> ModelConfig:
 def checkpoint_format(raw: dict, where: str) -> CheckpointFormat:
     return CheckpointFormat(rope_interleave=bool(raw.get("rope_interleave", True)),
                             n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
-                            fp8_block=_fp8_block(raw.get("quantization_config"), where))
+                            fp8_block=_fp8_block(raw.get("quantization_config"), where),
+                            first_mtp_layer=int(raw.get("num_hidden_layers") or 0))
 
 
 def _check_architecture(raw: dict, where: str):
