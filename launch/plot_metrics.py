@@ -9,6 +9,7 @@ directory, no image extension, a missing directory) exits with status 2 and one 
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -21,7 +22,8 @@ PANELS = (("loss", "loss (line) and eval loss (dots)"), ("grad_norm", "gradient 
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The records of `<run_dir>/metrics.jsonl`: JSON objects with a "step" (a torn last line is
-    skipped); ValueError if there are none."""
+    skipped); ValueError, naming the file, if another line is not JSON (not a metrics file), if there
+    are no records, or if no record has a finite loss (every step skipped: nothing to plot)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(run_dir):
         raise ValueError(f"{run_dir} is a file; give the run directory that holds metrics.jsonl")
@@ -30,17 +32,23 @@ def read_metrics(run_dir: str) -> list[dict]:
     records = []
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    records.append(record)
+            lines = f.read().splitlines()
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text (not a metrics file?)") from None
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):
+            if number == len(lines):
+                continue  # the torn last line of a run that was killed mid-write
+            raise ValueError(f"{path} line {number} is not JSON (not a metrics file?)") from None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
     if not records:
         raise ValueError(f"{path} holds no records (JSON lines with a \"step\")")
+    if not any(isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) for r in records):
+        raise ValueError(f"{path}: none of its {len(records)} records has a finite loss (every step was "
+                         f"non-finite): nothing to plot")
     return records
 
 

@@ -160,7 +160,12 @@ def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch
 def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_interleave: bool,
              shard_bytes: int) -> None:
     """config.json + safetensors shards from `fetch(our_name) -> full tensor`, called once per tensor
-    and dropped after its experts/rows are written: memory is bounded by the largest tensor."""
+    and dropped after its experts/rows are written: memory is bounded by the largest tensor. ValueError
+    (one line, nothing written) for a model the DeepSeek-V3 format cannot hold."""
+    if config.attn != "mla":
+        raise ValueError(f"the model uses attn={config.attn!r} attention; the Hugging Face DeepSeek-V3 format "
+                         f"(DeepseekV3ForCausalLM) needs multi-head latent attention, attn='mla': only MLA models "
+                         f"export")
     with torch.device("meta"):
         meta = Transformer(config)
     shapes = {n: tuple(t.shape) for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}

@@ -272,7 +272,11 @@ def check_init_from(path: str, model_config: dict) -> None:
     """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model (no collective)."""
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
-    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), model_config, "model.")
+    try:
+        saved = checkpoint.read_meta(path).get("model", {})
+    except checkpoint.Unloadable as e:  # a RunError: turned into the start-up check's ValueError
+        raise ValueError(f"posttrain.init_from: {e}") from None
+    diffs = checkpoint.differences(saved, model_config, "model.")
     if diffs:
         raise ValueError(f"posttrain.init_from: {path} holds another model ({'; '.join(diffs)})")
 

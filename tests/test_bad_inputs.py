@@ -130,3 +130,64 @@ def test_entry_point_exits_3_when_too_little_finite_was_trained(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("diverged")] == [err[-1]] and err[-1].startswith(message), err
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+# ---- the tools: plot_metrics, feedback_experiment, export_hf, checkpoint markers ----------------
+
+@pytest.mark.parametrize("content, message", [
+    ('{"step": 0, "loss": 1.0}\nstep,loss\n{"step": 1, "loss": 0.9}\n', "metrics.jsonl line 2 is not JSON"),
+    ('{"step": 0, "loss": null}\n{"step": 1, "loss": null}\n', "none of its 2 records has a finite loss"),
+])
+def test_plot_metrics_refuses_what_it_cannot_plot(tmp_path, capsys, content, message):
+    from launch.plot_metrics import main as plot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(content)
+    assert plot([str(run), "--out", str(tmp_path / "curves.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and str(run) in err[0], err
+    assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--lr=inf", "lr=inf a finite number > 0"), ("--temperature=-1", "temperature=-1.0 must be a finite number"),
+    ("--temperature=inf", "temperature=inf must be"), ("--p-invalid=1.5", "p_invalid=1.5 must be a probability"),
+    ("--json={tmp}/missing/result.json", "--json {tmp}/missing/result.json: {tmp}/missing does not exist"),
+])
+def test_feedback_experiment_checks_arguments_before_training(tmp_path, capsys, monkeypatch, flag, message):
+    from benchmarks import feedback_experiment as fe
+
+    def no_training(*args):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(fe, "run", no_training)
+    argv = ["--quick", f"--work={tmp_path}/work", f"--json={tmp_path}/result.json", flag.format(tmp=tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        fe.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {err[0][7:]}"] and message.format(tmp=tmp_path) in err[0], err
+
+
+def test_export_of_a_gqa_model_is_one_line_that_hf_needs_mla(tmp_path):
+    from models import Transformer, preset
+    from models.hf import save_pretrained
+
+    with pytest.raises(ValueError, match=r"attn='gqa' attention; the Hugging Face DeepSeek-V3 format .* attn='mla'"):
+        save_pretrained(Transformer(preset("debug_gqa")), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_garbled_checkpoint_marker_is_named(tmp_path, capsys):
+    from launch.export_hf import main as export
+    from runtime.posttrain import check_init_from
+
+    step = tmp_path / "run" / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_bytes(b'{"step": 1, "mod\xff')
+    assert export(["--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{step}/COMPLETE: unreadable COMPLETE marker" in err[0], err
+    with pytest.raises(ValueError, match=rf"^posttrain.init_from: {step}/COMPLETE: unreadable COMPLETE marker"):
+        check_init_from(str(step), {})
