@@ -44,6 +44,9 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make the repo
 import torch
 import torch.nn.functional as F
 
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
+
 DEFAULT_BUDGET_S = 450.0  # stop starting sections after this; the whole run stays under 8 minutes
 
 
@@ -488,8 +491,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@user_errors
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_outputs([("--json", args.json)])
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: torch sees no CUDA device (use --device cpu --small for the CPU check)")
     return run(args)

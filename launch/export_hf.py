@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from runtime import checkpoint  # noqa: E402
+from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -163,8 +164,7 @@ def main(argv: list[str]) -> int:
     try:
         path = export(args.run_dir, args.out, args.step, args.dtype, shard_limit(args.shard_gb))
     except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker or shard file
-        print(f"export error: {e}", file=sys.stderr)
-        return 2
+        return report(e, "export error")
     print(f"exported {path} to {args.out}")
     return 0
 

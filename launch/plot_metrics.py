@@ -14,6 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime.cli import report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 
 PANELS = (("loss", "loss (line) and eval loss (dots)"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
@@ -111,14 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {label: read_metrics(d) for label, d in zip(labels(args.run_dirs), args.run_dirs)}
         plot(runs, args.out)
     except ImportError:
-        print("error: plotting needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
-        return 2
+        return report("plotting needs matplotlib (pip install -e '.[plot]')")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except OSError as e:
-        print(f"error: --out {args.out}: cannot write ({e.strerror or e})", file=sys.stderr)
-        return 2
+        return report(f"--out {args.out}: cannot write ({e.strerror or e})")
     print(f"wrote {args.out}")
     return 0
 
