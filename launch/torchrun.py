@@ -4,7 +4,8 @@ Plain `torchrun` exits 1 whenever a worker fails and prints a ChildFailedError b
 own line, so a config error (status 2) or a divergence (3) looks like a crash to a script or a
 scheduler. This runs the same launcher (torch.distributed.run, every torchrun flag) and, when workers
 fail, exits with the status of the lowest rank that exited by itself (2, 3, 143; or 128+N when all
-were killed by signal N), after the workers' one line, without the block. torch's own log lines (a worker "failed
+were killed by signal N), after the workers' one line, without the block; 128+N when the launcher
+itself gets signal N (SIGTERM from a scheduler: 143, as the workers that saved a checkpoint report). torch's own log lines (a worker "failed
 (exitcode: 2)", the others being sent SIGTERM) are kept at warning level and above only for
 failures that are not the project's (status 1 or a signal): those are the ones to debug.
 """
@@ -12,6 +13,7 @@ failures that are not the project's (status 1 or a signal): those are the ones t
 import logging
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -36,6 +38,8 @@ def main(argv: list[str]) -> int:
         if status not in STATUSES:
             print(f"torchrun: worker failed with exit status {status}:\n{e.format_msg()}", file=sys.stderr)
         return status
+    except SignalException as e:  # the launcher itself got SIGTERM (a scheduler's preemption): it passed the
+        return 128 + int(e.sigval)  # signal on to the workers, which saved a checkpoint; 143 like theirs
     return 0
 
 

@@ -48,3 +48,17 @@ def test_config_error_under_torchrun_is_one_line_and_status_2(tmp_path):
     assert result.stderr.splitlines() == [result.stderr.splitlines()[0]], result.stderr[-2000:]
     assert result.stderr.startswith("config error: training.stepz: unknown key")
     assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_wrapper_status_when_the_launcher_is_signalled(monkeypatch):
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import launch.torchrun as wrapper
+
+    def preempted(args):
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(wrapper, "run", preempted)
+    assert wrapper.main(["--nproc_per_node=1", "launch/pretrain.py"]) == 143
