@@ -130,10 +130,12 @@ def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     an unreadable or malformed header, or a file too short for the data its header declares (a download
     cut short): the size check reads no tensor bytes."""
     try:
+        file_bytes = os.path.getsize(path)
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > file_bytes - 8:  # garbage in the first 8 bytes: never allocate what they say
+                raise ValueError(f"its header length {size:,} exceeds the file's {file_bytes:,} bytes")
             header = json.loads(f.read(size))
-        file_bytes = os.path.getsize(path)
     except (OSError, struct.error, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     if not isinstance(header, dict):

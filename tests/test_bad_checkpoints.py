@@ -80,6 +80,11 @@ def test_malformed_header_entry_and_index_name_their_file(hf_dir, tmp_path):
         f.write(struct.pack("<Q", len(text)) + text + data)
     assert _check_error(bad).startswith(f"{shard}: malformed safetensors header entry for '{key}'")
 
+    with open(shard, "wb") as f:  # not a safetensors file: its first 8 bytes read as a header of ~1e12 bytes
+        f.write(struct.pack("<Q", 10**12) + b"{}")
+    assert _check_error(bad) == (f"{shard}: not a readable safetensors file (its header length 1,000,000,000,000 "
+                                 f"exceeds the file's 10 bytes)")  # was a MemoryError
+
     index_dir = _copy(hf_dir, str(tmp_path / "index"))
     index = os.path.join(index_dir, "model.safetensors.index.json")
     for garbage in ('{"weight_map": {"a": ', '["not", "a", "map"]', '{"weight_map": {"a": "../x"}}'):
