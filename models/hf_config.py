@@ -66,6 +66,10 @@ def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
         raise ValueError(f"{path}: cannot read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, nested too deeply
+        raise ValueError(f"{path}: not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a model config (a JSON {type(raw).__name__}, not an object)")
     return model_config(raw, path), checkpoint_format(raw, path)
 
 

@@ -141,3 +141,15 @@ def test_nan_weight_message_names_file_and_key(hf_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"model.init_from: {bad}/{SHARD}: model.layers.") and \
         "holds non-finite values (NaN or inf)" in err[0], err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe{", "not valid JSON ('utf-8' codec can't decode byte 0xff"),
+    (b"[1, 2]", "not a model config (a JSON list, not an object)"),
+    (b"[" * 100000, "not valid JSON (maximum recursion depth exceeded"),
+])
+def test_bad_config_json_names_the_file(tmp_path, content, message):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        read_hf_config(str(tmp_path))
+    assert str(info.value).startswith(f"{tmp_path}/config.json: {message}"), str(info.value)
