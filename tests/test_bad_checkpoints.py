@@ -147,7 +147,7 @@ def test_nan_weight_message_names_file_and_key(hf_dir, tmp_path, capsys):
     (b"\xff\xfe{", "not valid JSON ('utf-8' codec can't decode byte 0xff"),
     (b"[1, 2]", "not a model config (a JSON list, not an object)"),
     (b"[" * 100000, "not valid JSON (maximum recursion depth exceeded"),
-])
+], ids=["not_utf8", "a_list", "nested_too_deeply"])
 def test_bad_config_json_names_the_file(tmp_path, content, message):
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ValueError) as info:
