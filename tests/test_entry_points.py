@@ -60,5 +60,9 @@ def test_torchrun_wrapper_status_when_the_launcher_is_signalled(monkeypatch):
     def preempted(args):
         raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
 
+    import logging
+
+    logger = logging.getLogger("torch.distributed.elastic")
+    monkeypatch.setattr(logger, "level", logger.level)  # main() quiets it for the process: undone after the test
     monkeypatch.setattr(wrapper, "run", preempted)
     assert wrapper.main(["--nproc_per_node=1", "launch/pretrain.py"]) == 143
