@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.block_attention import pad_values
 from parallel.context_parallel import balanced_chunk_attention, load_balanced_positions
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 QK, V = 192, 128  # DeepSeek-V3 / Kimi K2: qk_nope 128 + qk_rope 64, v 128
 CAUSAL_SHAPES = [(1, 8, 512), (1, 8, 1024), (1, 16, 2048)]  # batch, heads, sequence
@@ -157,6 +159,7 @@ def cp_bytes() -> list[dict]:
     return rows
 
 
+@user_errors
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
@@ -165,6 +168,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--small", action="store_true", help="one tiny shape per group (tests)")
     args = p.parse_args(argv)
+    check_outputs([("--json", args.json)])
     torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     causal_shapes, cp_shapes = (CAUSAL_SHAPES, CP_SHAPES) if not args.small else ([(1, 2, 64)], [(1, 2, 64, 4)])

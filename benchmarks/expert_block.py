@@ -25,6 +25,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from models.experts import grouped_linear, swiglu_experts  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 # (local experts, tokens per expert, dim, expert hidden dim): a debug-sized and a wider block
 SHAPES = [(8, 256, 256, 128), (8, 512, 1024, 512)]
@@ -119,6 +121,7 @@ def run(shapes, dtypes, repeats: int) -> list[dict]:
     return rows
 
 
+@user_errors
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="one tiny shape (the test suite's run)")
@@ -126,6 +129,7 @@ def main(argv) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    check_outputs([("--json", args.json)])
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(SMALL_SHAPES if args.small else SHAPES, [torch.float32, torch.bfloat16], args.repeats)

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import sys
@@ -88,8 +89,13 @@ class ExperimentConfig:
         for key in counts:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.steps < 0 or not self.lr > 0:
-            raise ValueError(f"steps={self.steps} must be >= 0 and lr={self.lr} > 0")
+        if self.steps < 0 or not 0 < self.lr < math.inf:
+            raise ValueError(f"steps={self.steps} must be >= 0 and lr={self.lr} a finite number > 0")
+        for key in ("p_invalid", "p_reminder"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be a probability in [0, 1]")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
 
 
 QUICK = dict(seeds=2, steps=8, episodes=24, eval_every=4, eval_episodes=48)  # the same base policy (shared cache)
@@ -319,10 +325,7 @@ def main(argv: list[str]) -> int:
         if unknown:
             parser.error(f"--arms: unknown {sorted(unknown)}; choose from {list(ARMS)}")
         values["arms"] = tuple(args.arms.split(","))
-    try:
-        cfg = ExperimentConfig(**values)
-    except ValueError as e:
-        parser.error(str(e))
+    cfg = ExperimentConfig(**values)  # a ValueError: one line, exit 2 (user_errors)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_check_paths import SECTIONS as PATH_SECTIONS
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 DEFAULT_BUDGET_S = 450.0  # stop starting sections after this; the whole run stays under 8 minutes
 
@@ -515,8 +517,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@user_errors
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_outputs([("--json", args.json)])
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: torch sees no CUDA device (use --device cpu --small for the CPU check)")
     return run(args)

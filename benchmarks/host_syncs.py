@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from parallel.meshes import build_meshes
 from runtime import train as T
+from runtime.cli import user_errors
 from runtime.config import load_config
+from runtime.paths import check_outputs
 from runtime.syncs import count_syncs, mark_optimizer_host_state
 
 SMALL = ["--training.steps=10", "--checkpoint.interval=0", "--run.dir=/tmp/twinmesh_host_syncs"]
@@ -57,12 +59,14 @@ def _print(result: dict) -> None:
         print(f"  {n:6g}  {site}")
 
 
+@user_errors
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     json_path = None
     if "--json" in argv:
         i = argv.index("--json")
         json_path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        check_outputs([("--json", json_path)])
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     backend = "gloo"

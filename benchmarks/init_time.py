@@ -22,6 +22,7 @@ from launch.estimate_memory import rank_boxes  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.layers import RMSNorm  # noqa: E402
 from models.seeded_init import normal_box  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 
 
@@ -34,6 +35,7 @@ def drawn_boxes(config, layout, rank: int):
             if fqn not in norms]
 
 
+@user_errors
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/kimi_k2_256gpu.toml")

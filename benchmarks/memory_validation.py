@@ -27,7 +27,9 @@ from launch.estimate_memory import Job, estimate  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 COMMON = ["--data.source=synthetic", "--training.warmup_steps=1", "--checkpoint.interval=0"]
 PRESETS = {
@@ -60,12 +62,14 @@ def _measure(rank, world_size, argv):
     return peak()["Total"]
 
 
+@user_errors
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
+    check_outputs([("--json", args.json)])
     rows = []
     for preset in ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):

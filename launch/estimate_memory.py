@@ -61,6 +61,7 @@ from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
 from parallel.meshes import rank_mesh  # noqa: E402
 from runtime.config import load_config  # noqa: E402
+from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 
 GIB = 2**30
@@ -349,7 +350,7 @@ def main(argv=None) -> dict:
     try:
         job = job_from_args(args, overrides)
     except ValueError as e:  # ConfigError is one: it names the dotted key
-        _fail(str(e))
+        fail(str(e))
     result = estimate(job)
     print(format_table(result))
     if args.json:
@@ -357,13 +358,8 @@ def main(argv=None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         except OSError as e:
-            _fail(f"--json {args.json}: cannot write ({e.strerror or e})")
+            fail(f"--json {args.json}: cannot write ({e.strerror or e})")
     return result
-
-
-def _fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def job_from_args(args, overrides: list[str]) -> Job:

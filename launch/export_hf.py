@@ -35,6 +35,7 @@ from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
 from runtime import checkpoint  # noqa: E402
+from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -214,8 +215,7 @@ def main(argv: list[str]) -> int:
                       like=args.like, experts_dtype=args.experts_dtype or "int4",
                       trust_remote_code=args.trust_remote_code)
     except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker or shard file
-        print(f"export error: {e}", file=sys.stderr)
-        return 2
+        return report(e, "export error")
     print(f"exported {path} to {args.out}")
     return 0
 

@@ -10,10 +10,12 @@ directory, no image extension, a missing directory) exits with status 2 and one 
 
 import argparse
 import json
+import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from runtime.cli import report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 
 PANELS = (("loss", "loss (line) and eval loss (dots)"), ("grad_norm", "gradient norm"), ("lr", "learning rate"),
@@ -24,7 +26,8 @@ POSTTRAIN_PANELS = (("rl_loss", "RL loss (policy gradient)"), ("feedback_kl", "f
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The records of `<run_dir>/metrics.jsonl`: JSON objects with a "step" (a torn last line is
-    skipped); ValueError if there are none."""
+    skipped); ValueError, naming the file, if another line is not JSON (not a metrics file), if there
+    are no records, or if no record has a finite loss (every step skipped: nothing to plot)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(run_dir):
         raise ValueError(f"{run_dir} is a file; give the run directory that holds metrics.jsonl")
@@ -33,17 +36,23 @@ def read_metrics(run_dir: str) -> list[dict]:
     records = []
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    records.append(record)
+            lines = f.read().splitlines()
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text (not a metrics file?)") from None
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):
+            if number == len(lines):
+                continue  # the torn last line of a run that was killed mid-write
+            raise ValueError(f"{path} line {number} is not JSON (not a metrics file?)") from None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
     if not records:
         raise ValueError(f"{path} holds no records (JSON lines with a \"step\")")
+    if not any(isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) for r in records):
+        raise ValueError(f"{path}: none of its {len(records)} records has a finite loss (every step was "
+                         f"non-finite): nothing to plot")
     return records
 
 
@@ -118,14 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = {label: read_metrics(d) for label, d in zip(labels(args.run_dirs), args.run_dirs)}
         plot(runs, args.out)
     except ImportError:
-        print("error: plotting needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
-        return 2
+        return report("plotting needs matplotlib (pip install -e '.[plot]')")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except OSError as e:
-        print(f"error: --out {args.out}: cannot write ({e.strerror or e})", file=sys.stderr)
-        return 2
+        return report(f"--out {args.out}: cannot write ({e.strerror or e})")
     print(f"wrote {args.out}")
     return 0
 

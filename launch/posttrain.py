@@ -20,6 +20,7 @@ from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollouts import read_rollouts  # noqa: E402
+from runtime.paths import check_outside  # noqa: E402
 from runtime.run_lock import check_run_dir  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
@@ -34,6 +35,7 @@ def check_environment(config) -> None:
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
     check_run_dir(config.run.dir)
+    check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
     pretrain.check_token_sources(config)  # eval.path, when given
     if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from parallel.meshes import build_meshes, describe  # noqa: E402
+from runtime.cli import one_line  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
 from runtime.data import Loader, check_token_ids  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -75,7 +76,7 @@ def stop(rank: int, message: str, code: int) -> int:
     """Rank 0 prints the one line; under torchrun the other ranks wait a moment before exiting, since
     torchrun ends every worker as soon as one exits and would otherwise often cut rank 0 off."""
     if rank == 0:
-        print(message, file=sys.stderr, flush=True)
+        print(one_line(message), file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         time.sleep(2)
     return code
@@ -103,6 +104,8 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         check(config)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
         return stop(rank, f"config error: {e}", 2)
+    except RunError as e:  # e.g. an unreadable checkpoint marker met by a check
+        return stop(rank, str(e), e.exit_code)
     device_type = config.training.device_type()
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")) if device_type == "cuda" else None)
     if device_type == "cuda":

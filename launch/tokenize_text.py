@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from runtime import tokenizer_dir  # noqa: E402
+from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_not_input, check_output_file  # noqa: E402
 
 CHUNK_CHARS = 1 << 22
@@ -125,11 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos, args.trust_remote_code, args.workers)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except OSError as e:  # a failed write (disk full) names no file: then it is the output
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return report(os_error_message(e, args.out))
     print(f"{args.out}: {meta['num_tokens']:,} tokens, {meta['dtype']}, vocab {meta['vocab_size']:,}")
     return 0
 

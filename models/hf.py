@@ -59,7 +59,7 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {[fmt.prefix + k for k in missing[:3]]}")
-    mtp = {k for k in present if _LAYER.match(k) and int(_LAYER.match(k).group(1)) >= config.n_layers}
+    mtp = {k for k in present if _is_mtp(k, fmt)}
     scales = {k + "_scale_inv" for k in expected if files.dtype_code(k) == "F8_E4M3"}
     unexpected = sorted(fmt.prefix + k for k in present - set(expected) - mtp - scales
                         - {k for k in present if k.endswith(_IGNORED_SUFFIXES)})
@@ -67,12 +67,15 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     multimodal = {k for k in others if fmt.prefix and k.startswith(MULTIMODAL_PREFIXES)}
     unexpected += sorted(others - multimodal)
     if unexpected:
-        raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+        deeper = sorted({int(m.group(1)) for m in map(_LAYER.match, unexpected) if m and int(m.group(1)) >= config.n_layers})
+        why = (f" (layers {deeper[0]}..{deeper[-1]}: the model has n_layers={config.n_layers} and config.json declares "
+               f"{fmt.n_mtp_layers} multi-token-prediction layers)") if deeper else ""
+        raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}{why}")
     for key, shape in expected.items():
         _check_tensor(files, key, shape, fmt)
     notes = []
     if mtp:
-        notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {config.n_layers})")
+        notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {fmt.first_mtp_layer})")
     if multimodal:
         notes.append(f"{path}: skipping {len(multimodal)} vision tower / projector tensors (not trained; "
                      f"export --like keeps them)")
@@ -119,6 +122,13 @@ def _check_int4(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: C
     code = files.int4_part(key, "weight_scale")[0]
     if code not in ("BF16", "F16", "F32"):
         raise ValueError(f"{where}: {module}.weight_scale has dtype {code}, expected BF16, F16 or F32")
+
+
+def _is_mtp(key: str, fmt: CheckpointFormat) -> bool:
+    """A key of the multi-token-prediction layers config.json declares (num_nextn_predict_layers after its
+    num_hidden_layers); any other layer the config does not use is an unexpected tensor, not skipped."""
+    match = _LAYER.match(key)
+    return bool(match) and fmt.first_mtp_layer <= int(match.group(1)) < fmt.first_mtp_layer + fmt.n_mtp_layers
 
 
 def _check_tensor(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):
@@ -219,7 +229,12 @@ def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_
              shard_bytes: int, config_extra: dict | None = None) -> None:
     """config.json + safetensors shards from `fetch(our_name) -> full tensor`, called once per tensor
     and dropped after its experts/rows are written: memory is bounded by the largest tensor. config.json
-    states `dtype` (as `torch_dtype` and transformers 5's `dtype`); `config_extra` adds fields (token ids)."""
+    states `dtype` (as `torch_dtype` and transformers 5's `dtype`); `config_extra` adds fields (token ids).
+    ValueError (one line, nothing written) for a model the DeepSeek-V3 format cannot hold."""
+    if config.attn != "mla":
+        raise ValueError(f"the model uses attn={config.attn!r} attention; the Hugging Face DeepSeek-V3 format "
+                         f"(DeepseekV3ForCausalLM) needs multi-head latent attention, attn='mla': only MLA models "
+                         f"export")
     with torch.device("meta"):
         meta = Transformer(config)
     shapes = {n: tuple(t.shape) for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}

@@ -62,6 +62,7 @@ class CheckpointFormat:
     fp8_block: tuple[int, int] | None  # weight_block_size of float8_e4m3fn weights, None if unquantized
     int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/int4.py), None if not
     prefix: str = ""  # key prefix of the text model's tensors ("language_model." for K2.5)
+    first_mtp_layer: int = 0  # config.json's num_hidden_layers: the MTP layers' keys start at this layer index
 
 
 def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
@@ -76,6 +77,10 @@ def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
         raise ValueError(f"{path}: cannot read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, nested too deeply
+        raise ValueError(f"{path}: not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a model config (a JSON {type(raw).__name__}, not an object)")
     text, prefix = text_config(raw, path)
     return model_config(text, path), checkpoint_format(text, path, prefix)
 
@@ -117,7 +122,8 @@ def checkpoint_format(raw: dict, where: str, prefix: str = "") -> CheckpointForm
     return CheckpointFormat(rope_interleave=bool(raw.get("rope_interleave", True)),
                             n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
                             fp8_block=None if is_int4 else _fp8_block(quant, where),
-                            int4=int4.read_scheme(quant, where) if is_int4 else None, prefix=prefix)
+                            int4=int4.read_scheme(quant, where) if is_int4 else None, prefix=prefix,
+                            first_mtp_layer=int(raw.get("num_hidden_layers") or 0))
 
 
 def _check_architecture(raw: dict, where: str):

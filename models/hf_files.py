@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models import int4
 
@@ -73,14 +73,23 @@ class CheckpointFiles:
         return self._open[name].get_slice(self.prefix + key)
 
     def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The box of text key `key` as stored (its own dtype); an INT4 part is `<P>.weight_packed` etc."""
-        if key in self.entries:
-            name = self.entries[key][0]
-        else:  # a part of an INT4 weight: its own file (parts may sit in different shards)
-            name = self.entries[_int4_base(key)][3][key.rsplit(".", 1)[1]][0]
-        out = self._slice(key, name)[tuple(slice(a, b) for a, b in box)]
+        """The box of text key `key` as stored (its own dtype); an INT4 part is `<P>.weight_packed` etc.
+        ValueError naming the file and key if it cannot be read."""
+        name = self.entries[key][0] if key in self.entries else self._int4_part_file(key)
+        try:
+            out = self._slice(key, name)[tuple(slice(a, b) for a, b in box)]
+        except (OSError, SafetensorError) as e:
+            reason = " ".join(str(e).split())[:200]
+            raise ValueError(f"{os.path.join(self.directory, name)}: cannot read {self.prefix + key} ({reason})") from None
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def _int4_part_file(self, key: str) -> str:
+        """The shard file of a part of an INT4 weight (parts may sit in different shards)."""
+        return self.entries[_int4_base(key)][3][key.rsplit(".", 1)[1]][0]
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, self.entries[key][0])
 
     def int4_part(self, key: str, part: str) -> tuple[str, tuple[int, ...]]:
         """(dtype code, shape) of `part` (weight_packed / weight_scale / weight_shape) of INT4 weight `key`."""
@@ -104,13 +113,23 @@ class CheckpointFiles:
         return int4.dequantize(packed, scale)[:, c0 - g0 * int4.GROUP: c1 - g0 * int4.GROUP]
 
     def read_box(self, key: str, box: tuple[tuple[int, int], ...], fp8_block) -> torch.Tensor:
-        """The box of `key` in fp32; FP8 weights dequantized with their per-block scales."""
+        """The box of `key` in fp32; FP8 weights dequantized with their per-block scales. ValueError
+        naming the file and key if a value is not finite (NaN, inf: every step would be non-finite)."""
         if any(b <= a for a, b in box):
             return torch.zeros([b - a for a, b in box])
-        if self.dtype_code(key) == "I4":
-            return self._read_int4(key, box)
-        if self.dtype_code(key) != "F8_E4M3":
-            return self.read(key, box).float()
+        code = self.dtype_code(key)
+        if code == "I4":
+            out = self._read_int4(key, box)
+        else:
+            out = self.read(key, box).float() if code != "F8_E4M3" else self._dequantized(key, box, fp8_block)
+        # a finite fp32 sum means every value is finite (NaN and inf propagate); it costs ~1/20 of
+        # isfinite().all() on the CPU, which runs only when the sum is not finite (or overflowed)
+        if not torch.isfinite(out.sum()) and not bool(torch.isfinite(out).all()):
+            raise ValueError(f"{self.path(key)}: {self.prefix + key} holds non-finite values (NaN or inf); "
+                             f"the weights are damaged")
+        return out
+
+    def _dequantized(self, key: str, box, fp8_block) -> torch.Tensor:
         (r0, r1), (c0, c1) = box
         (br, bc), (rows, cols) = fp8_block, self.shape(key)
         outer = ((r0 // br * br, min(-(-r1 // br) * br, rows)), (c0 // bc * bc, min(-(-c1 // bc) * bc, cols)))
@@ -146,8 +165,7 @@ def _shard_files(directory: str) -> dict:
     """{key: file} from the index, or {None: "model.safetensors"} for a single-file checkpoint."""
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        weight_map = _weight_map(index)
         for name in sorted(set(weight_map.values())):
             if not os.path.exists(os.path.join(directory, name)):
                 count = sum(v == name for v in weight_map.values())
@@ -158,15 +176,64 @@ def _shard_files(directory: str) -> dict:
     raise ValueError(f"{directory}: neither {INDEX} nor {SINGLE} found")
 
 
-def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _weight_map(index: str) -> dict[str, str]:
+    """The index's {key: shard file name}; ValueError naming the index if it is not that."""
     try:
+        with open(index, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{index}: not a readable index ({str(e)[:200]})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v and os.sep not in v and v != ".."
+                                                   for v in weight_map.values()):
+        raise ValueError(f"{index}: not a safetensors index (expected {{\"weight_map\": {{key: file name}}}})")
+    return weight_map
+
+
+def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """key -> (dtype code, shape) from the JSON header of `path`; ValueError (one line naming the file) for
+    an unreadable or malformed header, or a file too short for the data its header declares (a download
+    cut short): the size check reads no tensor bytes."""
+    try:
+        file_bytes = os.path.getsize(path)
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > file_bytes - 8:  # garbage in the first 8 bytes: never allocate what they say
+                raise ValueError(f"its header length {size:,} exceeds the file's {file_bytes:,} bytes")
             header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as e:
+    except (OSError, struct.error, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    return {key: (meta["dtype"], tuple(meta["shape"])) for key, meta in header.items()}
+    entries, data_end = {}, 0
+    for key, meta in header.items():
+        entries[key], end = _entry(path, key, meta)
+        data_end = max(data_end, end)
+    if 8 + size + data_end > file_bytes:
+        raise ValueError(f"{path}: truncated: its header places tensor data up to byte {8 + size + data_end:,}, "
+                         f"the file has {file_bytes:,} bytes (an interrupted download or copy?)")
+    return entries
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+
+
+def _entry(path: str, key: str, meta) -> tuple[tuple[str, tuple[int, ...]], int]:
+    """((dtype code, shape), end of the data) of one header entry, whose data_offsets must span its bytes."""
+    try:
+        code, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
+        numel = 1
+        for s in shape:
+            numel *= s
+        wanted = numel * _ITEM_BYTES[code] if code in _ITEM_BYTES else end - begin
+        ok = type(begin) is int and type(end) is int and 0 <= begin and end - begin == wanted and min(shape, default=0) >= 0
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: malformed safetensors header entry for {key!r}: {json.dumps(meta)[:200]}")
+    return (code, shape), end
 
 
 @dataclass(frozen=True)

@@ -256,13 +256,14 @@ def _check_expert_layout(path: str) -> None:
 
 def read_meta(path: str) -> dict:
     """The marker of a complete checkpoint: {"step", "world_size", **meta}; Unloadable if unreadable."""
+    marker = os.path.join(path, MARKER)
     try:
-        with open(os.path.join(path, MARKER)) as f:
+        with open(marker, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise Unloadable(f"unreadable {MARKER} marker: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise Unloadable(f"{marker}: unreadable {MARKER} marker ({' '.join(str(e).split())[:160]})") from None
     if not isinstance(meta, dict):
-        raise Unloadable(f"unreadable {MARKER} marker: not a JSON object")
+        raise Unloadable(f"{marker}: unreadable {MARKER} marker (not a JSON object)")
     return meta
 
 

@@ -76,6 +76,7 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda (nccl) if available, else cpu (gloo)
     log_interval: int = 1  # print a log line every N steps (metrics.jsonl gets every step)
     max_nonfinite_steps: int = 10  # stop (exit 3) after this many consecutive non-finite steps (0 = never)
+    max_nonfinite_fraction: float = 0.25  # also stop once >= max_nonfinite_steps steps, over this fraction, were skipped
 
     def __post_init__(self):
         checks = {"steps": (self.steps >= 1, ">= 1"), "seed": (self.seed >= 0, ">= 0"),
@@ -85,7 +86,8 @@ class TrainingConfig:
                   "decay_fraction": (0 <= self.decay_fraction <= 1, "in [0, 1]"),
                   "grad_accum": (self.grad_accum >= 1, ">= 1"), "fsdp_prefetch": (self.fsdp_prefetch >= 0, ">= 0"),
                   "log_interval": (self.log_interval >= 1, ">= 1"),
-                  "max_nonfinite_steps": (self.max_nonfinite_steps >= 0, ">= 0")}
+                  "max_nonfinite_steps": (self.max_nonfinite_steps >= 0, ">= 0"),
+                  "max_nonfinite_fraction": (0 < self.max_nonfinite_fraction <= 1, "in (0, 1]")}
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")

@@ -76,3 +76,12 @@ def config_inputs(config_path: str | None, config) -> list[tuple[str, str]]:
     model_dir, posttrain_dir = config.model_init_from, getattr(posttrain, "init_from", "")
     return [("the --config file", config_path or ""), (f"a file of model.init_from={model_dir}", model_dir),
             (f"a file of posttrain.init_from={posttrain_dir}", posttrain_dir)]
+
+
+def check_outside(key: str, path: str, run_dir: str) -> None:
+    """ValueError if the input directory `path` (config key `key`) lies inside `run_dir`'s checkpoints:
+    the run would resume from that run's checkpoints instead and rotate them out (checkpoint.keep)."""
+    checkpoints = os.path.realpath(os.path.join(run_dir, "checkpoints"))
+    if path and (os.path.realpath(path) + os.sep).startswith(checkpoints + os.sep):
+        raise ValueError(f"{key}={path} is a checkpoint of run.dir={run_dir}: this run would resume from that "
+                         f"run's checkpoints and delete old ones (checkpoint.keep); give a new run.dir")

@@ -279,8 +279,12 @@ def check_init_from(path: str, model_config: dict) -> None:
     the training-only keys (runtime/init_source.py); no collective."""
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
+    try:
+        saved = checkpoint.read_meta(path).get("model", {})
+    except checkpoint.Unloadable as e:  # a RunError: turned into the start-up check's ValueError
+        raise ValueError(f"posttrain.init_from: {e}") from None
     shape = {k: v for k, v in model_config.items() if k not in init_source.TRAINING_KEYS}
-    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), shape, "model.")
+    diffs = checkpoint.differences(saved, shape, "model.")
     if diffs:
         raise ValueError(f"posttrain.init_from: {path} holds another model ({'; '.join(diffs)})")
 

@@ -2,13 +2,18 @@
 
 `check_init_from` runs on every rank before any process group exists (headers only), so a bad
 directory fails in one line with nothing written. `init_from_pretrained` then fills each rank's
-shards with only that rank's bytes (models/hf.py), without communication. A run directory that
-already holds a checkpoint resumes from it instead, and says so once.
+shards with only that rank's bytes (models/hf.py), without communication but for one small all-gather
+at the end: a tensor that cannot be read or holds NaN/inf on any rank stops every rank with one line
+(RunError, exit 2; the run-dir lock is released on the way out). A run directory that already holds a
+checkpoint resumes from it instead, and says so once.
 """
+
+import torch.distributed as dist
 
 from models.hf import check_checkpoint, load_state
 from models.hf_config import read_hf_config
 from runtime import checkpoint
+from runtime.errors import RunError
 
 
 def resuming(run_dir: str) -> bool:
@@ -35,11 +40,28 @@ def init_from_pretrained(config, model, rank: int) -> bool:
         if rank == 0:
             print(f"{config.run.dir} has checkpoints: resuming from them, model.init_from={path} is ignored", flush=True)
         return False
-    _, fmt = read_hf_config(path)
-    notes = check_checkpoint(path, config.model, fmt)
-    bytes_read = load_state(model, path, fmt)
+    error = None
+    try:
+        _, fmt = read_hf_config(path)
+        notes = check_checkpoint(path, config.model, fmt)
+        bytes_read = load_state(model, path, fmt)
+    except ValueError as e:  # a file changed since the start-up check, an unreadable or non-finite tensor
+        error = f"model.init_from: {e}"
+    error = _first_error(error)
+    if error is not None:
+        raise RunError(error)
     if rank == 0:
         for note in notes:
             print(note, flush=True)
         print(f"initialized from {path}: rank 0 read {bytes_read:,} bytes of tensors", flush=True)
     return True
+
+
+def _first_error(error: str | None) -> str | None:
+    """The lowest failing rank's error, on every rank, so all stop together (a rank reads only its own
+    boxes, so one may meet a bad tensor that the others never touch). Collective: one small all-gather."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)

@@ -3,11 +3,17 @@
 File format (JSON lines, one trajectory per line; blank lines are skipped):
   {"tokens": [int], "turns": [{"role": "system"|"user"|"assistant"|"tool", "start": int, "end": int}],
    "advantage": float, "logprobs": [float], "feedback": [{"turn": int, "hint": [int], "at": int}]}
-`turns` are disjoint token ranges [start, end); only assistant tokens are trained. `advantage`
-defaults to 0. `logprobs[j]` (optional) is the behaviour policy's log-prob of tokens[j]. Each
-feedback item names an assistant turn (index into `turns`) and hint tokens inserted at token `at`
-(default: the turn's start; earlier, e.g. before a chat template's role header that is not part of the
-generated turn) in the teacher's context: teacher = tokens[:at] + hint + tokens[at:end].
+`turns` are disjoint token ranges [start, end); only assistant tokens are trained, and a trajectory
+must have one (at a position >= 1). `advantage` defaults to 0; |advantage| <= 1e6 (advantages are
+normalized returns, O(1); beyond that the data is broken, and near 1e19 the gradient norm overflows).
+`logprobs[j]` (optional) is the behaviour policy's log-prob of tokens[j]; at trained tokens it must lie
+in [-103.28, 1e-3]: a probability of at most 1 (plus rounding) and at least fp32's smallest, 2^-149,
+below which no fp32/bf16 sampler can draw a token (a smaller value would make the PPO ratio overflow).
+Each feedback item {turn, hint[, at]} (no other keys) names an assistant turn (index into `turns`) and
+non-empty hint tokens inserted at token `at` (default: the turn's start; earlier, e.g. before a chat
+template's role header that is not part of the generated turn) in the teacher's context:
+teacher = tokens[:at] + hint + tokens[at:end]. Lines must be UTF-8 JSON; every problem (including
+integers beyond int64 and pathologically nested JSON) is one ValueError naming the file and line.
 
 Which trajectories make up step t (a pure function of the file, the seed and t, never of the layout):
 the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
@@ -28,6 +34,7 @@ position j-1 and teacher position j+H-1.
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +42,9 @@ import numpy as np
 
 _ROLLOUT_STREAM = 0x50A7  # mixed into the seed so the epoch order never coincides with other seeded draws
 ROLES = ("system", "user", "assistant", "tool")
+ADVANTAGE_LIMIT = 1e6
+LOGPROB_MIN = math.log(2.0**-149)  # -103.28: fp32's (and bf16's) smallest positive probability
+LOGPROB_MAX = 1e-3  # log(1) plus the rounding of a log-prob computed in low precision
 
 
 class Turn(NamedTuple):
@@ -77,17 +87,21 @@ class Trajectory:
 def read_rollouts(path: str, vocab_size: int, max_seq_len: int) -> list[Trajectory]:
     """Every trajectory of the file, validated; ValueError naming data.path, the line and the numbers."""
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:
             lines = f.readlines()
     except OSError as e:
         raise ValueError(f"data.path: cannot read rollouts file {path!r}: {e.strerror}") from None
     out = []
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+            if line.strip():
                 out.append(_parse(line, vocab_size, max_seq_len))
-            except ValueError as e:
-                raise ValueError(f"data.path: {path} line {number}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"data.path: {path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                             f"{e.start + 1})") from None
+        except ValueError as e:
+            raise ValueError(f"data.path: {path} line {number}: {e}") from None
     if not out:
         raise ValueError(f"data.path: rollouts file {path} holds no trajectory")
     return out
@@ -98,6 +112,10 @@ def _parse(line: str, vocab_size: int, max_seq_len: int) -> Trajectory:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # CPython's parser checks its depth: no crash, this error
+        raise ValueError("malformed JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        raise ValueError(f"malformed JSON ({str(e)[:120]})") from None
     return trajectory_from_record(record, vocab_size, max_seq_len)
 
 
@@ -113,21 +131,41 @@ def trajectory_from_record(record, vocab_size: int, max_seq_len: int) -> Traject
         raise ValueError(f"tokens: {len(tokens)} tokens, must be in [1, model.max_seq_len={max_seq_len}]")
     turns = _turns(record.get("turns"), len(tokens))
     feedback = _feedback(record.get("feedback", []), turns, vocab_size, max_seq_len)
-    return Trajectory(tokens, turns, _number(record.get("advantage", 0.0), "advantage"),
-                      _logprobs(record.get("logprobs"), len(tokens)), feedback)
+    advantage = _number(record.get("advantage", 0.0), "advantage")
+    if abs(advantage) > ADVANTAGE_LIMIT:
+        raise ValueError(f"advantage={advantage:g}: |advantage| must be <= {ADVANTAGE_LIMIT:g} (normalize the returns)")
+    trajectory = Trajectory(tokens, turns, advantage, _logprobs(record.get("logprobs"), len(tokens)), feedback)
+    if trajectory.trained_tokens() == 0:
+        raise ValueError("no assistant token to train (an assistant turn with a token at position >= 1)")
+    _check_trained_logprobs(trajectory)
+    return trajectory
+
+
+def _check_trained_logprobs(t: Trajectory) -> None:
+    """The behaviour log-probs the loss reads (assistant tokens j >= 1) are probabilities' logs."""
+    if t.logprobs is None:
+        return
+    for turn in t.turns:
+        if turn.role == "assistant":
+            for j in range(max(turn.start, 1), turn.end):
+                if not LOGPROB_MIN <= t.logprobs[j] <= LOGPROB_MAX:
+                    raise ValueError(f"logprobs[{j}]={t.logprobs[j]:g} (an assistant token) is not the log of a "
+                                     f"probability a sampler draws: must be in [{LOGPROB_MIN:.2f}, {LOGPROB_MAX:g}]")
 
 
 def _token_ids(value, key: str, vocab_size: int) -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{key}: expected a list of integer token ids")
-    ids = np.asarray(value, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"{key}: token id {int(ids.min() if ids.min() < 0 else ids.max())} outside "
-                         f"[0, model.vocab_size={vocab_size})")
-    return ids
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)  # Python ints: checked before int64
+    if bad is not None:
+        shown = str(bad) if len(str(bad)) <= 30 else f"{str(bad)[:12]}... ({len(str(bad))} digits)"
+        raise ValueError(f"{key}: token id {shown} outside [0, model.vocab_size={vocab_size})")
+    return np.asarray(value, dtype=np.int64)
 
 
 def _number(value, key: str) -> float:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        raise ValueError(f"{key}: expected a finite number, got an integer of {len(str(abs(value)))} digits")
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{key}: expected a finite number, got {value!r}")
     return float(value)
@@ -168,6 +206,9 @@ def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int)
         raise ValueError("feedback: expected a list of {turn, hint[, at]}")
     out, seen = [], set()
     for i, item in enumerate(value):
+        unknown = sorted(set(item) - {"turn", "hint", "at"}) if isinstance(item, dict) else []
+        if unknown:
+            raise ValueError(f"feedback[{i}]: unknown keys {unknown} (expected turn, hint and optionally at)")
         turn = item.get("turn") if isinstance(item, dict) else None
         if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < len(turns):
             raise ValueError(f"feedback[{i}].turn={turn!r} is not a turn index in [0, {len(turns)})")
@@ -178,6 +219,8 @@ def _feedback(value, turns: tuple[Turn, ...], vocab_size: int, max_seq_len: int)
             raise ValueError(f"feedback[{i}].turn={turn} already has feedback")
         seen.add(turn)
         hint = _token_ids(item.get("hint"), f"feedback[{i}].hint", vocab_size)
+        if not len(hint):
+            raise ValueError(f"feedback[{i}].hint is empty: the teacher would be the student (nothing to learn)")
         length = turns[turn].end + len(hint)
         if length > max_seq_len:
             raise ValueError(f"feedback[{i}]: the teacher sequence (turn end {turns[turn].end} + hint {len(hint)} "

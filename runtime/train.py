@@ -320,7 +320,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,
                         world_size=layout.world_size, log_interval=config.training.log_interval,
                         tensorboard=config.metrics.tensorboard)
-    divergence = DivergenceGuard(config.training.max_nonfinite_steps)
+    divergence = DivergenceGuard(config.training.max_nonfinite_steps, config.training.max_nonfinite_fraction)
     eval_loader = build_loader(config, meshes, layout, "eval") if "eval" in config.token_splits() else None
     if rank == 0:
         print(startup_line(loader.describe(), eval_loader and eval_loader.describe(), config.data, config.eval),
@@ -341,7 +341,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                     stats["eval_loss"] = eval_loss()
                 log.log(step, **stats)
                 profiler.step()
-                divergence.record(step, finite=not stats["skipped"])
+                divergence.record(step, finite=not stats["skipped"], last=step + 1 == config.training.steps)
                 checkpoint_or_stop(step + 1, stats["skipped"], preempted, config, app_state, log)
         finally:
             log.close()

@@ -121,7 +121,7 @@ def test_kl_untargeted_covers_the_generated_tokens_of_untargeted_turns_only():
 
 @pytest.mark.parametrize("bad,message", [({"teacher": "x"}, "teacher='x': expected one of"),
                                          ({"seeds": 0}, "seeds=0 must be >= 1"),
-                                         ({"lr": 0.0}, "lr=0.0 > 0")])
+                                         ({"lr": 0.0}, "lr=0.0 a finite number > 0")])
 def test_bad_settings_are_one_line_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         ExperimentConfig(**bad)

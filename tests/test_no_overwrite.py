@@ -132,3 +132,20 @@ def test_new_file_in_an_input_directory_is_allowed(tmp_path):
     check_output_file("--json", str(tmp_path / "estimate.json"), "x.json", [("a file of model.init_from", str(tmp_path))])
     with pytest.raises(ValueError, match="is also a file of model.init_from"):
         check_output_file("--json", str(tmp_path / "config.json"), "x.json", [("a file of model.init_from", str(tmp_path))])
+
+
+def test_posttrain_run_dir_holding_init_from_is_refused(tmp_path, capsys):
+    """posttrain.init_from inside run.dir's checkpoints: the run would resume from (and rotate out) that
+    run's checkpoints instead of starting post-training from the one named."""
+    from launch.posttrain import main
+
+    step = tmp_path / "run" / "checkpoints" / "step_4"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"tokens": [1, 2, 3], "turns": [{"role": "assistant", "start": 0, "end": 3}]}\n')
+    assert main(["--data.source=rollouts", f"--data.path={rollouts}", "--model.aux_loss_alpha=0",
+                 f"--run.dir={tmp_path / 'run'}", f"--posttrain.init_from={step}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"posttrain.init_from={step} is a checkpoint of run.dir=" in err[0], err
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints"]
