@@ -3,6 +3,7 @@ pointed at one of the files it reads, directly or through a symlink or hard link
 and one line, and the input is unchanged. Each case ran the tool to the end before (or failed in
 another way) and destroyed the input."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,7 +142,7 @@ def test_posttrain_run_dir_holding_init_from_is_refused(tmp_path, capsys):
 
     step = tmp_path / "run" / "checkpoints" / "step_4"
     step.mkdir(parents=True)
-    (step / "COMPLETE").write_text("{}")
+    (step / "COMPLETE").write_text(json.dumps({"model": dataclasses.asdict(preset("debug"))}))  # the model it holds
     rollouts = tmp_path / "r.jsonl"
     rollouts.write_text('{"tokens": [1, 2, 3], "turns": [{"role": "assistant", "start": 0, "end": 3}]}\n')
     assert main(["--data.source=rollouts", f"--data.path={rollouts}", "--model.aux_loss_alpha=0",
