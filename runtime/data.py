@@ -19,7 +19,9 @@ How step t is split over ranks and micro-batches (gradient accumulation):
   mean of the per-rank, per-micro-batch mean losses is the mean over the global batch.
 """
 
+import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -29,6 +31,8 @@ import torch
 
 from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
+from runtime.indexed import IndexedTokens, prefix_of
+from runtime.mixture import Mixture, SourceConfig, check_sources
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
 _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
@@ -39,14 +43,17 @@ class DataConfig:
     source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain); unset with data.path: bin (posttrain: rollouts)
     seq_len: int = 128  # tokens per training sequence
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
-    path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: token dtype; auto = from the sidecar <path>.json
+    path: str = ""  # bin: the token file: a Megatron indexed dataset (prefix of .bin + .idx) or a flat .bin of uint16/uint32 ids
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: flat token dtype; auto = from the sidecar <path>.json (indexed: from the .idx)
+    sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/mixture.py); instead of data.path
     batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
-        if self.source in ("bin", "rollouts") and not self.path:
+        if self.sources:
+            self._check_sources()
+        elif self.source in ("bin", "rollouts") and not self.path:
             kind = "token file" if self.source == "bin" else "rollouts file (JSON lines)"
             raise ValueError(f"data.path: source {self.source!r} needs the path of a {kind}")
         if self.path and self.source in ("corpus", "synthetic"):
@@ -54,6 +61,14 @@ class DataConfig:
                              f"{self.source!r}: drop one of them (a data.path alone means a token file)")
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
+
+    def _check_sources(self) -> None:
+        if self.path:
+            raise ValueError(f"data.path={self.path!r} and [[data.sources]] are both given: a mixture lists every "
+                             f"file in data.sources")
+        if self.source != "bin":
+            raise ValueError(f"[[data.sources]] are token files, but data.source={self.source!r} (use 'bin')")
+        check_sources(self.sources)
 
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
@@ -137,17 +152,33 @@ def read_sidecar(path: str, key: str = "data.path") -> dict | None:
             meta = json.loads(f.read().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{key}: the sidecar {sidecar} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32"):
-        raise ValueError(f"{key}: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\" or "
-                         f"\"uint32\", got {str(meta)[:80]}")
+    if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32", "int32"):
+        raise ValueError(f"{key}: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\", "
+                         f"\"uint32\" or \"int32\", got {str(meta)[:80]}")
     return meta
 
 
-def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> tuple[np.ndarray, int]:
-    """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown).
+class TokenFile(NamedTuple):
+    tokens: np.ndarray  # [N] token ids (np.memmap for files)
+    vocab_size: int  # from the sidecar, 0 if unknown
+    doc_starts: np.ndarray | None  # int64 [D + 1] first token of each document (indexed datasets), else None
+
+
+def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> TokenFile:
+    """Memory-map a token file: a Megatron indexed dataset (`path` = its prefix, `.bin` or `.idx`, with
+    `.idx` present; runtime/indexed.py) or a flat file of ids with an optional `<path>.json` sidecar.
     `key`: the config key that named the file (data.path, eval.path), which errors start with."""
+    if (prefix := prefix_of(path)) is not None:
+        indexed = IndexedTokens(prefix, key)
+        if dtype != "auto" and np.dtype(dtype) != indexed.dtype:
+            raise ValueError(f"data.dtype={dtype} but the index {prefix}.idx says {indexed.dtype}")
+        if len(indexed.tokens) == 0:
+            raise ValueError(f"{key}: {prefix} is empty (0 tokens)")
+        vocab_size = int((read_sidecar(prefix + ".bin", key) or {}).get("vocab_size", 0))  # tokenize_text's
+        return TokenFile(indexed.tokens, vocab_size, indexed.doc_starts)
     if not os.path.isfile(path):
-        raise ValueError(f"{key}: no such file {path!r}")
+        prefix = path.removesuffix(".bin")
+        raise ValueError(f"{key}: no such file {path!r} (nor an indexed dataset {prefix}.idx + {prefix}.bin)")
     meta = read_sidecar(path, key) or {}
     if dtype == "auto":
         if "dtype" not in meta:
@@ -160,17 +191,26 @@ def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> tuple[np
         raise ValueError(f"{key}: {path} is empty (0 tokens)")
     if size % itemsize != 0:
         raise ValueError(f"{key}: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
-    return np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0))
+    return TokenFile(np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0)), None)
 
 
-def open_tokens(config: DataConfig, key: str = "data.path") -> tuple[np.ndarray | None, int]:
-    """(tokens [N] or None for synthetic, the source's vocabulary size or 0 if unknown)."""
+def open_tokens(config: DataConfig, key: str = "data.path") -> TokenFile | None:
+    """The single source's tokens (None for synthetic; a mixture opens each of data.sources instead)."""
     if config.source == "corpus":
-        return corpus.corpus_tokens(), corpus.VOCAB_SIZE
+        return TokenFile(corpus.corpus_tokens(), corpus.VOCAB_SIZE, None)
     if config.source == "bin":
         return open_bin(config.path, config.dtype, key)
     assert config.source == "synthetic", config.source
-    return None, 0
+    return None
+
+
+def token_files(config: DataConfig, key: str = "data.path") -> list[tuple[str, str]]:
+    """(path, the key naming it) of every token file a `bin` config reads; [] for the other sources."""
+    if config.source != "bin":
+        return []
+    if config.sources:
+        return [(s.path, f"data.sources[{i}].path") for i, s in enumerate(config.sources)]
+    return [(config.path, key)]
 
 
 def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
@@ -184,17 +224,18 @@ def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> t
     return None
 
 
-def check_token_ids(config: DataConfig, vocab_size: int, key: str = "data.path") -> None:
-    """ValueError naming the file if any token id of a `bin` source is >= vocab_size. Scans the whole
-    file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
-    if config.source != "bin":
-        return
-    tokens, _ = open_bin(config.path, config.dtype, key)
+def check_token_ids(path: str, dtype: str, vocab_size: int, key: str = "data.path") -> None:
+    """ValueError naming the file if any token id of a token file is >= vocab_size or negative. Scans the
+    whole file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
+    tokens = open_bin(path, dtype, key).tokens
+    if np.issubdtype(tokens.dtype, np.signedinteger) and len(tokens) and tokens.min() < 0:
+        at = int(np.argmax(np.asarray(tokens) < 0))
+        raise ValueError(f"{key}: {path} holds the negative token id {int(tokens[at])} at token {at:,}")
     if np.iinfo(tokens.dtype).max < vocab_size:
         return  # no id of this dtype can reach the vocabulary size
     found = first_id_at_least(tokens, vocab_size)
     if found is not None:
-        raise ValueError(f"{key}: {config.path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
+        raise ValueError(f"{key}: {path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
                          f"at token {found[0]:,} of {len(tokens):,}; wrong tokenizer or data.dtype?")
 
 
@@ -214,30 +255,76 @@ def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_le
     return rng.integers(0, num_tokens - seq_len, size=batch_size)  # window = seq_len + 1 tokens
 
 
+class Part(NamedTuple):
+    """The tokens one loader reads from one source: its split of the file, and where that came from."""
+    name: str  # the source's name (mixtures), else ""
+    tokens: np.ndarray  # [N'] this split's tokens
+    doc_starts: np.ndarray | None  # [D' + 1] this split's document starts (None: not recorded)
+    file_tokens: int  # tokens in the whole file
+    describe: str  # e.g. "bin data/x (uint16): 1,234 tokens, 5 documents"
+
+
+def split_documents(doc_starts: np.ndarray | None, n: int, holdout: float, split: str) -> np.ndarray | None:
+    """Document starts [D' + 1] of `split_tokens`' part of n tokens: the document cut by the boundary
+    counts in both parts (its tail starts the eval part)."""
+    if doc_starts is None or holdout == 0:
+        return doc_starts
+    boundary = n - int(n * holdout)
+    if split == "train":
+        return np.concatenate([doc_starts[doc_starts < boundary], [boundary]])
+    return np.concatenate([[0], doc_starts[doc_starts > boundary] - boundary])
+
+
+def open_part(config: DataConfig, key: str, holdout: float, split: str, name: str = "") -> Part:
+    """One token source of a non-synthetic config (data.path or the corpus), split for `split`."""
+    file = open_tokens(config, key)
+    tokens = split_tokens(file.tokens, holdout, split)
+    docs = split_documents(file.doc_starts, len(file.tokens), holdout, split)
+    what = "corpus (bundled byte-level text)" if config.source == "corpus" else f"bin {config.path} ({tokens.dtype})"
+    documents = "documents not recorded" if docs is None else f"{len(file.doc_starts) - 1:,} documents"
+    return Part(name, tokens, docs, len(file.tokens), f"{what}: {len(file.tokens):,} tokens, {documents}")
+
+
 class Loader:
     """This rank's micro-batches of each optimizer step; `state_dict()` is the next step to load."""
 
     def __init__(self, config: DataConfig, seed: int, *, dp_rank: int = 0, dp_degree: int = 1, cp_rank: int = 0,
                  cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None, holdout: float = 0.0,
-                 split: Literal["train", "eval"] = "train", path_key: str = "data.path"):
+                 split: str = "train", path_key: str = "data.path", say=None):
         """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise.
         `split`/`holdout`: see `split_tokens`; the eval split also draws its windows from its own stream.
-        `path_key`: the config key that named config.path, which errors about the file start with."""
+        `path_key`: the config key that named config.path, which errors about the file start with.
+        `say(line)`: where a mixture notes a source that wraps around (None: silent)."""
         check_split(config, dp_degree, cp_degree, grad_accum)
         assert 0 <= dp_rank < dp_degree and 0 <= cp_rank < cp_degree, (dp_rank, dp_degree, cp_rank, cp_degree)
         self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
         self.rows = config.batch_size // (grad_accum * dp_degree)  # B
         self.first_row = dp_rank * self.rows
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
-        tokens, source_vocab = open_tokens(config, path_key)
-        self.tokens = split_tokens(tokens, holdout, split)
-        self.source_tokens, self.holdout, self.split, self.path_key = (
-            None if tokens is None else len(tokens)), holdout, split, path_key
+        self.holdout, self.split = holdout, split.partition("/")[0]  # "eval/<name>": a mixture source's held-out part
         self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
-        self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self.model_vocab = vocab_size
+        self.parts = self._open_parts(path_key)
+        self.tokens = self.parts[0].tokens if len(self.parts) == 1 else None  # single source
+        source_vocab = corpus.VOCAB_SIZE if config.source == "corpus" else (
+            open_bin(config.path, config.dtype, path_key).vocab_size if config.source == "bin" and not config.sources
+            else 0)
+        self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self._check_sizes(source_vocab, vocab_size)
+        self.mixture = None
+        if config.sources:
+            self.mixture = Mixture([p.name for p in self.parts], [len(p.tokens) for p in self.parts],
+                                   [s.weight for s in config.sources], config.batch_size, config.seq_len, seed, say)
+
+    def _open_parts(self, path_key: str) -> list[Part]:
+        c = self.config
+        if c.source == "synthetic":
+            return []
+        if not c.sources:
+            return [open_part(c, path_key, self.holdout, self.split)]
+        return [open_part(dataclasses.replace(c, sources=(), path=s.path), f"data.sources[{i}].path", self.holdout,
+                          self.split, s.label()) for i, s in enumerate(c.sources)]
 
     def _check_sizes(self, source_vocab: int, model_vocab: int | None) -> None:
         if self.config.source == "synthetic" and not model_vocab:
@@ -245,20 +332,29 @@ class Loader:
         if model_vocab and source_vocab > model_vocab:
             raise ValueError(f"data: the {self.config.source} source has vocab size {source_vocab} but "
                              f"model.vocab_size={model_vocab}")
-        if self.tokens is not None and len(self.tokens) < self.config.seq_len + 1:
-            raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
-                             f"tokens but {self.part}the {self.config.source} source has only {len(self.tokens)}")
+        for i, part in enumerate(self.parts):
+            if len(part.tokens) < self.config.seq_len + 1:
+                what = f"data.sources[{i}] ({part.name!r})" if part.name else f"the {self.config.source} source"
+                raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
+                                 f"tokens but {self.part}{what} has only {len(part.tokens)}")
 
     def describe(self) -> str:
         """What this loader reads, for the start-up line: source, file, tokens, documents, split."""
-        c = self.config
-        if c.source == "synthetic":
+        if self.config.source == "synthetic":
             return f"synthetic: uniform random ids < {self.vocab_size} (the {self.split} stream)"
         if self.split == "eval" and self.holdout:
-            return f"the last {len(self.tokens):,} tokens of the training source (eval.holdout={self.holdout})"
-        what = "corpus (bundled byte-level text)" if c.source == "corpus" else f"bin {c.path} ({self.tokens.dtype})"
-        text = f"{what}: {self.source_tokens:,} tokens, documents not recorded"
-        return text + (f"; training reads the first {len(self.tokens):,}" if self.holdout else "")
+            return f"the last {len(self.parts[0].tokens):,} tokens of the training source (eval.holdout={self.holdout})"
+        if not self.mixture:
+            part = self.parts[0]
+            return part.describe + (f"; training reads the first {len(part.tokens):,}" if self.holdout else "")
+        total = math.fsum(s.weight for s in self.config.sources)
+        held = f", the last {self.holdout:.0%} of each held out" if self.holdout else ""
+        return f"mixture of {len(self.parts)} sources{held}: " + "; ".join(
+            f"{p.name} {s.weight / total:.1%} = {p.describe}" for p, s in zip(self.parts, self.config.sources))
+
+    def tokens_by_source(self, step: int) -> dict[str, int]:
+        """Cumulative label tokens per source name over steps 0..step (mixtures; {} otherwise)."""
+        return self.mixture.tokens_by_source(step) if self.mixture else {}
 
     def batch(self, step: int) -> list[MicroBatch]:
         """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""
@@ -273,9 +369,12 @@ class Loader:
 
     def _windows(self, step: int) -> torch.Tensor:
         rows, length = self._global_rows(), self.config.seq_len + 1
-        if self.tokens is None:
+        if self.config.source == "synthetic":
             windows = [np.random.default_rng([self.stream, self.seed, step, r]).integers(0, self.vocab_size, length)
                        for r in rows]
+        elif self.mixture is not None:
+            source_B, start_B = self.mixture.draws(step)
+            windows = [self.parts[source_B[r]].tokens[start_B[r]:start_B[r] + length] for r in rows]
         else:
             starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
                                    self.stream)
