@@ -31,6 +31,7 @@ import torch
 
 from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
+from runtime.documents import crossing_labels, document_micro_batches, window_documents
 from runtime.indexed import IndexedTokens, prefix_of
 from runtime.mixture import Mixture, SourceConfig, check_sources
 
@@ -45,6 +46,7 @@ class DataConfig:
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
     path: str = ""  # bin: the token file: a Megatron indexed dataset (prefix of .bin + .idx) or a flat .bin of uint16/uint32 ids
     dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: flat token dtype; auto = from the sidecar <path>.json (indexed: from the .idx)
+    document_mask: bool = False  # bin, indexed datasets: attend only within a document, RoPE positions restart per document, cross-document labels untrained
     sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/mixture.py); instead of data.path
     batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
 
@@ -61,6 +63,9 @@ class DataConfig:
                              f"{self.source!r}: drop one of them (a data.path alone means a token file)")
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
+        if self.document_mask and self.source != "bin":
+            raise ValueError(f"data.document_mask needs token files with document boundaries (data.source='bin', "
+                             f"Megatron indexed datasets), but data.source={self.source!r}")
 
     def _check_sources(self) -> None:
         if self.path:
@@ -305,6 +310,7 @@ class Loader:
         self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
         self.model_vocab = vocab_size
+        self.path_key = path_key
         self.parts = self._open_parts(path_key)
         self.tokens = self.parts[0].tokens if len(self.parts) == 1 else None  # single source
         source_vocab = corpus.VOCAB_SIZE if config.source == "corpus" else (
@@ -333,6 +339,10 @@ class Loader:
             raise ValueError(f"data: the {self.config.source} source has vocab size {source_vocab} but "
                              f"model.vocab_size={model_vocab}")
         for i, part in enumerate(self.parts):
+            if self.config.document_mask and part.doc_starts is None:
+                key = f"data.sources[{i}].path" if part.name else self.path_key
+                raise ValueError(f"data.document_mask: {key} is a flat token file without document boundaries; "
+                                 f"write a Megatron indexed dataset (launch/tokenize_text.py --format indexed)")
             if len(part.tokens) < self.config.seq_len + 1:
                 what = f"data.sources[{i}] ({part.name!r})" if part.name else f"the {self.config.source} source"
                 raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
@@ -357,11 +367,35 @@ class Loader:
         return self.mixture.tokens_by_source(step) if self.mixture else {}
 
     def batch(self, step: int) -> list[MicroBatch]:
-        """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""
+        """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step).
+        With data.document_mask: DocumentMicroBatch (runtime/documents.py) instead."""
         windows_BW = self._windows(step)  # W = L + 1; this rank's rows of the step, micro-batch-major
         pos_S = self.positions_S
+        if self.config.document_mask:
+            doc_BW, global_labels = self._documents(step)
+            return document_micro_batches(windows_BW, doc_BW, pos_S, self.rows, global_labels)
         return [MicroBatch(w_BW[:, :-1][:, pos_S], w_BW[:, 1:][:, pos_S], pos_S)
                 for w_BW in windows_BW.split(self.rows)]
+
+    def _documents(self, step: int) -> tuple[np.ndarray, int]:
+        """(window document ids [rows, W] of this rank's rows, trained labels of the whole step)."""
+        part_B, start_B = self._draws(step)
+        rows, width, L = self._global_rows(), self.config.seq_len + 1, self.config.seq_len
+        doc_BW = np.empty((len(rows), width), dtype=np.int64)
+        crossing = 0
+        for p, part in enumerate(self.parts):
+            mine, every = np.flatnonzero(part_B[rows] == p), part_B == p
+            doc_BW[mine] = window_documents(part.doc_starts, start_B[rows][mine], width)
+            crossing += crossing_labels(part.doc_starts, start_B[every], L)
+        return doc_BW, self.config.batch_size * L - crossing
+
+    def _draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source part [B], window start [B]) of every global row of `step` (token sources only)."""
+        if self.mixture is not None:
+            return self.mixture.draws(step)
+        starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
+                               self.stream)
+        return np.zeros(len(starts), dtype=np.int64), starts
 
     def _global_rows(self) -> np.ndarray:
         per_micro = self.config.batch_size // self.grad_accum
@@ -372,13 +406,9 @@ class Loader:
         if self.config.source == "synthetic":
             windows = [np.random.default_rng([self.stream, self.seed, step, r]).integers(0, self.vocab_size, length)
                        for r in rows]
-        elif self.mixture is not None:
-            source_B, start_B = self.mixture.draws(step)
-            windows = [self.parts[source_B[r]].tokens[start_B[r]:start_B[r] + length] for r in rows]
         else:
-            starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
-                                   self.stream)
-            windows = [self.tokens[s:s + length] for s in starts[rows]]
+            part_B, start_B = self._draws(step)
+            windows = [self.parts[part_B[r]].tokens[start_B[r]:start_B[r] + length] for r in rows]
         windows = np.stack(windows).astype(np.int64)
         if self.model_vocab and windows.max(initial=0) >= self.model_vocab:  # wrong dtype or tokenizer
             raise ValueError(f"data: token id {windows.max()} in the {self.config.source} source at step {step} "

@@ -100,8 +100,12 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
 def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) -> torch.Tensor:
     """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
     The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
-    inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch)
-    logits_BSV = model(inputs_BS, positions_S)
+    inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch[:3])
+    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/documents.py)
+    if documents is None:
+        logits_BSV = model(inputs_BS, positions_S)
+    else:
+        logits_BSV = model(inputs_BS, positions_S, documents=documents.to(device))
     return loss_fn(logits_BSV, labels_BS, global_tokens)
 
 
@@ -131,8 +135,8 @@ class NextToken:
         self.grad_sync = config.training.grad_sync
 
     def forward_backward(self, model, micro_batches, device) -> tuple[torch.Tensor, int, dict]:
-        return (forward_backward(model, micro_batches, self.global_tokens, device, self.grad_sync),
-                self.global_tokens, {})
+        tokens = getattr(micro_batches[0], "global_labels", self.global_tokens)  # document masking: trained labels
+        return forward_backward(model, micro_batches, tokens, device, self.grad_sync), tokens, {}
 
     def after_step(self, model) -> None:
         pass

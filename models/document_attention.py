@@ -1,0 +1,89 @@
+"""Document masking (`data.document_mask`): packed documents attend only within themselves.
+
+Query i sees key j iff kv_pos[j] <= q_pos[i] (causal, by global position in the packed row) and both
+belong to the same document. RoPE positions restart at each document (the attention modules rotate by
+`Documents.rope_BS` instead of the global positions), so a document's logits equal those of the
+document forwarded alone. The label crossing a boundary (the last token of one document predicting the
+first of the next) is not trained: runtime/data.py sets it to IGNORE_INDEX.
+
+CPU path (`document_attention`): query blocks of at most `block` rows; each block attends to its
+visible key range only (from the first key of the block's earliest document to its last query), through
+SDPA with a boolean [B, 1, Q, K'] mask shared by the heads. So no [S, S] tensor exists per head, nor any
+[S, S] float at all: the largest mask is block x K' (benchmarks/document_attention.py measures time and
+peak memory against the unmasked flash path). The key range needs the document ids on the host (one
+small device-to-host copy per block): fine on the CPU, a sync per block on CUDA.
+
+CUDA (not implemented, no GPU was available to test it): FlexAttention with a BlockMask built from
+the same predicate (mask_mod: same document and causal), because it takes any per-row document
+layout and the CP chunk layout (query and key positions as index tensors) without repacking, skips
+fully masked blocks, and supports MLA's unequal q/k and v widths; a varlen flash path would need the
+sequences repacked into cu_seqlens per document and per CP chunk.
+
+Context parallelism: the gathered keys are the whole row in global order, and `Documents.doc_BL` holds
+the document id of every token of the row (each rank's loader knows the whole window), so each chunk's
+visible keys respect document boundaries with no extra communication, whether or not a document
+straddles the CP split (parallel/context_parallel.py calls this function with the gathered keys).
+
+Shape letters: B batch, H heads, S local queries, T keys, L whole sequence, E head width, Q/K one
+block's queries/keys.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from models.block_attention import pad_values
+
+
+class Documents(NamedTuple):
+    """Where documents lie in a packed micro-batch (data.document_mask)."""
+    doc_BL: torch.Tensor  # int64 [B, L] document index of every token of the WHOLE row (global order, non-decreasing)
+    rope_BS: torch.Tensor  # int64 [B, S] RoPE positions of this rank's tokens: their offsets in their document
+
+    def to(self, device) -> "Documents":
+        return Documents(self.doc_BL.to(device), self.rope_BS.to(device))
+
+
+def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float,
+                       block: int = 512) -> torch.Tensor:
+    """Exact causal attention restricted to documents. `q_pos_S` / `kv_pos_T`: global positions (strictly
+    increasing; kv_pos_T[0] is the row's first position); `doc_BL` indexed by position - kv_pos_T[0].
+    Values narrower than q/k (MLA) are padded for the flash kernel and the output sliced. Local, no
+    communication."""
+    v_width = v_BHTE.shape[-1]
+    v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
+    base = kv_pos_T[:1]
+    q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
+    outs = []
+    for start in range(0, q_BHSE.shape[2], block):
+        rows = slice(start, start + block)
+        lo, hi = _key_range(q_doc_BS[:, rows], q_pos_S[rows], kv_doc_BT, kv_pos_T)
+        same_doc_BQK = kv_doc_BT[:, None, lo:hi] == q_doc_BS[:, rows, None]
+        mask_B1QK = (same_doc_BQK & (kv_pos_T[None, None, lo:hi] <= q_pos_S[None, rows, None])).unsqueeze(1)
+        outs.append(F.scaled_dot_product_attention(q_BHSE[:, :, rows], k_BHTE[:, :, lo:hi], v_BHTE[:, :, lo:hi],
+                                                   attn_mask=mask_B1QK, scale=scale))
+    return torch.cat(outs, dim=2)[..., :v_width]
+
+
+def _key_range(q_doc_BQ, q_pos_Q, kv_doc_BT, kv_pos_T) -> tuple[int, int]:
+    """[lo, hi): the keys any query of the block can see. hi: past the last key at or before the block's
+    last query; lo: the first key of the earliest document among the block's queries (over all rows)."""
+    hi = int(torch.searchsorted(kv_pos_T, q_pos_Q[-1:], right=True))
+    first_doc_B = q_doc_BQ.min(dim=1).values
+    lo = int(torch.searchsorted(kv_doc_BT, first_doc_B[:, None]).min())
+    return lo, hi
+
+
+def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float, block: int = 256) -> torch.Tensor:
+    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip)."""
+    base = kv_pos_T[:1]
+    q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
+    q_BHSE, kT_BHET = q_BHSE.float(), k_BHTE.float().transpose(-1, -2)
+    best_H = q_BHSE.new_full((q_BHSE.shape[1],), -torch.inf)
+    for start in range(0, q_BHSE.shape[2], block):
+        rows = slice(start, start + block)
+        scores_BHQT = torch.matmul(q_BHSE[:, :, rows], kT_BHET) * scale
+        visible_BQT = (kv_doc_BT[:, None, :] == q_doc_BS[:, rows, None]) & (kv_pos_T[None, None, :] <= q_pos_S[None, rows, None])
+        best_H = torch.maximum(best_H, scores_BHQT.masked_fill(~visible_BQT[:, None], -torch.inf).amax(dim=(0, 2, 3)))
+    return best_H
