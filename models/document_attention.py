@@ -8,9 +8,12 @@ first of the next) is not trained: runtime/data.py sets it to IGNORE_INDEX.
 
 CPU path (`document_attention`): query blocks of at most `block` rows; each block attends to its
 visible key range only (from the first key of the block's earliest document to its last query), through
-SDPA with a boolean [B, 1, Q, K'] mask shared by the heads. So no [S, S] tensor exists per head, nor any
-[S, S] float at all: the largest mask is block x K' (benchmarks/document_attention.py measures time and
-peak memory against the unmasked flash path). The key range needs the document ids on the host (one
+SDPA with a boolean [B, 1, Q, K'] mask shared by the heads (SDPA turns it into a float mask of that shape).
+So no [S, S] tensor exists per head, nor any [S, S] float at all: the largest mask is block x K'. Each
+block runs under non-reentrant activation checkpointing when gradients are needed, so backward rebuilds
+its mask instead of keeping all of them (S^2/2 floats per row otherwise: 128 MiB at S = 8192 in one
+document, per layer); benchmarks/document_attention.py measures time and peak memory against the
+unmasked flash path. The key range needs the document ids on the host (one
 small device-to-host copy per block): fine on the CPU, a sync per block on CUDA.
 
 CUDA (not implemented, no GPU was available to test it): FlexAttention with a BlockMask built from
@@ -32,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from models.block_attention import pad_values
 
@@ -59,11 +63,19 @@ def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale:
     for start in range(0, q_BHSE.shape[2], block):
         rows = slice(start, start + block)
         lo, hi = _key_range(q_doc_BS[:, rows], q_pos_S[rows], kv_doc_BT, kv_pos_T)
-        same_doc_BQK = kv_doc_BT[:, None, lo:hi] == q_doc_BS[:, rows, None]
-        mask_B1QK = (same_doc_BQK & (kv_pos_T[None, None, lo:hi] <= q_pos_S[None, rows, None])).unsqueeze(1)
-        outs.append(F.scaled_dot_product_attention(q_BHSE[:, :, rows], k_BHTE[:, :, lo:hi], v_BHTE[:, :, lo:hi],
-                                                   attn_mask=mask_B1QK, scale=scale))
+        args = (q_BHSE[:, :, rows], k_BHTE[:, :, lo:hi], v_BHTE[:, :, lo:hi], q_doc_BS[:, rows], kv_doc_BT[:, lo:hi],
+                q_pos_S[rows], kv_pos_T[lo:hi], scale)
+        if torch.is_grad_enabled() and q_BHSE.requires_grad:  # backward rebuilds the block's mask: none is kept
+            outs.append(checkpoint(_masked_block, *args, use_reentrant=False))
+        else:
+            outs.append(_masked_block(*args))
     return torch.cat(outs, dim=2)[..., :v_width]
+
+
+def _masked_block(q_BHQE, k_BHKE, v_BHKE, q_doc_BQ, kv_doc_BK, q_pos_Q, kv_pos_K, scale: float) -> torch.Tensor:
+    """One query block over its key range: SDPA with the boolean [B, 1, Q, K] mask (same document, causal)."""
+    visible_BQK = (kv_doc_BK[:, None, :] == q_doc_BQ[:, :, None]) & (kv_pos_K[None, None, :] <= q_pos_Q[None, :, None])
+    return F.scaled_dot_product_attention(q_BHQE, k_BHKE, v_BHKE, attn_mask=visible_BQK.unsqueeze(1), scale=scale)
 
 
 def _key_range(q_doc_BQ, q_pos_Q, kv_doc_BT, kv_pos_T) -> tuple[int, int]:

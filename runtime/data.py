@@ -266,6 +266,7 @@ class Part(NamedTuple):
     tokens: np.ndarray  # [N'] this split's tokens
     doc_starts: np.ndarray | None  # [D' + 1] this split's document starts (None: not recorded)
     file_tokens: int  # tokens in the whole file
+    vocab_size: int  # from the sidecar or the corpus, 0 if unknown
     describe: str  # e.g. "bin data/x (uint16): 1,234 tokens, 5 documents"
 
 
@@ -287,7 +288,8 @@ def open_part(config: DataConfig, key: str, holdout: float, split: str, name: st
     docs = split_documents(file.doc_starts, len(file.tokens), holdout, split)
     what = "corpus (bundled byte-level text)" if config.source == "corpus" else f"bin {config.path} ({tokens.dtype})"
     documents = "documents not recorded" if docs is None else f"{len(file.doc_starts) - 1:,} documents"
-    return Part(name, tokens, docs, len(file.tokens), f"{what}: {len(file.tokens):,} tokens, {documents}")
+    return Part(name, tokens, docs, len(file.tokens), file.vocab_size,
+                f"{what}: {len(file.tokens):,} tokens, {documents}")
 
 
 class Loader:
@@ -313,9 +315,7 @@ class Loader:
         self.path_key = path_key
         self.parts = self._open_parts(path_key)
         self.tokens = self.parts[0].tokens if len(self.parts) == 1 else None  # single source
-        source_vocab = corpus.VOCAB_SIZE if config.source == "corpus" else (
-            open_bin(config.path, config.dtype, path_key).vocab_size if config.source == "bin" and not config.sources
-            else 0)
+        source_vocab = max((p.vocab_size for p in self.parts), default=0)
         self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self._check_sizes(source_vocab, vocab_size)
         self.mixture = None

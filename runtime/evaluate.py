@@ -46,7 +46,7 @@ class EvalConfig:
         """The DataConfig the eval loader reads."""
         if not self.path:
             return data_config
-        return dataclasses.replace(data_config, source="bin", path=self.path)
+        return dataclasses.replace(data_config, source="bin", path=self.path, sources=())  # a mixture's too
 
 
 @torch.no_grad()

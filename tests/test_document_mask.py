@@ -231,11 +231,9 @@ def test_one_process_and_eight_ranks_give_the_same_masked_losses(tmp_path):
 
     prefix, _ = _indexed_dataset(tmp_path)
     argv = [f"--data.path={prefix}", "--data.document_mask=true", "--data.seq_len=32", "--data.batch_size=8",
-            "--training.steps=3", "--training.warmup_steps=1", "--checkpoint.interval=0", "--eval.interval=3",
+            "--training.steps=2", "--training.warmup_steps=1", "--checkpoint.interval=0", "--eval.interval=2",
             "--eval.steps=1"]
     single = run_ok(tmp_path / "single", 1, argv)
-    unmasked = run_ok(tmp_path / "unmasked", 1, [a for a in argv if "document_mask" not in a])
-    assert abs(single[0]["loss"] - unmasked[0]["loss"]) > 1e-4  # the mask and the untrained labels change the loss
     for name, layout in (("headline", HEADLINE), ("folded", FOLDED)):
         records = run_ok(tmp_path / name, 8, argv + layout)
         for a, b in zip(single, records, strict=True):

@@ -147,3 +147,25 @@ def test_bad_source_files_exit_2_before_any_process_group(tmp_path, capfd, damag
     assert str(error.value).startswith(message.format(d=tmp_path)) and "\n" not in str(error.value), str(error.value)
     codes, _ = run_pretrain(tmp_path / "run", 2, ["--config", path], timeout=60)
     assert codes == [2, 2] and not os.path.exists(tmp_path / "run")
+
+
+def test_example_mixture_config_loads():
+    config = load_config(["--config", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                                   "mixture_example.toml")])
+    assert config.data.source == "bin" and config.data.document_mask
+    assert [(s.name, s.weight) for s in config.data.sources] == [("code", 0.6), ("math", 0.2), ("web", 0.2)]
+    assert set(config.token_splits()) == {"train", "eval/code", "eval/math", "eval/web"}
+    with_file = load_config(["--config", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                                      "mixture_example.toml"), "--eval.path=held_out.bin"])
+    assert set(with_file.token_splits()) == {"train", "eval"} and with_file.token_splits()["eval"][0].sources == ()
+
+
+def test_data_benchmarks_small_run(tmp_path):
+    """benchmarks/data_pipeline.py and benchmarks/document_attention.py, tiny: the docs' figures' code paths."""
+    from benchmarks import data_pipeline, document_attention
+
+    rows = data_pipeline.main(["--small", "--dir", str(tmp_path)])["rows"]
+    assert [r["setup"] for r in rows] == ["flat", "mixture8", "small_docs"]
+    assert all(0 < r["fetch_fraction"] < 1 and r["rank0_of_8_tokens_per_s"] > 0 for r in rows)
+    rows = document_attention.main(["--seqs", "256", "--repeats", "1", "--doc-len", "64"])["rows"]
+    assert [r["variant"] for r in rows] == ["causal", "documents", "one_document", "dense_mask"]
