@@ -10,7 +10,9 @@ CPU path (`document_attention`): query blocks of at most `block` rows; each bloc
 visible key range only (from the first key of the block's earliest document to its last query), through
 SDPA with a boolean [B, 1, Q, K'] mask shared by the heads (SDPA turns it into a float mask of that shape).
 So no [S, S] tensor exists per head, nor any [S, S] float at all: the largest mask is block x K'. Each
-block runs under non-reentrant activation checkpointing when gradients are needed, so backward rebuilds
+block whose rows, queries and keys all lie in one document skips the mask: the flash path of
+models/block_attention.prefix_causal_attention (long documents: most blocks). A masked block runs under
+non-reentrant activation checkpointing when gradients are needed, so backward rebuilds
 its mask instead of keeping all of them (S^2/2 floats per row otherwise: 128 MiB at S = 8192 in one
 document, per layer); benchmarks/document_attention.py measures time and peak memory against the
 unmasked flash path. The key range needs the document ids on the host (one
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.block_attention import pad_values
+from models.block_attention import pad_values, prefix_causal_attention
 
 
 class Documents(NamedTuple):
@@ -63,6 +65,9 @@ def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale:
     for start in range(0, q_BHSE.shape[2], block):
         rows = slice(start, start + block)
         lo, hi = _key_range(q_doc_BS[:, rows], q_pos_S[rows], kv_doc_BT, kv_pos_T)
+        if _inside_one_document(q_doc_BS[:, rows], q_pos_S[rows], kv_doc_BT[:, lo:hi], kv_pos_T[lo:hi]):
+            outs.append(prefix_causal_attention(q_BHSE[:, :, rows], k_BHTE[:, :, lo:hi], v_BHTE[:, :, lo:hi], scale))
+            continue
         args = (q_BHSE[:, :, rows], k_BHTE[:, :, lo:hi], v_BHTE[:, :, lo:hi], q_doc_BS[:, rows], kv_doc_BT[:, lo:hi],
                 q_pos_S[rows], kv_pos_T[lo:hi], scale)
         if torch.is_grad_enabled() and q_BHSE.requires_grad:  # backward rebuilds the block's mask: none is kept
@@ -70,6 +75,14 @@ def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale:
         else:
             outs.append(_masked_block(*args))
     return torch.cat(outs, dim=2)[..., :v_width]
+
+
+def _inside_one_document(q_doc_BQ, q_pos_Q, kv_doc_BK, kv_pos_K) -> bool:
+    """Whether every row's queries and keys of the block lie in one document and the queries are the last
+    keys: then the mask is plain causal and the mask-free flash path computes the same attention."""
+    Q = q_pos_Q.shape[0]
+    return bool(kv_pos_K.shape[0] >= Q and torch.equal(kv_pos_K[-Q:], q_pos_Q)
+                and (kv_doc_BK == q_doc_BQ[:, :1]).all() and (q_doc_BQ == q_doc_BQ[:, :1]).all())
 
 
 def _masked_block(q_BHQE, k_BHKE, v_BHKE, q_doc_BQ, kv_doc_BK, q_pos_Q, kv_pos_K, scale: float) -> torch.Tensor:

@@ -145,8 +145,9 @@ def test_bad_source_files_exit_2_before_any_process_group(tmp_path, capfd, damag
     with pytest.raises(ValueError) as error:
         check_environment(load_config(["--config", path, f"--run.dir={tmp_path}/run"]))
     assert str(error.value).startswith(message.format(d=tmp_path)) and "\n" not in str(error.value), str(error.value)
-    codes, _ = run_pretrain(tmp_path / "run", 2, ["--config", path], timeout=60)
-    assert codes == [2, 2] and not os.path.exists(tmp_path / "run")
+    if "math.idx" in message or "no such file '{d}/math'" in message:  # the entry point, once: 2 ranks exit 2
+        codes, _ = run_pretrain(tmp_path / "run", 2, ["--config", path], timeout=60)
+        assert codes == [2, 2] and not os.path.exists(tmp_path / "run")
 
 
 def test_example_mixture_config_loads():
