@@ -35,7 +35,8 @@ from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.checkpoint import CheckpointConfig
-from runtime.data import DataConfig, check_split, unused_keys
+from runtime.data import DataConfig, check_split
+from runtime.data_keys import unused_keys
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
 from runtime.posttrain import PosttrainConfig
