@@ -47,10 +47,12 @@ import torch.distributed as dist  # noqa: E402
 from examples.tool_env import HEADER, new_episode, play, rollout_record, transcript  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.generate import SamplingConfig  # noqa: E402
 from runtime.rollout_batch import RolloutLoader  # noqa: E402
 from runtime.rollouts import trajectory_from_record  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 from runtime.schedule import build_scheduler  # noqa: E402
 from runtime.train import build_model, build_optimizer, train_step  # noqa: E402
 
@@ -297,6 +299,7 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+@user_errors
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer transcripts, pretraining steps, seeds and steps")
@@ -325,6 +328,7 @@ def main(argv: list[str]) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib (pip install -e '.[plot]')")
+    check_outputs([("--json", args.json), ("--plot", args.plot)])
     result = run(cfg, args.work)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -16,10 +16,15 @@ the time budget (--budget-s) is recorded as skipped:
   grouped_mm   models.experts.grouped_linear TFLOP/s, Kimi K2 expert shapes (48 local experts, ep=8)
                and the whole SwiGLU experts forward + backward
   attention    SDPA TFLOP/s on MLA shapes (64 heads, q/k 192, v 128, causal), per SDPA backend
-               (which are eligible), and with v zero-padded to 192
+               (which are eligible), and with v zero-padded to 192; forward + backward of the model's
+               own CausalAttention (v padded or not, as training chooses: `training_pads_values`)
   train_step   the runtime's train_step (runtime/train.py) on moonlight_16b widths with as many
                layers as the memory estimate allows (bf16 FSDP mixed precision, Muon): tokens/s, MFU, peak
                memory against the estimated weight + gradient + optimizer-state bytes, host syncs
+  cp_attention, grouped_mm_empty, train_variants
+               the risky paths a world of one can check (benchmarks/gpu_check_paths.py): context
+               parallelism's chunked flash attention against fp32, grouped matmuls with empty expert
+               groups, training steps with activation checkpointing and with QK-clip
   calibration  the keys the projections read: "kimi_blocks_gflops" {dtype: GFLOP/s} (what
                benchmarks/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
                matmul, attention, MFU: benchmarks/step_projection.py --calibration)
@@ -43,6 +48,8 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make the repo
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.gpu_check_paths import SECTIONS as PATH_SECTIONS
 
 DEFAULT_BUDGET_S = 450.0  # stop starting sections after this; the whole run stays under 8 minutes
 
@@ -76,8 +83,12 @@ class Timer:
 
 
 def section_env(ctx) -> dict:
+    # fp32 matmuls the runtime leaves in fp32 (the router GEMM, fp32 params) run at this precision:
+    # "none" (torch's default: the legacy allow_tf32 flag decides, off by default) or "ieee" = no TF32,
+    # "tf32" = TF32; Newton-Schulz sets TF32 itself (optim.ns_tf32)
     out = {"torch": torch.__version__, "device": str(ctx.device), "cuda": torch.version.cuda,
-           "small": ctx.small}
+           "small": ctx.small, "fp32_matmul_precision": torch.backends.cuda.matmul.fp32_precision,
+           "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(ctx.device)
         out.update(name=props.name, memory_gib=props.total_memory / 2**30,
@@ -144,13 +155,16 @@ def default_ns_variant(labels: list[str]) -> str:
 
 
 def section_ns(ctx) -> dict:
+    from optim.config import OptimConfig
     from optim.newton_schulz import ns_flops, orthogonalize
 
     families = ns_block_families(ctx.small)
     if ctx.small:  # the three families with the most NS FLOPs: same code path, seconds on a CPU
         families = dict(sorted(families.items(), key=lambda kv: -kv[1] * ns_flops(*kv[0]))[:3])
     cap_bytes = (64 << 20) if ctx.small else (1 << 30)  # one batch of blocks per family, at most this
-    out = {"families": {f"{r}x{c}": n for (r, c), n in families.items()}, "rates": {}}
+    # fp32 rows run as training does: TF32 tensor cores where optim.ns_tf32 (default on) allows them
+    tf32 = OptimConfig().ns_tf32
+    out = {"families": {f"{r}x{c}": n for (r, c), n in families.items()}, "rates": {}, "float32_uses_tf32": tf32}
     dtypes = (torch.bfloat16, torch.float32)
     for label, kwargs in ns_variants().items():
         for dtype in dtypes:
@@ -160,7 +174,7 @@ def section_ns(ctx) -> dict:
                     continue  # fp32: only the dominant family (time)
                 batch = max(1, min(n, cap_bytes // (r * c * 2)))
                 x = torch.randn(batch, r, c, device=ctx.device, dtype=dtype)
-                seconds = ctx.timer(lambda: orthogonalize(x, **kwargs))
+                seconds = ctx.timer(lambda: orthogonalize(x, **kwargs, tf32=tf32))
                 flops = batch * ns_flops(r, c)
                 rates[f"{r}x{c}"] = _rate(flops, seconds)
                 # weight each family by its share of a whole step's NS FLOPs
@@ -190,7 +204,9 @@ def section_grouped_mm(ctx) -> dict:
     ws = [w.requires_grad_() for w in (w13, w2)]
     x_grad = x_TD.clone().requires_grad_()
 
-    def forward_backward():
+    def forward_backward():  # grads set to None first: accumulating into them would add a read and a write per call
+        for t in (*ws, x_grad):
+            t.grad = None
         swiglu_experts(x_grad, *ws, counts_L).float().square().mean().backward()
 
     out["swiglu_forward_backward_tflops"] = _rate(3 * 3 * 2 * T * D * Fh, ctx.timer(forward_backward))
@@ -220,12 +236,21 @@ def section_attention(ctx) -> dict:
                 out[f"{label} {name} forward_tflops"] = _rate(flops, seconds)
             except Exception as e:  # the backend refuses these shapes (not eligible)
                 out[f"{label} {name} forward_tflops"] = f"not eligible: {str(e).splitlines()[0][:200]}"
+    # what training runs: the model's CausalAttention, which pads v only where torch would otherwise
+    # fall back to math (models/block_attention.sdpa_needs_padded_values)
+    from models.attention import CausalAttention
+    from models.block_attention import sdpa_needs_padded_values
+
+    attention, pos = CausalAttention(), torch.arange(S, device=ctx.device)
+    out["training_pads_values"] = sdpa_needs_padded_values(q, k, v, None, True, QK**-0.5)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
     def forward_backward():
-        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).float().square().mean().backward()
+        for t in (qg, kg, vg):
+            t.grad = None
+        attention(qg, kg, vg, pos, pos, QK**-0.5).float().square().mean().backward()
 
-    out["v128 default forward_backward_tflops"] = _rate(3.5 * flops, ctx.timer(forward_backward))  # bwd ~2.5x fwd
+    out["training forward_backward_tflops"] = _rate(3.5 * flops, ctx.timer(forward_backward))  # bwd ~2.5x fwd
     return out
 
 
@@ -322,6 +347,7 @@ def _train_steps(ctx, argv, steps: int = 3) -> dict:
            "first_step_s": first["step_time_s"], "step_time_s": step_times[len(step_times) // 2],
            "optimizer_time_s": sorted(s["optimizer_time_s"] for s in times)[len(times) // 2],
            "losses": [first["loss"], counted["loss"]] + [s["loss"] for s in times],
+           "clipped_heads": [s.get("clipped_heads") for s in (first, counted, *times)],
            "host_syncs": syncs.as_dict(), "state_bytes_estimate_gib": state_bytes(config.model) / 2**30}
     if ctx.device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
@@ -378,8 +404,8 @@ def section_calibration(ctx) -> dict:
     if isinstance(gm.get("swiglu_forward_backward_tflops"), float):
         rates["grouped_mm_bf16"] = gm["swiglu_forward_backward_tflops"]
     att = r.get("attention", {})
-    if isinstance(att.get("v128 default forward_backward_tflops"), float):
-        rates["attention_bf16"] = att["v128 default forward_backward_tflops"]
+    if isinstance(att.get("training forward_backward_tflops"), float):
+        rates["attention_bf16"] = att["training forward_backward_tflops"]
     ts = r.get("train_step", {})
     if isinstance(ts.get("mfu"), float):
         rates["train_step_mfu"] = ts["mfu"]
@@ -388,7 +414,8 @@ def section_calibration(ctx) -> dict:
 
 
 SECTIONS = {"env": section_env, "matmul": section_matmul, "ns": section_ns, "grouped_mm": section_grouped_mm,
-            "attention": section_attention, "train_step": section_train_step, "calibration": section_calibration}
+            "attention": section_attention, "train_step": section_train_step, **PATH_SECTIONS,
+            "calibration": section_calibration}
 
 
 def _rate(flops: float, seconds: float) -> float:

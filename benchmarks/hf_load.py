@@ -25,7 +25,9 @@ from models import Transformer, preset  # noqa: E402
 from models.hf import load_state, save_pretrained  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 # ~462M parameters: 0.92 GB in bf16 (80 experts of 1024 x 512 in each of 3 MoE layers: 82% of it).
 SHAPE = dict(vocab_size=32000, dim=1024, n_layers=4, n_dense_layers=1, n_heads=8, q_lora_rank=256, kv_lora_rank=128,
@@ -64,6 +66,7 @@ def measure(directory: str) -> dict:
     return {"world_size": world_size, "layout": str(layout), "ranks": rows}
 
 
+@user_errors
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", help="write the benchmark checkpoint into this directory and exit")
@@ -73,6 +76,7 @@ def main(argv: list[str]) -> int:
     if args.make:
         make(args.make)
         return 0
+    check_outputs([("--out", args.out)], [("a file of the --dir checkpoint", args.dir)])
     dist.init_process_group("gloo")
     try:
         result = measure(args.dir)

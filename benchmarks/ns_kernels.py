@@ -35,6 +35,8 @@ if __package__ in (None, ""):  # `python benchmarks/ns_kernels.py`: make the rep
 import torch
 
 from optim.newton_schulz import ns_flops, orthogonalize
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 METHODS = ("standard", "gram", "bmm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -166,8 +168,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@user_errors
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_outputs([("--json", args.json)], [("a file of --momentum-checkpoint", args.momentum_checkpoint)])
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{'set':15s} {'shape':>11s} {'batch':>5s} {'dtype':9s} " + "  ".join(f"{m + ' ms':>12s}" for m in METHODS)

@@ -40,6 +40,8 @@ from benchmarks.methods import METHODS, Method, Skipped, build_method
 from benchmarks.param_sets import SHAPE_SETS, build_param_set
 from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 KIMI_EXPERT_BLOCK = (2048, 7168)  # moe_inter_dim x dim of kimi_k2_1t
 
@@ -69,9 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@user_errors
 def main(argv=None) -> dict:
     """Run the benchmark on the process group (initialized here from torchrun's environment)."""
     args = parse_args(argv)
+    check_outputs([("--json", args.json), ("--plot", args.plot)])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     created = not dist.is_initialized()
     if created:

@@ -67,6 +67,8 @@ from optim.sharded_boxes import all_boxes, placement_kind
 from optim.sharded_muon import plan_options
 from optim.sharded_specs import model_specs
 from parallel.layout import ParallelConfig
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
 TARGET_S = 0.2
@@ -264,8 +266,10 @@ def time_planning(config, device, args) -> list[dict]:
     return rows
 
 
+@user_errors
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_outputs([("--json", args.json)], [("the --calibration file", args.calibration)])
     device = device_model(args.device, args.calibration)
     config = preset("kimi_k2_1t")
     if args.time_planning:

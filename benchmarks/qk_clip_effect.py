@@ -17,6 +17,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from launch.pretrain import main as pretrain  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 
 def run(run_dir: str, steps: int, lr: float, tau: float) -> list[dict]:
@@ -46,14 +48,16 @@ def plot(results: dict, tau: float, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> int:
+@user_errors
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--lr", type=float, default=0.08)
     parser.add_argument("--tau", type=float, default=4.0)
     parser.add_argument("--json")
     parser.add_argument("--plot")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_outputs([("--json", args.json), ("--plot", args.plot)])
     with tempfile.TemporaryDirectory() as tmp:
         results = {"no clip": run(os.path.join(tmp, "off"), args.steps, args.lr, 1e30),
                    f"qk_clip_tau={args.tau}": run(os.path.join(tmp, "on"), args.steps, args.lr, args.tau)}

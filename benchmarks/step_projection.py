@@ -1,7 +1,12 @@
 """Project one whole training step per layout: FLOPs, bytes per mesh and link, host syncs, time, MFU.
 
     python benchmarks/step_projection.py --config PATH [--world N] [--json PATH] [--device h100|h200]
-        [--calibration gpu_check.json] [--act-dtype float32|bfloat16] [--compare]
+        [--calibration gpu_check.json] [--act-dtype float32|bfloat16] [--param-dtype ...] [--reduce-dtype ...]
+        [--activation-checkpoint none|selective|full] [--compare]
+
+Dtypes, activation checkpointing, micro-batches (training.grad_accum) and grad_sync come from the config
+(training.param_dtype: weights all-gathered and activations computed in it; training.reduce_dtype:
+gradients reduced in it; training.activation_checkpoint); a flag overrides one for a what-if.
 
 No process group, nothing allocated: the model is built on the meta device and every number comes
 from shapes, the layout and the runtime's own rules. Per rank and step (one rank stands for all;
@@ -40,11 +45,11 @@ the links with the EP and CP traffic (hence all bytes in the link terms); the EP
 CP collectives sit on the critical path (the runtime does not overlap them; --overlap-ep shows the
 what-if max(compute, ep + cp) instead); a host sync is charged SYNC_S of idle device.
 MFU = model FLOPs / (step x peak).
-Memory per GPU: fp32 weights + gradients + optimizer state of the local shards, the two largest
-units unsharded (prefetch), and activations of one layer plus a t x D checkpoint per layer (that is,
-with full activation checkpointing, training.activation_checkpoint = "full": without it the K2/V3
-presets need ~1 MB per token and layer and fit no layout; launch/estimate_memory.py is the
-runtime's detailed estimate). A layout "fits" below FIT_FRACTION of memory.
+Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
+state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
+with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer; otherwise
+("none", and "selective", counted like it: an upper bound) one layer's for every layer (the K2/V3 presets
+then need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
 """
 
 import argparse
@@ -61,6 +66,9 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
+from runtime.cli import user_errors
+from runtime.paths import check_outputs, config_inputs
+
 GPUS_PER_NODE = 8
 SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
 FIT_FRACTION = 0.9
@@ -69,6 +77,9 @@ FIT_FRACTION = 0.9
 # causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
 DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MEMORY_NOTE = ("memory: a coarse model (sharded fp32 states, 2 unsharded units, per-token activation formula) that "
+               "ranks layouts; launch/estimate_memory.py also counts logits, EP dispatch, the Muon step's buffers, "
+               "the CUDA runtime and measures activations: use it for the fit")
 
 
 @dataclass(frozen=True)
@@ -224,9 +235,10 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
-def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every") -> dict:
-    """Per GPU (module docstring): states of the local shards, two unsharded units, activations,
-    and with grad_sync="last" the unsharded fp32 gradients of every unit."""
+def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
+                 param_bytes: int = 4, activation_checkpoint: str = "full") -> dict:
+    """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
+    activations, and with grad_sync="last" the unsharded fp32 gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -235,12 +247,14 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
         expert = ".experts." in name
         shards = layout.ep * layout.edp_shard if expert else layout.dp_shard * layout.cp
         states += p.numel() / shards * (4 + 4 + (4 if name in muon else 8))
-    gathered = 2 * max(sum(math.prod(s) // (layout.ep if mesh == "expert" else 1) for s in shapes) * 4
+    gathered = 2 * max(sum(math.prod(s) // (layout.ep if mesh == "expert" else 1) for s in shapes) * param_bytes
                        for mesh, shapes in units)
     c = config
     head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
     per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
-    activations = local_tokens * act_bytes * (per_token_layer + c.n_layers * c.dim)
+    kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
+        c.n_layers * per_token_layer
+    activations = local_tokens * act_bytes * kept_layers
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -259,12 +273,13 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     seq = config_job.data.seq_len
     tokens = config_job.data.tokens_per_step()
     local_tokens = tokens // (layout.world_size * micro)  # per rank and micro-batch (dp x cp = world)
-    act_bytes = DTYPE_BYTES[args.act_dtype]
+    dtypes = resolved(config_job, args)
+    act_bytes = DTYPE_BYTES[dtypes["act_dtype"]]
     with torch.device("meta"):
         model = Transformer(c)
     units = fsdp_units(model)
-    fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4,
-                        grad_sync=grad_sync)
+    fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[dtypes["param_dtype"]],
+                        grad_bytes=DTYPE_BYTES[dtypes["reduce_dtype"]], grad_sync=grad_sync)
     ep = ep_traffic(c, layout, local_tokens, micro, act_bytes)
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
@@ -276,11 +291,12 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
-    syncs = sync_count(c, layout, micro, getattr(config_job.training, "activation_checkpoint", "none"))
+    syncs = sync_count(c, layout, micro, dtypes["activation_checkpoint"])
     exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
-    memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync)
+    memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"])
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -295,6 +311,14 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
     }
+
+
+def resolved(job, args) -> dict:
+    """The dtypes and checkpointing the projection uses: the flag when given, else the config's."""
+    t = job.training
+    return {"param_dtype": args.param_dtype or t.param_dtype, "act_dtype": args.act_dtype or t.param_dtype,
+            "reduce_dtype": args.reduce_dtype or t.reduce_dtype,
+            "activation_checkpoint": args.activation_checkpoint or t.activation_checkpoint}
 
 
 def _link_seconds(link: Link, device) -> tuple[float, float]:
@@ -409,10 +433,15 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write {'rows': [...]} here")
     p.add_argument("--device", default="h200", help="h100 | h200 (benchmarks/device_model.py)")
     p.add_argument("--calibration", help="JSON written by benchmarks/gpu_check.py (measured rates)")
-    p.add_argument("--act-dtype", default="float32", choices=sorted(DTYPE_BYTES),
-                   help="dtype of dispatched tokens and gathered K/V (float32: the runtime today)")
-    p.add_argument("--param-dtype", default="float32", choices=sorted(DTYPE_BYTES),
-                   help="dtype FSDP all-gathers weights in (float32: no mixed-precision policy today)")
+    p.add_argument("--act-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="dtype of activations, dispatched tokens and gathered K/V (default: training.param_dtype, "
+                        "the compute dtype)")
+    p.add_argument("--param-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="dtype FSDP all-gathers weights in (default: training.param_dtype)")
+    p.add_argument("--reduce-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="dtype gradients are reduced in (default: training.reduce_dtype)")
+    p.add_argument("--activation-checkpoint", default=None, choices=("none", "selective", "full"),
+                   help="default: training.activation_checkpoint")
     p.add_argument("--cp-gather", default="latent", choices=("latent", "expanded"),
                    help="latent: what the runtime gathers (MLA latent + rotary key, GQA kv heads); "
                         "expanded: the expanded K/V, as it gathered before")
@@ -434,18 +463,25 @@ def config_world(job) -> int:
     return math.prod(degrees)
 
 
+@user_errors
 def main(argv=None) -> dict:
     from benchmarks.device_model import device_model
     from runtime.config import load_config
 
     args = parse_args(argv)
     job = load_config(["--config", args.config])
+    check_outputs([("--json", args.json)], config_inputs(args.config, job)
+                  + [("the --calibration file", args.calibration)])
     device = device_model(args.device, args.calibration)
     rates = compute_rates(device, args.calibration)
     world = args.world or config_world(job)
     print(f"{job.model_preset}: {job.data.tokens_per_step()} tokens per step at {world} "
           f"GPUs, {job.training.grad_accum} micro-batches; {device.name}; compute "
           + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rates.items()) + " TFLOP/s")
+    used = resolved(job, args)
+    print("dtypes and checkpointing: " + ", ".join(f"{k} {v} ({'flag' if getattr(args, k) else 'config'})"
+                                                  for k, v in used.items()))
+    print(MEMORY_NOTE)
     print(HEADER)
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
@@ -455,7 +491,7 @@ def main(argv=None) -> dict:
         rows = [row]
         print(format_row(row))
     out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
-           "act_dtype": args.act_dtype, "param_dtype": args.param_dtype, "cp_gather": args.cp_gather, "rows": rows}
+           **used, "cp_gather": args.cp_gather, "memory_note": MEMORY_NOTE, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

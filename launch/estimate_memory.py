@@ -8,7 +8,7 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   grads         fp32 gradient shards
   optimizer     Muon momentum (1 x fp32) for declared matrices, AdamW exp_avg + exp_avg_sq (2 x fp32) for the rest
   fsdp_buffers  unsharded FSDP units in param_dtype while a unit runs its backward: the unit and the
-                prefetched one before it, the unit's unsharded gradient (param_dtype) and its
+                prefetched ones before it (training.fsdp_prefetch, at least 1), the unit's unsharded gradient (param_dtype) and its
                 reduce-scatter input (reduce_dtype); units = embedding, each block with its ep rank's
                 experts, final norm + head
   activations   what autograd keeps for one micro-batch under training.activation_checkpoint, measured:
@@ -61,7 +61,7 @@ from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
 from parallel.meshes import rank_mesh  # noqa: E402
 from runtime.config import load_config  # noqa: E402
-from runtime.paths import check_output_file  # noqa: E402
+from runtime.paths import check_output_file, config_inputs  # noqa: E402
 
 GIB = 2**30
 DEVICES = {"h200": 139.8, "h100": 79.2, "cpu": None}  # GiB torch reports for H200 141 GB / H100 80 GB
@@ -142,12 +142,14 @@ def unit_sizes(model_config, layout) -> list[int]:
 
 
 def fsdp_buffers(job: Job) -> list[int]:
-    """Per unit u (execution order), FSDP bytes while u runs its backward: u and the prefetched unit
-    before it unsharded (param_dtype), u's unsharded gradient (param_dtype) and its reduce-scatter
-    input (reduce_dtype). Its forward (u and the next unit unsharded) needs less."""
+    """Per unit u (execution order), FSDP bytes while u runs its backward: u and the prefetched units
+    before it unsharded (param_dtype; training.fsdp_prefetch of them, 1 for FSDP2's implicit prefetch),
+    u's unsharded gradient (param_dtype) and its reduce-scatter input (reduce_dtype). Its forward
+    (u and the next units unsharded) needs less."""
     sizes, c = unit_sizes(job.config.model, job.layout), job.c
     r = DTYPE_BYTES[job.config.training.reduce_dtype]
-    return [(size + (sizes[u - 1] if u else 0)) * c + size * (c + r) for u, size in enumerate(sizes)]
+    depth = max(1, job.config.training.fsdp_prefetch)
+    return [(size + sum(sizes[max(0, u - depth):u])) * c + size * (c + r) for u, size in enumerate(sizes)]
 
 
 # ---- activations (measured on the CPU at the real widths) ----------------------------------------
@@ -379,7 +381,7 @@ def job_from_args(args, overrides: list[str]) -> Job:
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
     if args.json:
-        check_output_file("--json", args.json, "estimate.json")
+        check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
     return Job(config, config.layout(world), args.rank, args.device)
 
 

@@ -1,6 +1,7 @@
 """Export a training checkpoint as a Hugging Face DeepSeek-V3 directory.
 
-    python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4]
+    python launch/export_hf.py --run-dir DIR [--step N] --out OUT [--dtype bfloat16|float32] [--shard-gb 4] [--tokenizer DIR]
+                               [--like SRC_DIR [--experts-dtype int4|bfloat16]]
 
 Reads the DCP checkpoint `checkpoints/step_N` (default: the newest complete one) and the model config
 its COMPLETE marker records, and writes config.json, model-0000i-of-0000n.safetensors shards and
@@ -9,7 +10,9 @@ halves as gate_proj and up_proj). Checkpoints from before w1 and w3 were fused e
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
 rank's shards), so memory stays bounded by the largest tensor. A bad argument (a run dir without
 checkpoints, an `--out` that is a file or not empty, `--shard-gb` <= 0) or a checkpoint that does not
-load exits with status 2 and one line; a failed export removes what it wrote.
+load exits with status 2 and one line; a failed export removes what it wrote. `--like SRC_DIR` writes
+in the layout of the directory training started from (Kimi K2.5: its nesting, INT4 experts re-quantized,
+vision tower and projector copied byte for byte, its config.json and other files: models/hf_like.py).
 """
 
 import argparse
@@ -24,8 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from launch import tokenizer_files  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
+from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
 from runtime import checkpoint  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 
@@ -119,15 +124,30 @@ def dcp_fetch(path: str):
 
 
 def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat16",
-           shard_bytes: int = SHARD_BYTES) -> str:
+           shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None, like: str | None = None,
+           experts_dtype: str = "int4") -> str:
     """Write the Hugging Face directory `out` (new or empty); returns the checkpoint it came from. On any
-    failure `out` is left as it was."""
+    failure `out` is left as it was. `tokenizer`: a directory whose tokenizer files join the export."""
+    if tokenizer is not None and like is not None:
+        raise ValueError(f"--tokenizer {tokenizer} has no effect with --like {like}: the export copies the "
+                         f"tokenizer files of {like} with its layout")
     path = checkpoint_path(run_dir, step)
     config = checkpoint_model_config(path)
+    unknown = {"bos_token_id": None, "eos_token_id": None}  # not transformers' defaults 0 and 1
+    ids = tokenizer_files.export_ids(tokenizer, config.vocab_size) if tokenizer else unknown
     check_out(out)
     existed = os.path.isdir(out)
+    if like is not None:
+        check_like(config, like)  # before anything is written
     try:
-        write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True, shard_bytes=shard_bytes)
+        if like is not None:
+            write_like(config, dcp_fetch(path), out, like, dtype=DTYPES[dtype], experts_dtype=experts_dtype,
+                       shard_bytes=shard_bytes)
+        else:
+            write_hf(config, dcp_fetch(path), out, dtype=DTYPES[dtype], rope_interleave=True,
+                     shard_bytes=shard_bytes, config_extra=ids)
+        if tokenizer:
+            tokenizer_files.write_tokenizer(tokenizer, out, ids)
     except BaseException as e:
         _discard(out, existed)
         if isinstance(e, OSError):
@@ -157,11 +177,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run-dir", required=True, help="the training run directory (run.dir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--out", required=True, help="output directory: new (created) or empty")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weight dtype in the export")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="weight dtype in the export (default: %(default)s; config.json states it)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory (tokenizer.json, tokenizer_config."
+                        "json, chat template...) to copy into the export, with bos/eos ids and generation_config.json")
     parser.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30, help="largest shard file, GiB")
+    parser.add_argument("--like", default=None, help="write in the layout of this Hugging Face directory (e.g. the "
+                        "K2.5 directory training started from)")
+    parser.add_argument("--experts-dtype", choices=EXPERTS_DTYPES, default=None,
+                        help="with --like: routed experts INT4 where the source's are (default: int4) or bfloat16")
     args = parser.parse_args(argv)
     try:
-        path = export(args.run_dir, args.out, args.step, args.dtype, shard_limit(args.shard_gb))
+        if args.experts_dtype is not None and args.like is None:
+            raise ValueError(f"--experts-dtype {args.experts_dtype} has no effect without --like")
+        path = export(args.run_dir, args.out, args.step, args.dtype, shard_limit(args.shard_gb), args.tokenizer,
+                      like=args.like, experts_dtype=args.experts_dtype or "int4")
     except (ValueError, RunError) as e:  # RunError: an unreadable checkpoint marker or shard file
         print(f"export error: {e}", file=sys.stderr)
         return 2

@@ -13,8 +13,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
+from runtime import init_source, pretrained  # noqa: E402
+from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollouts import read_rollouts  # noqa: E402
 from runtime.run_lock import check_run_dir  # noqa: E402
@@ -33,16 +36,24 @@ def check_environment(config) -> None:
     check_run_dir(config.run.dir)
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
     pretrain.check_token_sources(config)  # eval.path, when given
-    if config.posttrain.init_from:
-        check_init_from(config.posttrain.init_from, dataclasses.asdict(config.model))
+    if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)
+        pretrained.check_init_from(config)
+    elif config.posttrain.init_from:
+        check_init_from(init_source.checkpoint_path(config.posttrain.init_from), dataclasses.asdict(config.model))
 
 
 def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
     """The objective; for `initial` and `ema` teachers, a second model sharded like the student. The
     student starts from `posttrain.init_from` when given (a checkpoint of the run dir, if any, then
-    takes precedence: the run resumes)."""
-    if config.posttrain.init_from:
-        load_model_weights(model, config.posttrain.init_from)
+    takes precedence: the run resumes); a Hugging Face directory was already loaded by build_model."""
+    path = config.posttrain.init_from
+    if path and not pretrained.resuming(config.run.dir):
+        if not config.model_init_from:
+            load_model_weights(model, init_source.checkpoint_path(path))
+        if dist.get_rank() == 0:
+            print(init_source.describe(path), flush=True)
+    elif path and dist.get_rank() == 0 and not config.model_init_from:  # build_model says so for a Hugging Face dir
+        print(f"{config.run.dir} has checkpoints: resuming from them, posttrain.init_from={path} is ignored", flush=True)
     teacher = None
     if config.posttrain.teacher != "live":
         teacher = build_model(config, meshes, layout, device)
@@ -53,6 +64,9 @@ def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(help_text("launch/posttrain.py"))
+        return 0
     return pretrain.main(argv, check=check_environment, build_objective=build_objective, path_source="rollouts")
 
 

@@ -82,12 +82,21 @@ def stop(rank: int, message: str, code: int) -> int:
     return code
 
 
+def set_allocator_defaults(environ=os.environ) -> None:
+    """Expandable segments for the CUDA caching allocator, unless the user chose an allocator setting:
+    MoE tensors change size every step (tokens per expert), which fragments fixed-size segments. Read by
+    torch when CUDA first allocates, so set before any CUDA work; no effect on the CPU."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def main(argv: list[str], *, check=check_environment, build_objective=None, path_source: str = "bin") -> int:
     """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py;
     `path_source`: what a data.path given without data.source is (runtime/config.py load_config)."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    set_allocator_defaults()
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         config = load_config(argv, path_source=path_source)
@@ -106,6 +115,7 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         with run_lock(config.run.dir, rank):
             meshes = build_meshes(layout, device_type)
             if rank == 0:
+                print(f"outputs: {os.path.abspath(config.run.dir)} (run.dir: metrics.jsonl, checkpoints/)", flush=True)
                 print(describe(layout, config.model), flush=True)
             train(config, layout, meshes, device, build_objective)
     except RunError as e:  # raised identically on every rank

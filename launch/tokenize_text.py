@@ -1,8 +1,12 @@
 """Tokenize text files into a flat token file for `data.source = "bin"` (the nanoGPT / Megatron layout).
 
     python launch/tokenize_text.py --tokenizer tokenizer.json --out data/train.bin a.txt b.txt ...
+    python launch/tokenize_text.py --tokenizer KIMI_K25_DIR --trust-remote-code --workers 8 --out ... files
 
-Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Writes
+Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package), or a tokenizer directory that
+`transformers.AutoTokenizer` loads (Kimi's tiktoken tokenizer needs `--trust-remote-code`):
+runtime/tokenizer_dir.py; nothing is downloaded. `--workers N` tokenizes on N processes, with the same
+output for any N. Writes
 the token ids of all files, in order, as one flat array: uint16 when every id fits (vocab <= 65536),
 else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_tokens"} that the loader
 reads (`data.dtype = "auto"`). With `--eos TOKEN`, that token's id follows each file (document
@@ -24,7 +28,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
-from runtime.paths import check_output_file  # noqa: E402
+from runtime import tokenizer_dir  # noqa: E402
+from runtime.paths import check_not_input, check_output_file  # noqa: E402
 
 CHUNK_CHARS = 1 << 22
 
@@ -46,18 +51,9 @@ def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
         raise ValueError(f"input file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
 
 
-def load_tokenizer(path: str):
-    """A `tokenizers.Tokenizer` from a local tokenizer.json; ValueError naming the file otherwise."""
-    from tokenizers import Tokenizer
-
-    if os.path.isdir(path):
-        raise ValueError(f"--tokenizer: {path} is a directory; give the tokenizer.json file in it")
-    if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer: no such file {path}")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises plain Exception for a malformed file
-        raise ValueError(f"--tokenizer: {path} is not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """A tokenizer from a local tokenizer.json or tokenizer directory (runtime/tokenizer_dir.py)."""
+    return tokenizer_dir.load_tokenizer(path, trust_remote_code)
 
 
 def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
@@ -71,25 +67,25 @@ def check_paths(paths: list[str], out: str, tokenizer_path: str) -> None:
     check_output_file("--out", out, "train.bin")
     outputs = {out: f"--out {out}", out + ".json": f"--out {out}'s sidecar {out}.json",
                out + ".tmp": f"--out {out}'s temporary file {out}.tmp"}
-    targets = [(p, "an input file", "the input") for p in paths]
-    targets.append((tokenizer_path, "the --tokenizer file", "the tokenizer"))
+    inputs = [("an input file", p) for p in paths] + [("the --tokenizer file", tokenizer_path)]
     for written, name in outputs.items():
-        for path, what, victim in targets:
-            if os.path.isfile(path) and os.path.exists(written) and os.path.samefile(path, written):
-                raise ValueError(f"{name} is also {what}; writing it would destroy {victim}")
+        check_not_input(name, written, inputs)
 
 
-def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None) -> dict:
+def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | None = None,
+                   trust_remote_code: bool = False, workers: int = 1) -> dict:
     """Write the token ids of `paths` to `out` and the sidecar `<out>.json`; returns the sidecar dict."""
     check_paths(paths, out, tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: must be >= 1")
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos is not None and eos_id is None:
         raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
     try:
-        num_tokens = _write_ids(tokenizer, paths, out + ".tmp", dtype, eos_id)
+        num_tokens = _write_ids(tokenizer, paths, out + ".tmp", dtype, eos_id, workers)
         if num_tokens == 0:
             raise ValueError(f"the input files ({', '.join(paths)}) hold no tokens")
         os.replace(out + ".tmp", out)
@@ -102,12 +98,12 @@ def tokenize_files(tokenizer_path: str, paths: list[str], out: str, eos: str | N
     return meta
 
 
-def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: int | None) -> int:
+def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: int | None, workers: int = 1) -> int:
     num_tokens = 0
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, tokenizer_dir.ParallelEncoder(tokenizer, workers) as encoder:
         for path in paths:
-            for chunk in _chunks(path):
-                ids = np.asarray(tokenizer.encode(chunk, add_special_tokens=False).ids, dtype=dtype)
+            for chunk_ids in encoder.map(_chunks(path)):
+                ids = np.asarray(chunk_ids, dtype=dtype)
                 f.write(ids.tobytes())
                 num_tokens += len(ids)
             if eos_id is not None:
@@ -116,7 +112,8 @@ def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: i
     return num_tokens
 
 
-def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str | None, unit: str) -> dict:
+def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str | None, unit: str,
+                     trust_remote_code: bool = False, workers: int = 1) -> dict:
     """Write a Megatron indexed dataset `<prefix>.bin` + `.idx` (runtime/indexed.py; `out` = the prefix,
     `.bin` optional), one document per file, line or JSONL record (`unit`), plus the sidecar
     `<prefix>.bin.json`; uint16 ids when the vocabulary fits, else int32 (Megatron has no uint32)."""
@@ -124,16 +121,17 @@ def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str |
 
     prefix = out.removesuffix(".bin")
     check_paths(paths, prefix + ".bin", tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos is not None and eos_id is None:
         raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
     writer = IndexedWriter(prefix, np.uint16 if vocab_size <= 1 << 16 else np.int32)
     try:
-        for pieces in text_documents(paths, unit, _chunks):
-            ids = [i for piece in pieces for i in tokenizer.encode(piece, add_special_tokens=False).ids]
-            writer.add_document(ids + ([eos_id] if eos_id is not None else []))
+        with tokenizer_dir.ParallelEncoder(tokenizer, workers) as encoder:
+            for pieces in text_documents(paths, unit, _chunks):
+                ids = [i for piece_ids in encoder.map(pieces) for i in piece_ids]
+                writer.add_document(ids + ([eos_id] if eos_id is not None else []))
         if writer.num_tokens() == 0:
             raise ValueError(f"the input files ({', '.join(paths)}) hold no tokens")
         writer.finalize()
@@ -148,7 +146,10 @@ def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str |
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tokenize text files into a flat .bin of token ids.")
-    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json")
+    parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json or tokenizer directory")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a tokenizer directory run its own code (Kimi's tokenization_kimi.py)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
     parser.add_argument("--out", required=True, help="output token file, e.g. data/train.bin")
     parser.add_argument("--eos", default=None, help="token appended after each file (e.g. '<|endoftext|>')")
     parser.add_argument("--format", choices=["flat", "indexed"], default="flat",
@@ -163,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.format == "indexed":
-            meta = tokenize_indexed(args.tokenizer, args.files, args.out, args.eos, args.document)
+            meta = tokenize_indexed(args.tokenizer, args.files, args.out, args.eos, args.document,
+                                    args.trust_remote_code, args.workers)
         else:
-            meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos)
+            meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos, args.trust_remote_code, args.workers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.block_attention import pad_values
+from models.block_attention import pad_values, sdpa_needs_padded_values
 from models.config import ModelConfig
 from models.document_attention import Documents, document_attention, max_document_logits
 from models.kv_cache import LayerCache
@@ -39,9 +39,10 @@ class CausalAttention(nn.Module):
     increasing (Transformer.forward checks this), so the mask equals the plain lower-triangular
     one and SDPA runs with `is_causal=True` and no mask. Otherwise (decoding with a cache) an
     explicit boolean [Sq, Skv] mask is built. Every query must see at least one key, or its row is
-    undefined. Values narrower than q/k (MLA) are zero-padded to the q/k width and the output sliced,
-    so the fused flash kernel is eligible (models/block_attention.py; benchmarks/attention_kernels.py
-    measures it).
+    undefined. Values narrower than q/k (MLA) are zero-padded to the q/k width and the output sliced
+    where torch would otherwise run its math fallback (the CPU flash kernel takes one width), so a
+    fused kernel runs; not where a fused kernel takes them as they are (cuDNN, memory-efficient on
+    CUDA) (models/block_attention.py; benchmarks/attention_kernels.py measures it).
 
     With `record_max_logits` set (QK-clip, optim/qk_clip.py), training-mode forwards also keep the
     largest pre-softmax logit per head seen since the last reset in `max_logit_H` (fp32 [H]). Under
@@ -61,12 +62,12 @@ class CausalAttention(nn.Module):
         if documents is not None:
             return document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
         v_width = v_BHTE.shape[-1]
-        v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
-        if q_pos_S is kv_pos_T:
-            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHTE, v_BHTE, is_causal=True, scale=scale)
-        else:
-            mask_ST = kv_pos_T[None, :] <= q_pos_S[:, None]
-            out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHTE, v_BHTE, attn_mask=mask_ST, scale=scale)
+        causal = q_pos_S is kv_pos_T
+        mask_ST = None if causal else kv_pos_T[None, :] <= q_pos_S[:, None]
+        if sdpa_needs_padded_values(q_BHSE, k_BHTE, v_BHTE, mask_ST, causal, scale):
+            v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
+        out_BHSE = F.scaled_dot_product_attention(q_BHSE, k_BHTE, v_BHTE, attn_mask=mask_ST, is_causal=causal,
+                                                  scale=scale)
         return out_BHSE[..., :v_width]
 
     def record(self, q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale: float, documents: Documents | None = None) -> None:
@@ -84,17 +85,34 @@ def max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale: float, block: int = 256
                query_pad_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Largest causal logit scale * q.k per head, fp32 [H], by blocks of `block` queries: the
     [B, H, block, Skv] scores of one block exist at a time, never the whole [S, S] (fused attention
-    kernels do not expose their logits). Costs one extra Q K^T in fp32, and no host synchronization.
-    `query_pad_BS` (bool [B, Sq]): queries left out (-inf where a head sees none)."""
-    q_BHSE, kT_BHES = q_BHSE.float(), k_BHSE.float().transpose(-1, -2)
-    best_H = q_BHSE.new_full((q_BHSE.shape[1],), -torch.inf)
+    kernels do not expose their logits). Costs one extra Q K^T, and no host synchronization: on CUDA
+    in the compute dtype with fp32 output (`bmm(..., out_dtype=float32)`, the same products of the same
+    bf16/fp16 values, accumulated in fp32), elsewhere on fp32 copies (the CPU has no bmm with out_dtype
+    on torch 2.13). `query_pad_BS` (bool [B, Sq]): queries left out (-inf where a head sees none)."""
+    if not _scores_in_compute_dtype(q_BHSE):
+        q_BHSE, k_BHSE = q_BHSE.float(), k_BHSE.float()
+    kT_BHES = k_BHSE.transpose(-1, -2)
+    best_H = torch.full((q_BHSE.shape[1],), -torch.inf, device=q_BHSE.device)
     for start in range(0, q_BHSE.shape[2], block):
-        scores_BHQK = torch.matmul(q_BHSE[:, :, start:start + block], kT_BHES) * scale
+        scores_BHQK = _fp32_scores(q_BHSE[:, :, start:start + block], kT_BHES) * scale
         hidden_QK = kv_pos_S[None, :] > q_pos_S[start:start + block, None]
         if query_pad_BS is not None:  # [B, 1, Q, K]: a padded query hides its whole row
             hidden_QK = hidden_QK | query_pad_BS[:, None, start:start + block, None]
         best_H = torch.maximum(best_H, scores_BHQK.masked_fill(hidden_QK, -torch.inf).amax(dim=(0, 2, 3)))
     return best_H
+
+
+def _scores_in_compute_dtype(q_BHSE: torch.Tensor) -> bool:
+    return q_BHSE.is_cuda and q_BHSE.dtype in (torch.bfloat16, torch.float16)
+
+
+def _fp32_scores(q_BHQE: torch.Tensor, kT_BHEK: torch.Tensor) -> torch.Tensor:
+    """q k^T as fp32 [B, H, Q, K]: one bmm with fp32 output for CUDA half inputs, else fp32 inputs' matmul."""
+    if q_BHQE.dtype == torch.float32:
+        return torch.matmul(q_BHQE, kT_BHEK)
+    B, H, Q, _ = q_BHQE.shape
+    scores = torch.bmm(q_BHQE.flatten(0, 1), kT_BHEK.expand(B, H, -1, -1).flatten(0, 1), out_dtype=torch.float32)
+    return scores.view(B, H, Q, -1)
 
 
 class MLA(nn.Module):

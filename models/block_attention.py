@@ -15,7 +15,8 @@ the whole row), which gives each piece's exact gradients (as ring attention does
 exists. Where no flash kernel fits (e.g. fp32 on CUDA), one SDPA call with a lower-right boolean
 [Q, K] mask gives the same result.
 
-Private ATen ops (this module only; checked on torch 2.13): `_scaled_dot_product_flash_attention_for_cpu`
+Private ATen ops (this module only; checked on torch 2.13): `torch._fused_sdp_choice` (which SDPA kernel
+torch would run), `_scaled_dot_product_flash_attention_for_cpu`
 (+ `_backward`) on the CPU, `_scaled_dot_product_flash_attention` (+ `_backward`) on CUDA (fp16/bf16).
 The CPU pair is exercised by tests/test_attention.py; the CUDA pair follows torch's own ring attention
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and has not run on a GPU here.
@@ -25,6 +26,7 @@ Shape letters: B batch, H heads, Q queries, K keys (prefix + Q), E head width.
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 aten = torch.ops.aten
 CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -34,6 +36,18 @@ CUDA_FLASH_MAX_HEAD = 256
 def pad_values(v_BHKE: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad the value head width up to `width` (no-op when already as wide)."""
     return v_BHKE if v_BHKE.shape[-1] >= width else F.pad(v_BHKE, (0, width - v_BHKE.shape[-1]))
+
+
+def sdpa_needs_padded_values(q_BHQE, k_BHKE, v_BHKE, attn_mask=None, is_causal: bool = False,
+                             scale: float | None = None) -> bool:
+    """Whether SDPA should get values zero-padded to the q/k width: only where torch would run its math
+    fallback on the narrower values (the CPU flash kernel takes one width; cuDNN and memory-efficient
+    attention on CUDA take 192/128 natively, and padding would only cost them a third more work).
+    Asks torch's own dispatcher (`torch._fused_sdp_choice`, private, checked on torch 2.13)."""
+    if v_BHKE.shape[-1] >= q_BHQE.shape[-1]:
+        return False
+    choice = torch._fused_sdp_choice(q_BHQE, k_BHKE, v_BHKE, attn_mask, 0.0, is_causal, scale=scale)
+    return SDPBackend(choice) == SDPBackend.MATH
 
 
 def flash_with_lse_available(q_BHQE: torch.Tensor) -> bool:
@@ -76,24 +90,25 @@ def merge_by_lse(out_p, lse_p, out_d, lse_d) -> tuple[torch.Tensor, torch.Tensor
 class _PrefixCausalFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHQE, k_BHKE, v_BHKE, scale):
+        # Contiguous q and key/value pieces, as torch's own ring attention passes them to the same ops
+        # (its comment: the loss is bad otherwise); here they arrive as transposed [B, T, H, E] views.
         prefix = k_BHKE.shape[2] - q_BHQE.shape[2]
-        pieces = ((k_BHKE[:, :, :prefix], v_BHKE[:, :, :prefix], False),
-                  (k_BHKE[:, :, prefix:], v_BHKE[:, :, prefix:], True))
-        (out_p, lse_p, aux_p), (out_d, lse_d, aux_d) = (_flash_forward(q_BHQE, k, v, causal, scale)
-                                                        for k, v, causal in pieces)
+        q_BHQE = q_BHQE.contiguous()
+        k_p, k_d, v_p, v_d = (t.contiguous() for t in (k_BHKE[:, :, :prefix], k_BHKE[:, :, prefix:],
+                                                         v_BHKE[:, :, :prefix], v_BHKE[:, :, prefix:]))
+        out_p, lse_p, aux_p = _flash_forward(q_BHQE, k_p, v_p, False, scale)
+        out_d, lse_d, aux_d = _flash_forward(q_BHQE, k_d, v_d, True, scale)
         out_BHQE, lse_BHQ = merge_by_lse(out_p, lse_p, out_d, lse_d)
-        ctx.save_for_backward(q_BHQE, k_BHKE, v_BHKE, out_BHQE, lse_BHQ)
-        ctx.scale, ctx.prefix, ctx.aux = scale, prefix, (aux_p, aux_d)
+        ctx.save_for_backward(q_BHQE, k_p, k_d, v_p, v_d, out_BHQE, lse_BHQ)
+        ctx.scale, ctx.aux = scale, (aux_p, aux_d)
         return out_BHQE
 
     @staticmethod
     def backward(ctx, grad_BHQE):
-        q, k, v, out, lse = ctx.saved_tensors
-        p = ctx.prefix
-        dq_p, dk_p, dv_p = _flash_backward(grad_BHQE.contiguous(), q, k[:, :, :p], v[:, :, :p], out, lse,
-                                           ctx.aux[0], False, ctx.scale)
-        dq_d, dk_d, dv_d = _flash_backward(grad_BHQE.contiguous(), q, k[:, :, p:], v[:, :, p:], out, lse,
-                                           ctx.aux[1], True, ctx.scale)
+        q, k_p, k_d, v_p, v_d, out, lse = ctx.saved_tensors
+        grad_BHQE = grad_BHQE.contiguous()
+        dq_p, dk_p, dv_p = _flash_backward(grad_BHQE, q, k_p, v_p, out, lse, ctx.aux[0], False, ctx.scale)
+        dq_d, dk_d, dv_d = _flash_backward(grad_BHQE, q, k_d, v_d, out, lse, ctx.aux[1], True, ctx.scale)
         return dq_p + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2), None
 
 

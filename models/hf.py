@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3-architecture checkpoints (DeepSeek-V3, Kimi K2, Moonlight): load and save.
+"""Hugging Face DeepSeek-V3-architecture checkpoints (DeepSeek-V3, Kimi K2 / K2.5, Moonlight): load and save.
 
     load_pretrained(path) -> Transformer          one process, CPU, fp32, eval mode
     save_pretrained(model, path)                  a directory `transformers` loads (DeepseekV3ForCausalLM)
@@ -8,7 +8,10 @@
 Sharded loading: after `parallelize` + `to_empty`, every parameter is a DTensor and each rank holds one
 box of it (parallel/boxes.py). `load_state` reads exactly that box from the safetensors files through
 lazy slices: for stacked experts only the experts of the box, and of each only the rows/columns of
-the box; for FP8 weights the enclosing whole blocks and their scales. No rank ever holds a full
+the box; for FP8 weights the enclosing whole blocks and their scales; for compressed-tensors INT4
+weights (Kimi K2-Thinking / K2.5 routed experts) the enclosing 32-value groups of the packed int32
+words and their scales (models/int4.py). K2.5's text model sits under `language_model.`; its vision
+tower and projector are never read. No rank ever holds a full
 tensor it does not own, and there is no communication at all: every rank reads its own bytes.
 Key names and the rotary row order: models/hf_keys.py. config.json: models/hf_config.py.
 """
@@ -21,7 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from models.config import ModelConfig
-from models.hf_config import CheckpointFormat, hf_config_dict, read_hf_config
+from models import int4
+from models.hf_config import MULTIMODAL_PREFIXES, CheckpointFormat, hf_config_dict, read_hf_config
 from models.hf_files import CheckpointFiles, TensorRecord, write_shards
 from models.hf_keys import NOT_LOADED, Source, checkpoint_rows, hf_sources, our_rows
 from models.model import Transformer
@@ -45,17 +49,23 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     """Check files, keys, shapes and dtypes against `config` from the headers alone (no tensor bytes).
 
     Raises ValueError (one line) on a missing shard file, missing or unexpected keys, a shape that
-    does not match the config (both shapes named) or an FP8 weight without its scales. Returns notes
-    for the user (skipped multi-token-prediction layers)."""
-    files = CheckpointFiles.scan(path)
+    does not match the config (both shapes named), an FP8 weight without its scales, or an INT4 weight
+    whose packed words, scales or recorded shape disagree, or that the quantization_config's targets and
+    ignore do not quantize (or the reverse). Returns notes for the user (skipped multi-token-prediction
+    layers, skipped multimodal tensors)."""
+    files = CheckpointFiles.scan(path, fmt.prefix)
     expected = expected_shapes(config, fmt.rope_interleave)
     present = set(files.entries)
     missing = sorted(set(expected) - present)
     if missing:
-        raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+        raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {[fmt.prefix + k for k in missing[:3]]}")
     mtp = {k for k in present if _LAYER.match(k) and int(_LAYER.match(k).group(1)) >= config.n_layers}
     scales = {k + "_scale_inv" for k in expected if files.dtype_code(k) == "F8_E4M3"}
-    unexpected = sorted(present - set(expected) - mtp - scales - {k for k in present if k.endswith(_IGNORED_SUFFIXES)})
+    unexpected = sorted(fmt.prefix + k for k in present - set(expected) - mtp - scales
+                        - {k for k in present if k.endswith(_IGNORED_SUFFIXES)})
+    others = set(files.others)
+    multimodal = {k for k in others if fmt.prefix and k.startswith(MULTIMODAL_PREFIXES)}
+    unexpected += sorted(others - multimodal)
     if unexpected:
         raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
     for key, shape in expected.items():
@@ -63,12 +73,62 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
     notes = []
     if mtp:
         notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {config.n_layers})")
+    if multimodal:
+        notes.append(f"{path}: skipping {len(multimodal)} vision tower / projector tensors (not trained; "
+                     f"export --like keeps them)")
     return notes
 
 
+_LINEAR_MODULES = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                   "up_proj", "down_proj", "lm_head"}
+
+
+def _is_linear(key: str) -> bool:
+    """Whether checkpoint key `key` is the weight of an nn.Linear in the Hugging Face model (what a
+    compressed-tensors target "Linear" matches): projections and the head, not embeddings, norms or the router."""
+    module, _, param = key.rpartition(".")
+    return param == "weight" and module.rsplit(".", 1)[-1] in _LINEAR_MODULES
+
+
+def _check_int4(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):
+    """One-line ValueError unless `key` is INT4 exactly when the quantization_config says so, and its
+    packed words, scales and recorded shape fit `shape`."""
+    where, name = files.directory, files.prefix + key
+    module = name[: -len(".weight")]
+    stored = files.dtype_code(key) == "I4"
+    if stored and fmt.int4 is None:
+        raise ValueError(f"{where}: {module}.weight_packed is compressed-tensors INT4 but config.json has no "
+                         f"compressed-tensors quantization_config")
+    wanted = fmt.int4 is not None and len(shape) == 2 and fmt.int4.quantized(module, _is_linear(key))
+    if stored != wanted:
+        raise ValueError(f"{where}: {name if not stored else module + '.weight_packed'} is "
+                         f"{'INT4' if stored else files.dtype_code(key)}, but quantization_config (targets "
+                         f"{list(fmt.int4.targets)}, ignore {list(fmt.int4.ignore)}) "
+                         f"{'leaves' if stored else 'quantizes'} {module}")
+    if not stored:
+        return
+    recorded = files.read_int4_shape(key)
+    if recorded != list(shape):
+        raise ValueError(f"{where}: {module}.weight_shape is {recorded}, the config implies {list(shape)}")
+    for part, per in (("weight_packed", int4.PER_WORD), ("weight_scale", int4.GROUP)):
+        code, got = files.int4_part(key, part)
+        want = [shape[0], -(-shape[1] // per)]
+        if list(got) != want:
+            raise ValueError(f"{where}: {module}.{part} has shape {list(got)}, weight_shape {list(shape)} implies "
+                             f"{want} ({per} values per {'int32 word' if per == int4.PER_WORD else 'scale'})")
+    code = files.int4_part(key, "weight_scale")[0]
+    if code not in ("BF16", "F16", "F32"):
+        raise ValueError(f"{where}: {module}.weight_scale has dtype {code}, expected BF16, F16 or F32")
+
+
 def _check_tensor(files: CheckpointFiles, key: str, shape: tuple[int, ...], fmt: CheckpointFormat):
+    if files.dtype_code(key) == "I4" or fmt.int4 is not None:
+        _check_int4(files, key, shape, fmt)
+        if files.dtype_code(key) == "I4":
+            return
     if files.shape(key) != shape:
-        raise ValueError(f"{files.directory}: {key} has shape {list(files.shape(key))}, the config implies {list(shape)}")
+        raise ValueError(f"{files.directory}: {files.prefix}{key} has shape {list(files.shape(key))}, the config "
+                         f"implies {list(shape)}")
     code = files.dtype_code(key)
     if code == "F8_E4M3":
         if fmt.fp8_block is None or len(shape) != 2:
@@ -103,7 +163,7 @@ def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = Non
     Each rank reads only its own boxes; no collectives. Call `check_checkpoint` first (on every rank,
     before any collective) for one-line errors. Returns the tensor bytes this rank requested."""
     fmt = fmt or read_hf_config(path)[1]
-    files = CheckpointFiles.scan(path)
+    files = CheckpointFiles.scan(path, fmt.prefix)
     sources = hf_sources(model, fmt.rope_interleave)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -140,17 +200,26 @@ def _read_expert(files: CheckpointFiles, source: Source, e: int, box, fp8_block)
 
 
 def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch.float32,
-                    rope_interleave: bool = True, shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `model` (one process, plain tensors) as a Hugging Face directory `transformers` loads."""
+                    rope_interleave: bool = True, shard_bytes: int = SHARD_BYTES, like: str | None = None,
+                    experts_dtype: str = "int4") -> None:
+    """Write `model` (one process, plain tensors) as a Hugging Face directory `transformers` loads; with
+    `like=SRC`, in the layout of SRC (K2.5 nesting, INT4 experts, SRC's other tensors: models/hf_like.py)."""
     state = dict(model.named_parameters()) | dict(model.named_buffers())
+    if like is not None:
+        from models.hf_like import write_like  # it builds on this module
+
+        write_like(model.config, lambda name: state[name].detach(), path, like, dtype=dtype,
+                   experts_dtype=experts_dtype, shard_bytes=shard_bytes)
+        return
     write_hf(model.config, lambda name: state[name].detach(), path, dtype=dtype,
              rope_interleave=rope_interleave, shard_bytes=shard_bytes)
 
 
 def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_interleave: bool,
-             shard_bytes: int) -> None:
+             shard_bytes: int, config_extra: dict | None = None) -> None:
     """config.json + safetensors shards from `fetch(our_name) -> full tensor`, called once per tensor
-    and dropped after its experts/rows are written: memory is bounded by the largest tensor."""
+    and dropped after its experts/rows are written: memory is bounded by the largest tensor. config.json
+    states `dtype` (as `torch_dtype` and transformers 5's `dtype`); `config_extra` adds fields (token ids)."""
     with torch.device("meta"):
         meta = Transformer(config)
     shapes = {n: tuple(t.shape) for n, t in list(meta.named_parameters()) + list(meta.named_buffers())}
@@ -158,8 +227,10 @@ def write_hf(config: ModelConfig, fetch, path: str, *, dtype: torch.dtype, rope_
     for name, source in hf_sources(meta, rope_interleave).items():
         records += _records(name, source, shapes[name], fetch, dtype)
     write_shards(records, path, shard_bytes)
+    written = str(dtype).removeprefix("torch.")  # the router bias stays fp32, as in the published checkpoints
+    raw = {**hf_config_dict(config, rope_interleave), "torch_dtype": written, "dtype": written, **(config_extra or {})}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(config, rope_interleave), f, indent=2)
+        json.dump(raw, f, indent=2)
 
 
 def _records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecord]:

@@ -3,18 +3,27 @@
 Every field of the file is either mapped to a ModelConfig field, checked to hold the one value the
 model implements, or known to be irrelevant to the weights' meaning (token ids, dtype, cache flags).
 Anything else raises a one-line ValueError naming the field and its value: never a silent approximation.
-Extra facts of the checkpoint that are not model shape (rotary layout, MTP layers, FP8 blocks) come
-back as a `CheckpointFormat`.
+Extra facts of the checkpoint that are not model shape (rotary layout, MTP layers, FP8 blocks, INT4
+scheme, key prefix) come back as a `CheckpointFormat`.
+
+Kimi K2.5 (`model_type "kimi_k25"`, `KimiK25ForConditionalGeneration`) wraps the decoder: its fields are
+in `text_config`, its `quantization_config` inside `text_config` (or copied to the root by some tools),
+and its weights under `language_model.` next to `vision_tower.*` and `mm_projector.*`, which we skip.
 """
 
 import json
 import os
 from dataclasses import dataclass
 
+from models import int4
 from models.config import ModelConfig
+from models.int4 import Int4Scheme
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+MULTIMODAL_TYPE, MULTIMODAL_ARCHITECTURE = "kimi_k25", "KimiK25ForConditionalGeneration"
+TEXT_PREFIX = "language_model."  # K2.5: language_model.model.layers.N..., language_model.lm_head.weight
+MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")  # K2.5 tensors that are not the text model
 
 # config.json field -> ModelConfig field (same value, possibly int -> float).
 _MAPPED = {
@@ -51,6 +60,8 @@ class CheckpointFormat:
     rope_interleave: bool  # rotary dims stored as interleaved pairs (DeepSeek), not halves
     n_mtp_layers: int  # multi-token-prediction layers after the last layer (not loaded)
     fp8_block: tuple[int, int] | None  # weight_block_size of float8_e4m3fn weights, None if unquantized
+    int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/int4.py), None if not
+    prefix: str = ""  # key prefix of the text model's tensors ("language_model." for K2.5)
 
 
 def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
@@ -65,7 +76,23 @@ def read_hf_config(directory: str) -> tuple[ModelConfig, CheckpointFormat]:
         raise ValueError(f"{path}: cannot read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
-    return model_config(raw, path), checkpoint_format(raw, path)
+    text, prefix = text_config(raw, path)
+    return model_config(text, path), checkpoint_format(text, path, prefix)
+
+
+def text_config(raw: dict, where: str) -> tuple[dict, str]:
+    """(the decoder's config fields, key prefix): `raw` itself, or K2.5's `text_config` (with the root's
+    `quantization_config` when only the root has one)."""
+    if raw.get("model_type") != MULTIMODAL_TYPE and MULTIMODAL_ARCHITECTURE not in (raw.get("architectures") or []):
+        return raw, ""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: model_type={raw.get('model_type')!r} (Kimi K2.5) has no text_config: "
+                         f"expected the decoder's fields under text_config")
+    root, inner = raw.get("quantization_config"), text.get("quantization_config")
+    if root and inner and root != inner:
+        raise ValueError(f"{where}: quantization_config at the root and in text_config differ")
+    return (dict(text, quantization_config=root) if root and not inner else text), TEXT_PREFIX
 
 
 def model_config(raw: dict, where: str) -> ModelConfig:
@@ -84,10 +111,13 @@ def model_config(raw: dict, where: str) -> ModelConfig:
         raise ValueError(f"{where}: {e}") from None
 
 
-def checkpoint_format(raw: dict, where: str) -> CheckpointFormat:
+def checkpoint_format(raw: dict, where: str, prefix: str = "") -> CheckpointFormat:
+    quant = raw.get("quantization_config")
+    is_int4 = bool(quant) and quant.get("quant_method") == int4.METHOD
     return CheckpointFormat(rope_interleave=bool(raw.get("rope_interleave", True)),
                             n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
-                            fp8_block=_fp8_block(raw.get("quantization_config"), where))
+                            fp8_block=None if is_int4 else _fp8_block(quant, where),
+                            int4=int4.read_scheme(quant, where) if is_int4 else None, prefix=prefix)
 
 
 def _check_architecture(raw: dict, where: str):
@@ -141,7 +171,8 @@ def _fp8_block(quant: dict | None, where: str) -> tuple[int, int] | None:
     method = quant.get("quant_method")
     if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3" or "weight_block_size" not in quant:
         raise ValueError(f"{where}: quantization_config quant_method={method!r} fmt={quant.get('fmt')!r} is not "
-                         f"supported (only block-wise 'fp8' e4m3 with weight_block_size)")
+                         f"supported (only block-wise 'fp8' e4m3 with weight_block_size, or {int4.METHOD!r} "
+                         f"{int4.FORMAT!r} INT4)")
     rows, cols = quant["weight_block_size"]
     return int(rows), int(cols)
 

@@ -4,7 +4,11 @@ Reading: `CheckpointFiles` parses the JSON headers only (no tensor bytes) to che
 dtypes; `read_box` reads one box of one tensor through safetensors' lazy `get_slice`, so a rank
 touches only the bytes of the rows (and, per row, the columns) it asks for. FP8 block-quantized
 weights (float8_e4m3fn with a float32 `<key>_scale_inv` per block of `weight_block_size`) are read
-over the enclosing whole blocks and dequantized as weight * scale_inv per block, in fp32.
+over the enclosing whole blocks and dequantized as weight * scale_inv per block, in fp32. compressed-tensors
+INT4 weights (`<P>.weight_packed` + `weight_scale` + `weight_shape`, models/int4.py) appear as one entry
+`<P>.weight` of dtype code "I4"; a box reads the enclosing whole 32-value groups of its packed words and
+scales. A K2.5 directory nests the text model under a key prefix (`language_model.`): `scan(path, prefix)`
+lists the text model's keys without it and keeps every other key in `others` (vision tower, projector).
 
 Writing: `write_shards` streams (key, shape, dtype, fetch) records into `model-0000i-of-0000n.safetensors`
 files of at most `shard_bytes` each plus `model.safetensors.index.json`, one tensor in memory at a time
@@ -19,9 +23,12 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
+from models import int4
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+          "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 CODES = {v: k for k, v in DTYPES.items()}
 
 
@@ -30,12 +37,14 @@ class CheckpointFiles:
     """key -> (file, dtype code, shape) for every tensor of the directory, from the headers alone."""
 
     directory: str
-    entries: dict[str, tuple[str, str, tuple[int, ...]]]
+    entries: dict[str, tuple[str, str, tuple[int, ...]]]  # text keys without the prefix; INT4 weights as "I4"
+    prefix: str = ""  # stored key = prefix + text key
+    others: dict[str, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)  # keys outside the prefix
     bytes_read: int = 0  # tensor bytes requested through read_box (a per-rank counter)
     _open: dict = field(default_factory=dict)
 
     @classmethod
-    def scan(cls, directory: str) -> "CheckpointFiles":
+    def scan(cls, directory: str, prefix: str = "") -> "CheckpointFiles":
         """ValueError (one line) for a missing directory, index, or shard file, or an unreadable header."""
         if not os.path.isdir(directory):
             raise ValueError(f"{directory}: no such directory")
@@ -47,7 +56,9 @@ class CheckpointFiles:
         for key, name in files.items():
             if key is not None and entries.get(key, (name,))[0] != name:
                 raise ValueError(f"{directory}/{INDEX}: {key!r} listed in {name} but not found there")
-        return cls(directory, entries)
+        text = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
+        others = {k: v for k, v in entries.items() if not k.startswith(prefix)}
+        return cls(directory, _int4_entries(text), prefix, others)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][2]
@@ -55,22 +66,49 @@ class CheckpointFiles:
     def dtype_code(self, key: str) -> str:
         return self.entries[key][1]
 
-    def _slice(self, key: str):
-        name = self.entries[key][0]
+    def _slice(self, key: str, name: str | None = None):
+        name = name or self.entries[key][0]
         if name not in self._open:
             self._open[name] = safe_open(os.path.join(self.directory, name), framework="pt")
-        return self._open[name].get_slice(key)
+        return self._open[name].get_slice(self.prefix + key)
 
     def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The box of `key` as stored (its own dtype)."""
-        out = self._slice(key)[tuple(slice(a, b) for a, b in box)]
+        """The box of text key `key` as stored (its own dtype); an INT4 part is `<P>.weight_packed` etc."""
+        if key in self.entries:
+            name = self.entries[key][0]
+        else:  # a part of an INT4 weight: its own file (parts may sit in different shards)
+            name = self.entries[_int4_base(key)][3][key.rsplit(".", 1)[1]][0]
+        out = self._slice(key, name)[tuple(slice(a, b) for a, b in box)]
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def int4_part(self, key: str, part: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype code, shape) of `part` (weight_packed / weight_scale / weight_shape) of INT4 weight `key`."""
+        return self.entries[key][3][part][1:]
+
+    def read_int4_shape(self, key: str) -> list[int]:
+        """The [out, in] that `<P>.weight_shape` of INT4 weight `key` records (a 2-element tensor)."""
+        code, shape = self.int4_part(key, "weight_shape")
+        if len(shape) != 1 or shape[0] != 2 or not code.startswith(("I", "U")):
+            return [f"{code}{list(shape)}"]  # not a shape: the caller names it
+        return [int(v) for v in self.read(key[: -len("weight")] + "weight_shape", ((0, 2),))]
+
+    def _read_int4(self, key: str, box) -> torch.Tensor:
+        """fp32 box of an INT4 weight: the enclosing whole groups of packed words and scales, dequantized."""
+        (r0, r1), (c0, c1) = box
+        base, g0, g1 = key[: -len("weight")], c0 // int4.GROUP, -(-c1 // int4.GROUP)
+        words = self.int4_part(key, "weight_packed")[1][1]
+        w0, w1 = g0 * int4.WORDS_PER_GROUP, min(g1 * int4.WORDS_PER_GROUP, words)
+        packed = self.read(base + "weight_packed", ((r0, r1), (w0, w1)))
+        scale = self.read(base + "weight_scale", ((r0, r1), (g0, g1)))
+        return int4.dequantize(packed, scale)[:, c0 - g0 * int4.GROUP: c1 - g0 * int4.GROUP]
 
     def read_box(self, key: str, box: tuple[tuple[int, int], ...], fp8_block) -> torch.Tensor:
         """The box of `key` in fp32; FP8 weights dequantized with their per-block scales."""
         if any(b <= a for a, b in box):
             return torch.zeros([b - a for a, b in box])
+        if self.dtype_code(key) == "I4":
+            return self._read_int4(key, box)
         if self.dtype_code(key) != "F8_E4M3":
             return self.read(key, box).float()
         (r0, r1), (c0, c1) = box
@@ -80,6 +118,28 @@ class CheckpointFiles:
         scale = self.read(key + "_scale_inv", ((r0 // br, -(-r1 // br)), (c0 // bc, -(-c1 // bc))))
         scale = scale.float().repeat_interleave(br, 0)[: weight.shape[0]].repeat_interleave(bc, 1)[:, : weight.shape[1]]
         return (weight * scale)[r0 - outer[0][0]: r1 - outer[0][0], c0 - outer[1][0]: c1 - outer[1][0]]
+
+
+def _int4_base(part_key: str) -> str:
+    return part_key.rsplit(".", 1)[0] + ".weight"
+
+
+def _int4_entries(entries: dict) -> dict:
+    """`entries` with each INT4 triple `<P>.weight_packed/_scale/_shape` replaced by one entry `<P>.weight`:
+    (file of weight_packed, "I4", [out, 8 * words], {part: (file, dtype code, shape)}). A missing part or a
+    plain `<P>.weight` next to the packed one is left for the checks to name."""
+    out = dict(entries)
+    for key, (name, code, shape) in entries.items():
+        if not key.endswith(".weight_packed"):
+            continue
+        base = key[: -len("_packed")]
+        parts = {s: entries[base[: -len("weight")] + s] for s in int4.SUFFIXES if base[: -len("weight")] + s in entries}
+        if base in out or code != "I32" or len(shape) != 2 or len(parts) != 3:
+            continue
+        for s in int4.SUFFIXES:
+            del out[base[: -len("weight")] + s]
+        out[base] = (name, "I4", (shape[0], shape[1] * int4.PER_WORD), parts)
+    return out
 
 
 def _shard_files(directory: str) -> dict:

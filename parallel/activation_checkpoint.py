@@ -24,6 +24,8 @@ the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
 `tokens_per_expert` a second time; the recompute restores every router of the region afterwards.
+QK-clip maxima (optim/qk_clip.py): the original forward recorded them; the recompute of the same
+logits records nothing (it would cost one more Q K^T per layer for the same maxima).
 """
 
 import contextlib
@@ -31,6 +33,7 @@ import contextlib
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.attention import CausalAttention
 from models.experts import GroupedExperts
 from models.moe import Router
 
@@ -58,9 +61,10 @@ def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
 def _checkpoint_forward(module: nn.Module) -> None:
     inner = module.forward  # the class forward, or the one expert parallelism swapped in
     routers = [m for m in module.modules() if isinstance(m, Router)]
+    recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
 
     def context_fn():
-        return contextlib.nullcontext(), _counted_once(routers)
+        return contextlib.nullcontext(), _as_recompute(routers, recorders)
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -69,11 +73,17 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _counted_once(routers: list[Router]):
-    """Around a recompute: leave the routers' token counts as the original forward left them."""
+def _as_recompute(routers: list[Router], recorders: list[CausalAttention]):
+    """Around a recompute: leave the routers' token counts as the original forward left them, and
+    record no QK-clip maxima (the original forward recorded the same logits)."""
     saved = [router.tokens_per_expert.clone() for router in routers]
+    recording = [recorder.record_max_logits for recorder in recorders]
+    for recorder in recorders:
+        recorder.record_max_logits = False
     try:
         yield
     finally:
         for router, counts_E in zip(routers, saved):
             router.tokens_per_expert.copy_(counts_E)
+        for recorder, flag in zip(recorders, recording):
+            recorder.record_max_logits = flag

@@ -49,7 +49,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    interval: int = 100  # save every N optimizer steps (0 = never)
+    interval: int = 100  # save every N optimizer steps; the last step and a SIGTERM always save (0 = only those)
     keep: int = 2  # complete checkpoints to keep, newest first; older ones are deleted (0 = keep all)
 
     def __post_init__(self):

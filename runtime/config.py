@@ -34,6 +34,7 @@ from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
+from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
 from runtime.data import DataConfig, check_split
 from runtime.data_keys import unused_keys
@@ -347,12 +348,17 @@ def _lookup(sections: dict, section: str, key: str):
 def _build(values: dict[str, dict]) -> JobConfig:
     defaults, built = JobConfig(), {}
     overrides = dict(values.pop("model"))
+    given_preset = overrides.get("preset")
     name = overrides.pop("preset", defaults.model_preset)
     init_from = overrides.pop("init_from", "")
     if name not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)})")
     for section, section_values in values.items():
         built[section] = _construct(section, lambda: dataclasses.replace(getattr(defaults, section), **section_values))
+    if built["posttrain"].init_from and built["data"].source == "rollouts":  # post-training: the model's shape
+        # (and, for a Hugging Face dir, the weights) come from there; launch/pretrain.py refuses the key
+        built["model"], init_from = _posttrain_model(built["posttrain"].init_from, init_from, given_preset, overrides)
+        return JobConfig(model_preset=name, model_init_from=init_from, **built)
     built["model"] = _construct("model", lambda: _model_config(name, init_from, overrides))
     return JobConfig(model_preset=name, model_init_from=init_from, **built)
 
@@ -366,6 +372,17 @@ def _model_config(name: str, init_from: str, overrides: dict) -> ModelConfig:
     except ValueError as e:
         raise ValueError(f"model.init_from: {e}") from None
     return dataclasses.replace(base, **overrides)
+
+
+def _posttrain_model(path: str, model_init_from: str, given_preset, overrides: dict) -> tuple[ModelConfig, str]:
+    """(model config, model.init_from) when posttrain.init_from is given (runtime/init_source.py)."""
+    if model_init_from:
+        raise ConfigError(f"model.init_from={model_init_from} and posttrain.init_from={path}: give one (both name "
+                          f"the starting weights)")
+    try:
+        return init_source.model_config(path, given_preset, overrides), path if init_source.kind(path) == "hf" else ""
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _construct(section: str, make):
@@ -441,10 +458,10 @@ _FALLBACK_HELP = {
 }
 
 
-def help_text() -> str:
-    """Usage, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
+def help_text(entry: str = "launch/pretrain.py") -> str:
+    """Usage of `entry`, then every key as `--section.key=DEFAULT  meaning`, grouped by section."""
     defaults, sections = JobConfig(), _sections()
-    out = ["usage: torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]",
+    out = [f"usage: torchrun --nproc_per_node N {entry} [--config PATH] [--section.key=value ...]",
            "", "With no --config: the embedded debug job (= configs/debug.toml). Keys and defaults:"]
     for section, cls in sections.items():
         out.append(f"\n[{section}]")

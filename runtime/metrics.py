@@ -142,12 +142,15 @@ class MetricsLogger:
         return record
 
     def format(self, record: dict) -> str:
-        """One readable line: step/total, loss, grad norm, lr, tokens/s, step and optimizer time, memory, MFU."""
+        """One readable line: step/total, loss (eval loss; post-training: RL loss, feedback KL, target tokens),
+        grad norm, lr, tokens/s, step and optimizer time, memory, MFU."""
         def num(key, spec):
             return "nan" if record.get(key) is None else format(record[key], spec)
 
         parts = [f"step {record['step']}/{self.total_steps}", f"loss {num('loss', '.4f')}",
                  *([f"eval {num('eval_loss', '.4f')}"] if "eval_loss" in record else []),
+                 *([f"rl {num('rl_loss', '.4f')}", f"kl {num('feedback_kl', '.4f')}",
+                    f"targets {record.get('target_tokens')}"] if "rl_loss" in record else []),
                  f"grad {num('grad_norm', '.3f')}", f"lr {num('lr', '.2e')}", f"{num('tokens_per_s', ',.0f')} tok/s",
                  f"step {num('step_time_s', '.3f')}s", f"optim {num('optimizer_time_s', '.3f')}s",
                  f"{'max alloc' if self.device.type == 'cuda' else 'rss'} {num('memory_gib', '.2f')} GiB"]

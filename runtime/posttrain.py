@@ -1,7 +1,9 @@
 """The post-training objective (the `[posttrain]` section): RL over the trajectory plus targeted feedback.
 
-    loss = rl_coef * L_rl + feedback_coef * L_feedback
+    loss = sft_coef * L_sft + rl_coef * L_rl + feedback_coef * L_feedback
 
+L_sft is the next-token loss -log p(token) over every assistant token (supervised fine-tuning on the
+same rollouts; sft_coef = 0 by default), divided by the step's assistant-token count like L_rl.
 L_rl is the clipped policy gradient over every assistant token, divided by the step's assistant-token
 count; L_feedback is KL(student || stopgrad teacher) over the feedback turns' tokens only, divided by
 the step's target-token count (`feedback_norm = "targets"`) or by its assistant-token count
@@ -34,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 
 from optim.qk_clip import padding_ignored
-from runtime import checkpoint, feedback
+from runtime import checkpoint, feedback, init_source
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
 from runtime.staging import to_device
 from runtime.syncs import host_side
@@ -42,6 +44,7 @@ from runtime.syncs import host_side
 
 @dataclass(frozen=True, kw_only=True)
 class PosttrainConfig:
+    sft_coef: float = 0.0  # weight of the next-token (SFT) loss over all assistant tokens
     rl_coef: float = 1.0  # weight of the policy-gradient loss over all assistant tokens
     feedback_coef: float = 1.0  # weight of the KL(student || teacher) loss on feedback turns
     clip_eps: float = 0.2  # PPO ratio clip: the ratio pi/pi_old is clipped to [1-eps, 1+eps]
@@ -51,12 +54,12 @@ class PosttrainConfig:
     vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
     teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
     ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
-    init_from: str = ""  # checkpoint dir (.../checkpoints/step_N, any layout) whose model weights start the run
+    init_from: str = ""  # a run dir (its newest checkpoint), a checkpoint dir (any layout) or a Hugging Face dir: the model's shape and starting weights
 
     def __post_init__(self):
-        checks = {"rl_coef": self.rl_coef >= 0, "feedback_coef": self.feedback_coef >= 0,
-                  "clip_eps": self.clip_eps > 0, "top_k": self.top_k >= 1, "vocab_chunk": self.vocab_chunk >= 1,
-                  "ema_decay": 0 <= self.ema_decay < 1}
+        checks = {"sft_coef": self.sft_coef >= 0, "rl_coef": self.rl_coef >= 0,
+                  "feedback_coef": self.feedback_coef >= 0, "clip_eps": self.clip_eps > 0, "top_k": self.top_k >= 1,
+                  "vocab_chunk": self.vocab_chunk >= 1, "ema_decay": 0 <= self.ema_decay < 1}
         expected = {"clip_eps": "> 0", "top_k": ">= 1", "vocab_chunk": ">= 1", "ema_decay": "in [0, 1)"}
         for key, ok in checks.items():
             if not ok:
@@ -162,7 +165,7 @@ class FeedbackObjective:
 
     def forward_backward(self, model: nn.Module, step: RolloutStep, device) -> tuple[torch.Tensor, int, dict]:
         """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
-        sums = torch.zeros(5, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum
+        sums = torch.zeros(6, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum, sft sum
         for mb in step.micro_batches:
             has_padding = _has_padding(mb.pad_BS)
             mb = RolloutMicroBatch(*(to_device(x, device) if isinstance(x, torch.Tensor) else x for x in mb))
@@ -172,11 +175,12 @@ class FeedbackObjective:
             sums[4] += entropy_sum
         local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
-            dist.all_reduce(sums)  # communication: 5 floats (every rank's shares of the global means)
+            dist.all_reduce(sums)  # communication: 6 floats (every rank's shares of the global means)
         n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
-        _, rl, kl, clipped, entropy = sums.tolist()  # one host sync
-        metrics = {"rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt, "target_tokens": step.target_tokens,
-                   "clip_fraction": clipped / n_rl, "teacher_entropy": entropy / n_tgt}
+        _, rl, kl, clipped, entropy, sft = sums.tolist()  # one host sync
+        metrics = {"sft_loss": sft / n_rl, "rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt,
+                   "target_tokens": step.target_tokens, "clip_fraction": clipped / n_rl,
+                   "teacher_entropy": entropy / n_tgt}
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
@@ -204,10 +208,12 @@ class FeedbackObjective:
             kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, self.config).sum()
         c = self.config
         n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
-        loss = c.rl_coef * rl_sum / max(step.trained_tokens, 1) + c.feedback_coef * kl_sum / max(n_feedback, 1)
+        sft_sum = -logp_n.sum()
+        loss = (c.sft_coef * sft_sum + c.rl_coef * rl_sum) / max(step.trained_tokens, 1) \
+            + c.feedback_coef * kl_sum / max(n_feedback, 1)
         loss.backward()
         return torch.stack([loss.detach(), rl_sum.detach(), kl_sum.detach(), clipped.float(),
-                            torch.zeros_like(rl_sum)])
+                            torch.zeros_like(rl_sum), sft_sum.detach()])
 
     @torch.no_grad()
     def after_step(self, model: nn.Module) -> None:
@@ -269,10 +275,12 @@ class _ModelWeights:
 
 
 def check_init_from(path: str, model_config: dict) -> None:
-    """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model (no collective)."""
+    """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model, apart from
+    the training-only keys (runtime/init_source.py); no collective."""
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
-    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), model_config, "model.")
+    shape = {k: v for k, v in model_config.items() if k not in init_source.TRAINING_KEYS}
+    diffs = checkpoint.differences(checkpoint.read_meta(path).get("model", {}), shape, "model.")
     if diffs:
         raise ValueError(f"posttrain.init_from: {path} holds another model ({'; '.join(diffs)})")
 

@@ -293,6 +293,14 @@ def checkpoint_or_stop(done: int, skipped: bool, preempted: bool, config: JobCon
                         f"same command to continue")
 
 
+def describe_optimizer(optimizer: ShardedMuon, config: JobConfig) -> str:
+    """Muon's plan (who orthogonalizes what, and what it costs), or one line when no parameter uses Muon."""
+    if config.optim.name == "muon" and optimizer.plan.params:
+        return optimizer.plan.describe()
+    n = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    return f"optimizer: {config.optim.name}, AdamW for all {n:,} parameters (no Muon plan)"
+
+
 def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective=None) -> None:
     """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early.
     `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken)."""
@@ -302,12 +310,17 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     objective = build_objective(config, model, meshes, layout, device) if build_objective else NextToken(config)
     optimizer = build_optimizer(model, config)
     if rank == 0:
-        print(optimizer.plan.describe(), flush=True)  # who orthogonalizes what, and what it costs
+        print(describe_optimizer(optimizer, config), flush=True)
     scheduler = build_scheduler(optimizer, config.training)
     loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True))
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
     start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True))
+    if start >= config.training.steps:  # a finished run relaunched: no step, no new checkpoint, metrics kept
+        if rank == 0:
+            print(f"nothing to do: step {start} of {config.training.steps} done ({config.run.dir}); raise "
+                  f"training.steps to continue", flush=True)
+        return
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,

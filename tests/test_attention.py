@@ -224,3 +224,52 @@ def test_benchmark_small_runs_and_sees_the_kernels():
     assert kernels[("causal", "unpadded")] == ["math"] and kernels[("causal", "padded")] == ["flash"]
     assert kernels[("cp", "dense_mask")] == ["math"] and kernels[("cp", "chunked")] == ["flash"]
     assert all(r["max_abs_diff_vs_first"] < 2e-6 for r in rows)  # the same attention (fp32 yardstick above)
+
+
+class FlashInputs(TorchDispatchMode):
+    """Records, for every call of the CPU flash pair, whether its q, k, v (and grad_out) are contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+            tensors = args[:4] if name.endswith("backward") else args[:3]
+            self.calls.append((name, [t.is_contiguous() for t in tensors]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_flash_pair_gets_contiguous_inputs_from_transposed_views():
+    """The model hands attention [B, T, H, E] -> [B, H, T, E] transposed views; the private flash ops
+    under context parallelism must get contiguous q, k, v and grad_out, as torch's ring attention
+    passes them (models/block_attention.py)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 3, 24, generator=gen).transpose(1, 2).requires_grad_() for n in (6, 11, 11))
+    with FlashInputs() as seen:
+        prefix_causal_attention(q, k, v, 0.3).backward(torch.randn(2, 6, 3, 24).transpose(1, 2))
+    assert len(seen.calls) == 4, seen.calls  # two pieces, forward and backward
+    assert all(all(flags) for _, flags in seen.calls), seen.calls
+
+
+def test_values_are_padded_only_where_torch_would_fall_back_to_math(monkeypatch):
+    """MLA's values (narrower than q/k) are padded for the CPU flash kernel, which takes one width; where
+    torch's dispatcher would pick a kernel that takes them as they are (cuDNN or memory-efficient on an
+    H200), they pass unpadded. The dispatcher's choice is stood in for by its own function's result."""
+    from torch.nn.attention import SDPBackend
+
+    from models.attention import CausalAttention
+
+    q, k = torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24)
+    v = torch.randn(1, 2, 8, 16)
+    pos = torch.arange(8)
+    widths = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: widths.append(v.shape[-1]) or sdpa(q, k, v, **kw))
+    reference = CausalAttention()(q, k, v, pos, pos, 0.3)
+    assert widths == [24]  # CPU: unpadded would run math, so padded for flash
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: int(SDPBackend.EFFICIENT_ATTENTION))
+    out = CausalAttention()(q, k, v, pos, pos, 0.3)
+    assert widths == [24, 16]
+    torch.testing.assert_close(out, reference, rtol=0, atol=2e-6)  # the same attention (fp32 yardstick above)

@@ -196,3 +196,28 @@ class _Documented:
 
 def test_field_help_reads_trailing_comments_and_metadata():
     assert field_help(_Documented) == {"alpha": "the alpha knob", "beta": "from metadata", "gamma": ""}
+
+
+def test_the_launcher_sets_expandable_segments_unless_the_user_chose():
+    from launch.pretrain import set_allocator_defaults
+
+    env = {}
+    set_allocator_defaults(env)
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # the new name and the legacy one
+        env = {key: "max_split_size_mb:512"}
+        set_allocator_defaults(env)
+        assert env == {key: "max_split_size_mb:512"}
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_256gpu", "deepseek_v3_256gpu"])
+def test_the_256_gpu_configs_prefetch_as_the_projections_assume(name):
+    """The step projection overlaps FSDP with compute and the memory estimate holds one prefetched unit:
+    explicit prefetch of 1 makes that hold whatever the host does (parallel/overlap.py)."""
+    from launch.estimate_memory import Job, fsdp_buffers
+
+    config = load_config(["--config", f"configs/{name}.toml"])
+    assert config.training.fsdp_prefetch == 1
+    deeper = dataclasses.replace(config, training=dataclasses.replace(config.training, fsdp_prefetch=2))
+    one, two = (fsdp_buffers(Job(c, c.layout(256), 0, "h200")) for c in (config, deeper))
+    assert all(b >= a for a, b in zip(one, two)) and sum(two) > sum(one)

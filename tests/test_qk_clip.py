@@ -160,3 +160,26 @@ def test_resume_with_clipping_continues_bitwise(tmp_path):
     resumed = _run(tmp_path / "full", 2, "--checkpoint.interval=1", "--checkpoint.keep=0")
     keys = ("loss", "grad_norm", "max_logit", "clipped_heads")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_recompute_records_nothing_and_the_maxima_stay(monkeypatch, mode):
+    """Activation checkpointing reruns attention in backward: the QK-clip scores are computed once per
+    layer (in the original forward), and the maxima equal those of a run without checkpointing."""
+    from models import attention
+    from parallel.activation_checkpoint import apply_activation_checkpoint
+
+    tokens_BS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    plain = _model("debug")
+    plain(tokens_BS).float().square().mean().backward()
+    expected_LH = step_max_logits(plain)
+
+    calls = []
+    original = attention.max_logits
+    monkeypatch.setattr(attention, "max_logits", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = _model("debug")
+    apply_activation_checkpoint(model, mode)
+    model(tokens_BS).float().square().mean().backward()
+    assert len(calls) == len(model.layers), f"{len(calls)} score computations for {len(model.layers)} layers"
+    assert all(a.sdpa.record_max_logits for a in (b.attention for b in model.layers))  # restored after the recompute
+    assert torch.equal(step_max_logits(model), expected_LH)

@@ -1,0 +1,134 @@
+"""No tool writes over one of its inputs (runtime/paths.py): every tool with an output flag, each
+pointed at one of the files it reads, directly or through a symlink or hard link, exits with status 2
+and one line, and the input is unchanged. Each case ran the tool to the end before (or failed in
+another way) and destroyed the input."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from models import preset
+from models.hf_config import hf_config_dict
+
+CONFIG = "[training]\nsteps = 1\n"
+ORIGINAL = "keep me\n"
+
+
+def _config(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def _link(tmp_path, target, how):
+    """`target` itself, or a symlink / hard link to it."""
+    if how == "direct":
+        return str(target)
+    link = tmp_path / f"{how}.json"
+    (os.symlink if how == "symlink" else os.link)(target, link)
+    return str(link)
+
+
+def _expect_refused(capsys, call, victim, content, phrase="writing it would destroy the input"):
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and phrase in err[0], err
+    assert open(victim).read() == content
+
+
+@pytest.mark.parametrize("how", ["direct", "symlink", "hardlink"])
+def test_estimate_memory_json_is_the_config(tmp_path, capsys, how):
+    from launch.estimate_memory import main
+
+    config = _config(tmp_path)
+    out = _link(tmp_path, config, how)
+    _expect_refused(capsys, lambda: main(["--config", config, "--world", "2", "--json", out]), config, CONFIG)
+
+
+def test_estimate_memory_json_is_the_init_from_config_json(tmp_path, capsys):
+    from launch.estimate_memory import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    text = json.dumps(hf_config_dict(preset("debug")))
+    (hf / "config.json").write_text(text)
+    _expect_refused(capsys, lambda: main(["--config", _config(tmp_path), "--world", "2", f"--model.init_from={hf}",
+                                          "--json", str(hf / "config.json")]), hf / "config.json", text)
+
+
+def test_plot_metrics_out_is_a_metrics_file(tmp_path, capsys):
+    from launch.plot_metrics import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    metrics = '{"step": 1, "loss": 2.0}\n'
+    (run / "metrics.jsonl").write_text(metrics)
+    os.symlink(run / "metrics.jsonl", tmp_path / "curves.png")
+    assert main([str(run), "--out", str(tmp_path / "curves.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is also the metrics file of" in err[0], err
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_step_projection_json_is_the_config(tmp_path, capsys):
+    from benchmarks.step_projection import main
+
+    config = tmp_path / "job.toml"
+    shutil.copy("configs/debug.toml", config)
+    content = config.read_text()
+    _expect_refused(capsys, lambda: main(["--config", str(config), "--world", "2", "--json", str(config)]),
+                    config, content)
+
+
+def test_projection_json_is_the_calibration(tmp_path, capsys):
+    from benchmarks.projection import main
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(ORIGINAL)
+    _expect_refused(capsys, lambda: main(["--calibration", str(calibration), "--json", _link(tmp_path, calibration,
+                                                                                             "symlink")]),
+                    calibration, ORIGINAL)
+
+
+def test_ns_kernels_json_is_a_file_of_the_checkpoint(tmp_path, capsys):
+    from benchmarks.ns_kernels import main
+
+    checkpoint = tmp_path / "step_1"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_text(ORIGINAL)
+    _expect_refused(capsys, lambda: main(["--momentum-checkpoint", str(checkpoint), "--sets", "debug",
+                                          "--json", str(checkpoint / ".metadata")]), checkpoint / ".metadata", ORIGINAL)
+
+
+def test_hf_load_out_is_a_shard_of_the_checkpoint(tmp_path, capsys):
+    from benchmarks.hf_load import main
+
+    (tmp_path / "model.safetensors").write_text(ORIGINAL)
+    _expect_refused(capsys, lambda: main(["--dir", str(tmp_path), "--out", str(tmp_path / "model.safetensors")]),
+                    tmp_path / "model.safetensors", ORIGINAL)
+
+
+@pytest.mark.parametrize("tool", ["optimizer_step", "qk_clip_effect", "feedback_experiment"])
+def test_json_and_plot_are_the_same_file(tmp_path, capsys, tool):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{tool}").main
+    out = tmp_path / "result.png"
+    out.write_text(ORIGINAL)
+    argv = ["--json", str(out), "--plot", _link(tmp_path, out, "symlink")]
+    if tool == "feedback_experiment":
+        argv += ["--quick", "--work", str(tmp_path / "work")]
+    _expect_refused(capsys, lambda: main(argv), out, ORIGINAL, phrase="are the same file")
+
+
+def test_new_file_in_an_input_directory_is_allowed(tmp_path):
+    from runtime.paths import check_output_file
+
+    (tmp_path / "config.json").write_text("{}")
+    check_output_file("--json", str(tmp_path / "estimate.json"), "x.json", [("a file of model.init_from", str(tmp_path))])
+    with pytest.raises(ValueError, match="is also a file of model.init_from"):
+        check_output_file("--json", str(tmp_path / "config.json"), "x.json", [("a file of model.init_from", str(tmp_path))])
