@@ -118,6 +118,10 @@ def test_tokenize_text_writes_indexed_documents_the_loader_reads(tmp_path, unit,
     argv = ["--tokenizer", str(tmp_path / "tokenizer.json"), "--out", prefix + ".bin", "--format", "indexed",
             "--document", unit, "--eos", "<eos>", *inputs]
     assert main(argv) == 0
+    if unit == "line":  # tokenizing processes change nothing (the ParallelEncoder keeps the order)
+        assert main([*argv[:3], prefix + "_w2.bin", *argv[4:], "--workers", "2"]) == 0
+        for ext in (".bin", ".idx"):
+            assert open(prefix + ext, "rb").read() == open(prefix + "_w2" + ext, "rb").read()
     read = IndexedTokens(prefix)
     expected = [[ids.get(w, 0) for w in doc.split()] + [ids["<eos>"]] for doc in documents]
     assert [read.document(i).tolist() for i in range(len(read))] == expected
