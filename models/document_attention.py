@@ -18,11 +18,13 @@ document, per layer); benchmarks/document_attention.py measures time and peak me
 unmasked flash path. The key range needs the document ids on the host (one
 small device-to-host copy per block): fine on the CPU, a sync per block on CUDA.
 
-CUDA (not implemented, no GPU was available to test it): FlexAttention with a BlockMask built from
-the same predicate (mask_mod: same document and causal), because it takes any per-row document
-layout and the CP chunk layout (query and key positions as index tensors) without repacking, skips
-fully masked blocks, and supports MLA's unequal q/k and v widths; a varlen flash path would need the
-sequences repacked into cu_seqlens per document and per CP chunk.
+CUDA (`flex_document_attention`, chosen for CUDA tensors): FlexAttention with a BlockMask built from
+the same predicate (mask_mod: same document and causal), compiled, because it takes any per-row
+document layout and the CP chunk layout (query and key positions as index tensors) without repacking,
+skips fully masked blocks, needs no host sync and supports MLA's unequal q/k and v widths; a varlen
+flash path would need the sequences repacked into cu_seqlens per document and per CP chunk. Its
+predicate is checked on the CPU in eager mode against the block path (tests/test_document_mask.py);
+the compiled kernel has NOT run on a GPU here (none was available).
 
 Context parallelism: the gathered keys are the whole row in global order, and `Documents.doc_BL` holds
 the document id of every token of the row (each rank's loader knows the whole window), so each chunk's
@@ -57,6 +59,8 @@ def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale:
     increasing; kv_pos_T[0] is the row's first position); `doc_BL` indexed by position - kv_pos_T[0].
     Values narrower than q/k (MLA) are padded for the flash kernel and the output sliced. Local, no
     communication."""
+    if q_BHSE.is_cuda:
+        return flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale)
     v_width = v_BHTE.shape[-1]
     v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
     base = kv_pos_T[:1]
@@ -75,6 +79,29 @@ def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale:
         else:
             outs.append(_masked_block(*args))
     return torch.cat(outs, dim=2)[..., :v_width]
+
+
+_COMPILED_FLEX = None
+
+
+def flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float,
+                            compiled: bool = True) -> torch.Tensor:
+    """The same attention through FlexAttention (CUDA; `compiled=False`: eager, e.g. to check it on the CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _COMPILED_FLEX
+    base = kv_pos_T[:1]
+    q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_doc_BS[b, q_idx] == kv_doc_BT[b, kv_idx]) & (kv_pos_T[kv_idx] <= q_pos_S[q_idx])
+
+    B, _, S, _ = q_BHSE.shape
+    block_mask = create_block_mask(same_document_causal, B, None, S, k_BHTE.shape[2], device=q_BHSE.device)
+    if compiled and _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    attend = _COMPILED_FLEX if compiled else flex_attention
+    return attend(q_BHSE, k_BHTE, v_BHTE, block_mask=block_mask, scale=scale)
 
 
 def _inside_one_document(q_doc_BQ, q_pos_Q, kv_doc_BK, kv_pos_K) -> bool:

@@ -278,3 +278,21 @@ def test_blocks_equal_a_plain_loop_on_the_flash_and_the_masked_path(monkeypatch,
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-5)  # measured <= 6e-7 on gradients up to 4.9; a leak: > 1
     assert 0 < len(calls) < len(q_pos) // 8  # both paths ran
+
+
+@pytest.mark.parametrize("cp_rank", [None, 1])
+def test_the_cuda_flex_attention_predicate_equals_the_block_path(cp_rank):
+    """flex_document_attention (the CUDA path) in eager mode on the CPU: the same outputs as the block
+    path (its kernel and compiled form are not exercised: no GPU here). MLA-like narrower values."""
+    from models.document_attention import flex_document_attention
+
+    S, lengths = 64, [[30, 2, 32], [64]]
+    doc_BL = torch.from_numpy(np.stack([np.repeat(np.arange(len(ls)), ls) for ls in lengths]))
+    kv_pos = torch.arange(S)
+    q_pos = kv_pos if cp_rank is None else load_balanced_positions(S, 2, cp_rank)
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 3, len(q_pos), 16, generator=gen), torch.randn(2, 3, S, 16, generator=gen)
+    v = torch.randn(2, 3, S, 8, generator=gen)
+    flex = flex_document_attention(q, k, v, q_pos, kv_pos, doc_BL, 0.25, compiled=False)
+    blocks = document_attention(q, k, v, q_pos, kv_pos, doc_BL, 0.25, block=8)
+    torch.testing.assert_close(flex, blocks, rtol=0, atol=2e-6)  # measured 4.8e-7
