@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import one_line  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
-from runtime.data import Loader, check_token_ids  # noqa: E402
+from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.posttrain import PosttrainConfig  # noqa: E402
 from runtime.pretrained import check_init_from  # noqa: E402
@@ -54,9 +54,10 @@ def check_token_sources(config) -> None:
     for split, (data, holdout, key) in config.token_splits().items():
         Loader(data, config.training.seed, grad_accum=config.training.grad_accum,
                vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key)
-        if (data.source, data.path) not in scanned:
-            check_token_ids(data, config.model.vocab_size, key)
-            scanned.add((data.source, data.path))
+        for path, path_key in token_files(data, key):
+            if path not in scanned:
+                check_token_ids(path, data.dtype, config.model.vocab_size, path_key)
+                scanned.add(path)
 
 
 def rendezvous_store(rank: int, world_size: int) -> dist.Store:

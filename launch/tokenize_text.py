@@ -113,6 +113,38 @@ def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: i
     return num_tokens
 
 
+def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str | None, unit: str,
+                     trust_remote_code: bool = False, workers: int = 1) -> dict:
+    """Write a Megatron indexed dataset `<prefix>.bin` + `.idx` (runtime/indexed.py; `out` = the prefix,
+    `.bin` optional), one document per file, line or JSONL record (`unit`), plus the sidecar
+    `<prefix>.bin.json`; uint16 ids when the vocabulary fits, else int32 (Megatron has no uint32)."""
+    from runtime.indexed import IndexedWriter, text_documents
+
+    prefix = out.removesuffix(".bin")
+    check_paths(paths, prefix + ".bin", tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+    if eos is not None and eos_id is None:
+        raise ValueError(f"--eos {eos!r} is not a token of {tokenizer_path}")
+    writer = IndexedWriter(prefix, np.uint16 if vocab_size <= 1 << 16 else np.int32)
+    try:
+        with tokenizer_dir.ParallelEncoder(tokenizer, workers) as encoder:
+            for pieces in text_documents(paths, unit, _chunks):
+                ids = [i for piece_ids in encoder.map(pieces) for i in piece_ids]
+                writer.add_document(ids + ([eos_id] if eos_id is not None else []))
+        if writer.num_tokens() == 0:
+            raise ValueError(f"the input files ({', '.join(paths)}) hold no tokens")
+        writer.finalize()
+    finally:
+        writer.abort()  # removes what finalize() did not rename
+    meta = {"dtype": writer.dtype.name, "vocab_size": vocab_size, "num_tokens": writer.num_tokens(),
+            "num_documents": len(writer.lengths)}
+    with open(prefix + ".bin.json", "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tokenize text files into a flat .bin of token ids.")
     parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json or tokenizer directory")
@@ -121,10 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
     parser.add_argument("--out", required=True, help="output token file, e.g. data/train.bin")
     parser.add_argument("--eos", default=None, help="token appended after each file (e.g. '<|endoftext|>')")
+    parser.add_argument("--format", choices=["flat", "indexed"], default="flat",
+                        help="flat: one .bin of ids; indexed: a Megatron .bin + .idx with document boundaries")
+    parser.add_argument("--document", choices=["file", "line", "jsonl"], default="file",
+                        help="indexed: one document per input file, per non-empty line, or per JSONL record's \"text\"")
     parser.add_argument("files", nargs="+", help="UTF-8 text files, tokenized in this order")
     args = parser.parse_args(argv)
+    if args.format == "flat" and args.document != "file":
+        print(f"error: --document {args.document} applies to --format indexed only (a flat .bin records no documents)",
+              file=sys.stderr)
+        return 2
     try:
-        meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos, args.trust_remote_code, args.workers)
+        if args.format == "indexed":
+            meta = tokenize_indexed(args.tokenizer, args.files, args.out, args.eos, args.document,
+                                    args.trust_remote_code, args.workers)
+        else:
+            meta = tokenize_files(args.tokenizer, args.files, args.out, args.eos, args.trust_remote_code, args.workers)
     except ValueError as e:
         return report(e)
     except OSError as e:  # a failed write (disk full) names no file: then it is the output

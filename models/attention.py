@@ -19,6 +19,7 @@ from torch import nn
 
 from models.block_attention import pad_values, sdpa_needs_padded_values
 from models.config import ModelConfig
+from models.document_attention import Documents, document_attention, max_document_logits
 from models.kv_cache import LayerCache
 from models.layers import RMSNorm, apply_rope, rope_cos_sin
 from models.splits import WHOLE, MatrixSplit, per_head_cols, per_head_rows
@@ -55,8 +56,11 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.record_max_logits, self.max_logit_H, self.query_pad_BS = False, None, None
 
-    def forward(self, q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, scale: float):
-        self.record(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale)
+    def forward(self, q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, scale: float, documents: Documents | None = None):
+        """`documents` (data.document_mask): attention only within documents (models/document_attention.py)."""
+        self.record(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, documents)
+        if documents is not None:
+            return document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
         v_width = v_BHTE.shape[-1]
         causal = q_pos_S is kv_pos_T
         mask_ST = None if causal else kv_pos_T[None, :] <= q_pos_S[:, None]
@@ -66,10 +70,13 @@ class CausalAttention(nn.Module):
                                                   scale=scale)
         return out_BHSE[..., :v_width]
 
-    def record(self, q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale: float) -> None:
+    def record(self, q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale: float, documents: Documents | None = None) -> None:
         """Fold these logits' per-head maxima into `max_logit_H` (training-mode forwards, when enabled)."""
         if self.record_max_logits and self.training:
-            seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, query_pad_BS=self.query_pad_BS)
+            if documents is not None:
+                seen_H = max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
+            else:
+                seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, query_pad_BS=self.query_pad_BS)
             self.max_logit_H = seen_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, seen_H)
 
 
@@ -136,10 +143,12 @@ class MLA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended."""
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended.
+        `documents`: RoPE restarts per document and attention stays inside documents (cos/sin then [B, S, R])."""
         B, S, _ = x_BSD.shape
-        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope)
+        cos_SR, sin_SR = rope_cos_sin(positions_S if documents is None else documents.rope_BS, self.rope)
         q_BSHE = self._queries(x_BSD).view(B, S, self.n_heads, self.nope + self.rope_dim)
         q_nope_BSHE, q_rope_BSHR = q_BSHE.split([self.nope, self.rope_dim], dim=-1)
         q_BSHE = torch.cat([q_nope_BSHE, apply_rope(q_rope_BSHR, cos_SR, sin_SR)], dim=-1)
@@ -154,9 +163,10 @@ class MLA(nn.Module):
         k_nope_BTHE, v_BTHE = kv_BTHE.split([self.nope, self.v_dim], dim=-1)
         k_BTHE = torch.cat([k_nope_BTHE, k_rope_BT1R.expand(-1, -1, self.n_heads, -1)], dim=-1)
 
+        extra = {} if documents is None else {"documents": documents}
         out_BHSE = self.sdpa(
             q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
-            positions_S, kv_pos_T, self.scale,
+            positions_S, kv_pos_T, self.scale, **extra,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
 
@@ -190,10 +200,12 @@ class GQA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended."""
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended.
+        `documents`: as in MLA.forward."""
         B, S, _ = x_BSD.shape
-        cos_SR, sin_SR = rope_cos_sin(positions_S, self.rope)
+        cos_SR, sin_SR = rope_cos_sin(positions_S if documents is None else documents.rope_BS, self.rope)
         q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)
         k_BSGE = apply_rope(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SR, sin_SR)
         v_BSGE = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -204,9 +216,10 @@ class GQA(nn.Module):
         group = self.n_heads // self.n_kv_heads
         k_BTHE = k_BTGE.repeat_interleave(group, dim=2)
         v_BTHE = v_BTGE.repeat_interleave(group, dim=2)
+        extra = {} if documents is None else {"documents": documents}
         out_BHSE = self.sdpa(
             q_BSHE.transpose(1, 2), k_BTHE.transpose(1, 2), v_BTHE.transpose(1, 2),
-            positions_S, kv_pos_T, self.scale,
+            positions_S, kv_pos_T, self.scale, **extra,
         )
         return self.wo(out_BHSE.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 

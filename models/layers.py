@@ -34,7 +34,7 @@ def rope_cos_sin(positions_S: torch.Tensor, rope: Rope):
     re-create after building on the meta device, and context parallelism can pass any positions.
     """
     inv_freq_R2 = rope.inv_freq(positions_S.device)
-    angles_SR2 = positions_S.to(torch.float32)[:, None] * inv_freq_R2[None, :]
+    angles_SR2 = positions_S.to(torch.float32)[..., None] * inv_freq_R2  # positions [B, S] (documents): [B, S, R2]
     angles_SR = torch.cat([angles_SR2, angles_SR2], dim=-1)
     factor = rope.cos_sin_factor()
     return angles_SR.cos() * factor, angles_SR.sin() * factor
@@ -45,7 +45,8 @@ def apply_rope(x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor)
     x = x_BSHR.float()
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos_SR[None, :, None, :], sin_SR[None, :, None, :]
+    cos, sin = (cos_SR[None, :, None, :], sin_SR[None, :, None, :]) if cos_SR.dim() == 2 else (
+        cos_SR[:, :, None, :], sin_SR[:, :, None, :])  # [B, S, R]: per-row positions (document masking)
     return (x * cos + rotated * sin).type_as(x_BSHR)
 
 

@@ -34,9 +34,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = MoE(c) if c.is_moe_layer(layer_id) else FeedForward(c.dim, c.inter_dim)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
         attention_in_BSD = self.attention_norm(x_BSD)
-        if cache is None:
+        if documents is not None:
+            x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, documents=documents)
+        elif cache is None:
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S)
         else:
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, cache=cache)
@@ -53,7 +55,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents=None) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV.
 
         positions_S: global RoPE positions of the S tokens (default arange(S)); context parallelism
@@ -61,6 +63,8 @@ class Transformer(nn.Module):
         attention uses that to pick the fused causal kernel (checked here without a host sync: an
         asynchronous device assert on a GPU, a ValueError on the CPU).
         cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
+        documents: packed documents (data.document_mask; models/document_attention.Documents): attention
+        stays within each document and RoPE positions restart at each (not with a cache).
         """
         S = tokens_BS.shape[1]
         if positions_S is None:
@@ -69,7 +73,10 @@ class Transformer(nn.Module):
             _check_positions(positions_S, S)
         h_BSD = self.tok_embeddings(tokens_BS)
         for i, layer in enumerate(self.layers):
-            h_BSD = layer(h_BSD, positions_S) if cache is None else layer(h_BSD, positions_S, cache=cache.layers[i])
+            if documents is not None:
+                h_BSD = layer(h_BSD, positions_S, documents=documents)
+            else:
+                h_BSD = layer(h_BSD, positions_S) if cache is None else layer(h_BSD, positions_S, cache=cache.layers[i])
         return self.output(self.norm(h_BSD))
 
     @torch.no_grad()

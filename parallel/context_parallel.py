@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.block_attention import pad_values, prefix_causal_attention
+from models.document_attention import document_attention
 
 
 def load_balanced_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -124,8 +125,12 @@ class ContextParallelAttention(nn.Module):
         self.local_sdpa = local_sdpa
         self.group = group
 
-    def forward(self, q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, scale: float):
-        self.local_sdpa.record(q_BHSE, k_BHLE, q_pos_S, kv_pos_L, scale)
+    def forward(self, q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, scale: float, documents=None):
+        """`documents` (data.document_mask): each chunk's visible keys stop at document boundaries, also
+        for documents straddling the chunks (models/document_attention.py; doc_BL covers the whole row)."""
+        self.local_sdpa.record(q_BHSE, k_BHLE, q_pos_S, kv_pos_L, scale, documents)
+        if documents is not None:
+            return document_attention(q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, documents.doc_BL, scale)
         cp, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         return balanced_chunk_attention(q_BHSE, k_BHLE, v_BHLE, cp_rank, cp, scale)
 

@@ -36,7 +36,8 @@ from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
-from runtime.data import DataConfig, check_split, unused_keys
+from runtime.data import DataConfig, check_split
+from runtime.data_keys import unused_keys
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
 from runtime.posttrain import PosttrainConfig
@@ -147,12 +148,16 @@ class JobConfig:
     def token_splits(self) -> dict[str, tuple[DataConfig, float, str]]:
         """{split: (data config, holdout, the key naming its file)} of the token batches the run reads
         (data.seq_len x data.batch_size): "train" unless it post-trains on rollouts; "eval" when evaluation
-        is on (with rollouts: eval.path only). runtime/train.py builds its token loaders from it; launch/
+        is on (with rollouts: eval.path only; a mixture without eval.path: "eval/<name>" per source). runtime/train.py builds its token loaders from it; launch/
         checks them before any rank works."""
         splits = {}
         if self.data.source != "rollouts":
             splits["train"] = (self.data, self.eval.train_holdout(), "data.path")
-        if self.eval.enabled() and (self.data.source != "rollouts" or self.eval.path):
+        if self.eval.enabled() and self.data.sources and not self.eval.path:  # a mixture: each source's own
+            for i, source in enumerate(self.data.sources):
+                data = dataclasses.replace(self.data, sources=(), path=source.path)
+                splits[f"eval/{source.label()}"] = (data, self.eval.holdout, f"data.sources[{i}].path")
+        elif self.eval.enabled() and (self.data.source != "rollouts" or self.eval.path):
             key = "eval.path" if self.eval.path else "data.path"
             splits["eval"] = (self.eval.data(self.data), 0.0 if self.eval.path else self.eval.holdout, key)
         return splits
@@ -224,19 +229,26 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is tuple:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
     return tp.__name__
 
 
 def _coerce(value, tp, key: str, from_text: bool):
     """`value` (TOML value, or command-line text when `from_text`) as type `tp`, else ConfigError."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _coerce_table(value, tp, key, from_text)
     if origin is tuple:
         if from_text:
             inner = value.strip().strip("[]()")
             value = [v.strip() for v in inner.split(",")] if inner.strip() else []
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-        return tuple(_coerce(v, typing.get_args(tp)[0], key, from_text) for v in value)
+        inner = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(inner):
+            return tuple(_coerce(v, inner, f"{key}[{i}]", from_text) for i, v in enumerate(value))
+        return tuple(_coerce(v, inner, key, from_text) for v in value)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -247,6 +259,20 @@ def _coerce(value, tp, key: str, from_text: bool):
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected {'a finite ' if tp is float else ''}{_type_name(tp)}, "
                           f"got {value!r}") from None
+
+
+def _coerce_table(value, cls, key: str, from_text: bool):
+    """One TOML table of an array of tables (e.g. `[[data.sources]]`) as the dataclass `cls`."""
+    if from_text:
+        raise ConfigError(f"{key}: give it as [[{key.split('[')[0]}]] tables in the --config TOML file")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table of {', '.join(f.name for f in dataclasses.fields(cls))}, "
+                          f"got {value!r}")
+    types = typing.get_type_hints(cls)
+    for name in value:
+        if name not in types:
+            raise ConfigError(f"{key}.{name}: unknown key (valid: {', '.join(types)})")
+    return cls(**{name: _coerce(v, types[name], f"{key}.{name}", False) for name, v in value.items()})
 
 
 def _scalar(value, tp, from_text: bool):
@@ -380,7 +406,8 @@ def load_config(argv: list[str], *, path_source: str = "bin") -> JobConfig:
     path, overrides = _parse_argv(argv)
     sections = _sections()
     values = _collect(_read_toml(path) if path else {}, overrides, sections)
-    if values["data"].get("path") and "source" not in values["data"]:  # a path alone is never ignored
+    given = values["data"]
+    if (given.get("path") or given.get("sources")) and "source" not in given:  # a path alone is never ignored
         values["data"]["source"] = path_source
     return _build(values)
 

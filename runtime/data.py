@@ -8,7 +8,10 @@ Which tokens make up step t (a pure function of the data config, the seed and t,
     positions drawn uniformly (with replacement) from a NumPy generator seeded by (seed, t). Sampling by
     step instead of walking epochs keeps resume trivial: the loader's whole state is the next step.
   - `synthetic`: row r of step t is L+1 uniform token ids from a generator seeded by (seed, t, r).
-  Inputs are a window's first L tokens, labels its last L (next-token prediction).
+  - `[[data.sources]]` (a `bin` mixture): rows per source and their windows from runtime/mixture.py.
+  Inputs are a window's first L tokens, labels its last L (next-token prediction). A token file is flat or
+  a Megatron indexed dataset (runtime/indexed.py); with `data.document_mask` the micro-batches also carry
+  the documents of each row (runtime/documents.py).
 
 How step t is split over ranks and micro-batches (gradient accumulation):
   the global rows [0, batch_size) are cut into `grad_accum` consecutive micro-batches; inside micro-batch
@@ -19,7 +22,9 @@ How step t is split over ranks and micro-batches (gradient accumulation):
   mean of the per-rank, per-micro-batch mean losses is the mean over the global batch.
 """
 
+import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -29,6 +34,9 @@ import torch
 
 from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
+from runtime.documents import crossing_labels, document_micro_batches, window_documents
+from runtime.indexed import IndexedTokens, prefix_of
+from runtime.mixture import Mixture, SourceConfig, check_sources
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
 _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
@@ -39,14 +47,18 @@ class DataConfig:
     source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain); unset with data.path: bin (posttrain: rollouts)
     seq_len: int = 128  # tokens per training sequence
     batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
-    path: str = ""  # bin: the token file (flat uint16/uint32 token ids, nanoGPT/Megatron style)
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: token dtype; auto = from the sidecar <path>.json
+    path: str = ""  # bin: the token file: a Megatron indexed dataset (prefix of .bin + .idx) or a flat .bin of uint16/uint32 ids
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: flat token dtype; auto = from the sidecar <path>.json (indexed: from the .idx)
+    document_mask: bool = False  # bin, indexed datasets: attend only within a document, RoPE positions restart per document, cross-document labels untrained
+    sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/mixture.py); instead of data.path
     batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
-        if self.source in ("bin", "rollouts") and not self.path:
+        if self.sources:
+            self._check_sources()
+        elif self.source in ("bin", "rollouts") and not self.path:
             kind = "token file" if self.source == "bin" else "rollouts file (JSON lines)"
             raise ValueError(f"data.path: source {self.source!r} needs the path of a {kind}")
         if self.path and self.source in ("corpus", "synthetic"):
@@ -54,6 +66,17 @@ class DataConfig:
                              f"{self.source!r}: drop one of them (a data.path alone means a token file)")
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
+        if self.document_mask and self.source != "bin":
+            raise ValueError(f"data.document_mask needs token files with document boundaries (data.source='bin', "
+                             f"Megatron indexed datasets), but data.source={self.source!r}")
+
+    def _check_sources(self) -> None:
+        if self.path:
+            raise ValueError(f"data.path={self.path!r} and [[data.sources]] are both given: a mixture lists every "
+                             f"file in data.sources")
+        if self.source != "bin":
+            raise ValueError(f"[[data.sources]] are token files, but data.source={self.source!r} (use 'bin')")
+        check_sources(self.sources)
 
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
@@ -74,46 +97,6 @@ class MicroBatch(NamedTuple):
     inputs_BS: torch.Tensor  # int64 token ids
     labels_BS: torch.Tensor  # int64 next-token ids
     positions_S: torch.Tensor  # int64 global positions of the S tokens (RoPE and the causal mask)
-
-
-def unused_keys(data: DataConfig, eval_config) -> list[str]:
-    """One message per [data] / [eval] key set away from its default that the chosen mode never reads
-    (a key with no effect is refused, never silently ignored); `eval_config`: runtime/evaluate.EvalConfig."""
-    data_default, eval_default = DataConfig(), type(eval_config)()
-    eval_file = eval_config.enabled() and bool(eval_config.path)
-
-    def changed(cfg, default, key):
-        return getattr(cfg, key) != getattr(default, key)
-
-    out = []
-    if changed(data, data_default, "dtype") and data.source != "bin" and not eval_file:
-        out.append(f"data.dtype={data.dtype} applies to token files only (data.source='bin' or eval.path), but "
-                   f"data.source={data.source!r} and no eval.path is read")
-    if changed(data, data_default, "batch_tokens") and data.source != "rollouts":
-        out.append(f"data.batch_tokens={data.batch_tokens} is read only by data.source='rollouts' (post-training; "
-                   f"token batches are data.batch_size x data.seq_len), but data.source={data.source!r}")
-    for key in ("seq_len", "batch_size"):
-        if changed(data, data_default, key) and data.source == "rollouts" and not eval_file:
-            out.append(f"data.{key}={getattr(data, key)} has no effect: rollouts are packed by data.batch_tokens, "
-                       f"and data.seq_len/batch_size shape only eval.path's batches (none is read)")
-    out += _unused_eval_keys(data, eval_config, eval_default)
-    return out
-
-
-def _unused_eval_keys(data: DataConfig, config, default) -> list[str]:
-    changed = [k for k in ("steps", "path", "holdout") if getattr(config, k) != getattr(default, k)]
-    if not config.enabled():
-        return [f"eval.{k}={getattr(config, k)} has no effect with eval.interval=0 (evaluation off)" for k in changed]
-    out = []
-    if data.source == "rollouts" and not config.path:
-        out += [f"eval.{k}={getattr(config, k)} has no effect: post-training evaluates only on an eval.path token file"
-                for k in ("interval", "steps", "holdout") if getattr(config, k) != getattr(default, k)]
-    elif "holdout" in changed and config.path:
-        out.append(f"eval.holdout={config.holdout} has no effect: eval.path={config.path!r} is the held-out data")
-    elif "holdout" in changed and data.source == "synthetic":
-        out.append(f"eval.holdout={config.holdout} has no effect on data.source='synthetic' (held-out batches are "
-                   f"drawn from their own random stream)")
-    return out
 
 
 def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
@@ -137,17 +120,33 @@ def read_sidecar(path: str, key: str = "data.path") -> dict | None:
             meta = json.loads(f.read().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{key}: the sidecar {sidecar} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32"):
-        raise ValueError(f"{key}: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\" or "
-                         f"\"uint32\", got {str(meta)[:80]}")
+    if not isinstance(meta, dict) or meta.get("dtype", "uint16") not in ("uint16", "uint32", "int32"):
+        raise ValueError(f"{key}: the sidecar {sidecar} must be a JSON object with \"dtype\": \"uint16\", "
+                         f"\"uint32\" or \"int32\", got {str(meta)[:80]}")
     return meta
 
 
-def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> tuple[np.ndarray, int]:
-    """Memory-map a flat token file; returns (tokens [N], vocab size from the sidecar or 0 if unknown).
+class TokenFile(NamedTuple):
+    tokens: np.ndarray  # [N] token ids (np.memmap for files)
+    vocab_size: int  # from the sidecar, 0 if unknown
+    doc_starts: np.ndarray | None  # int64 [D + 1] first token of each document (indexed datasets), else None
+
+
+def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> TokenFile:
+    """Memory-map a token file: a Megatron indexed dataset (`path` = its prefix, `.bin` or `.idx`, with
+    `.idx` present; runtime/indexed.py) or a flat file of ids with an optional `<path>.json` sidecar.
     `key`: the config key that named the file (data.path, eval.path), which errors start with."""
+    if (prefix := prefix_of(path)) is not None:
+        indexed = IndexedTokens(prefix, key)
+        if dtype != "auto" and np.dtype(dtype) != indexed.dtype:
+            raise ValueError(f"data.dtype={dtype} but the index {prefix}.idx says {indexed.dtype}")
+        if len(indexed.tokens) == 0:
+            raise ValueError(f"{key}: {prefix} is empty (0 tokens)")
+        vocab_size = int((read_sidecar(prefix + ".bin", key) or {}).get("vocab_size", 0))  # tokenize_text's
+        return TokenFile(indexed.tokens, vocab_size, indexed.doc_starts)
     if not os.path.isfile(path):
-        raise ValueError(f"{key}: no such file {path!r}")
+        prefix = path.removesuffix(".bin")
+        raise ValueError(f"{key}: no such file {path!r} (nor an indexed dataset {prefix}.idx + {prefix}.bin)")
     meta = read_sidecar(path, key) or {}
     if dtype == "auto":
         if "dtype" not in meta:
@@ -160,17 +159,26 @@ def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> tuple[np
         raise ValueError(f"{key}: {path} is empty (0 tokens)")
     if size % itemsize != 0:
         raise ValueError(f"{key}: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
-    return np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0))
+    return TokenFile(np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0)), None)
 
 
-def open_tokens(config: DataConfig, key: str = "data.path") -> tuple[np.ndarray | None, int]:
-    """(tokens [N] or None for synthetic, the source's vocabulary size or 0 if unknown)."""
+def open_tokens(config: DataConfig, key: str = "data.path") -> TokenFile | None:
+    """The single source's tokens (None for synthetic; a mixture opens each of data.sources instead)."""
     if config.source == "corpus":
-        return corpus.corpus_tokens(), corpus.VOCAB_SIZE
+        return TokenFile(corpus.corpus_tokens(), corpus.VOCAB_SIZE, None)
     if config.source == "bin":
         return open_bin(config.path, config.dtype, key)
     assert config.source == "synthetic", config.source
-    return None, 0
+    return None
+
+
+def token_files(config: DataConfig, key: str = "data.path") -> list[tuple[str, str]]:
+    """(path, the key naming it) of every token file a `bin` config reads; [] for the other sources."""
+    if config.source != "bin":
+        return []
+    if config.sources:
+        return [(s.path, f"data.sources[{i}].path") for i, s in enumerate(config.sources)]
+    return [(config.path, key)]
 
 
 def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
@@ -184,17 +192,18 @@ def first_id_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 24) -> t
     return None
 
 
-def check_token_ids(config: DataConfig, vocab_size: int, key: str = "data.path") -> None:
-    """ValueError naming the file if any token id of a `bin` source is >= vocab_size. Scans the whole
-    file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
-    if config.source != "bin":
-        return
-    tokens, _ = open_bin(config.path, config.dtype, key)
+def check_token_ids(path: str, dtype: str, vocab_size: int, key: str = "data.path") -> None:
+    """ValueError naming the file if any token id of a token file is >= vocab_size or negative. Scans the
+    whole file once at start-up (about a second per few GB) instead of failing at the batch that holds it."""
+    tokens = open_bin(path, dtype, key).tokens
+    if np.issubdtype(tokens.dtype, np.signedinteger) and len(tokens) and tokens.min() < 0:
+        at = int(np.argmax(np.asarray(tokens) < 0))
+        raise ValueError(f"{key}: {path} holds the negative token id {int(tokens[at])} at token {at:,}")
     if np.iinfo(tokens.dtype).max < vocab_size:
         return  # no id of this dtype can reach the vocabulary size
     found = first_id_at_least(tokens, vocab_size)
     if found is not None:
-        raise ValueError(f"{key}: {config.path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
+        raise ValueError(f"{key}: {path} holds token id {found[1]} >= model.vocab_size={vocab_size} "
                          f"at token {found[0]:,} of {len(tokens):,}; wrong tokenizer or data.dtype?")
 
 
@@ -214,30 +223,77 @@ def window_starts(seed: int, step: int, batch_size: int, num_tokens: int, seq_le
     return rng.integers(0, num_tokens - seq_len, size=batch_size)  # window = seq_len + 1 tokens
 
 
+class Part(NamedTuple):
+    """The tokens one loader reads from one source: its split of the file, and where that came from."""
+    name: str  # the source's name (mixtures), else ""
+    tokens: np.ndarray  # [N'] this split's tokens
+    doc_starts: np.ndarray | None  # [D' + 1] this split's document starts (None: not recorded)
+    file_tokens: int  # tokens in the whole file
+    vocab_size: int  # from the sidecar or the corpus, 0 if unknown
+    describe: str  # e.g. "bin data/x (uint16): 1,234 tokens, 5 documents"
+
+
+def split_documents(doc_starts: np.ndarray | None, n: int, holdout: float, split: str) -> np.ndarray | None:
+    """Document starts [D' + 1] of `split_tokens`' part of n tokens: the document cut by the boundary
+    counts in both parts (its tail starts the eval part)."""
+    if doc_starts is None or holdout == 0:
+        return doc_starts
+    boundary = n - int(n * holdout)
+    if split == "train":
+        return np.concatenate([doc_starts[doc_starts < boundary], [boundary]])
+    return np.concatenate([[0], doc_starts[doc_starts > boundary] - boundary])
+
+
+def open_part(config: DataConfig, key: str, holdout: float, split: str, name: str = "") -> Part:
+    """One token source of a non-synthetic config (data.path or the corpus), split for `split`."""
+    file = open_tokens(config, key)
+    tokens = split_tokens(file.tokens, holdout, split)
+    docs = split_documents(file.doc_starts, len(file.tokens), holdout, split)
+    what = "corpus (bundled byte-level text)" if config.source == "corpus" else f"bin {config.path} ({tokens.dtype})"
+    documents = "documents not recorded" if docs is None else f"{len(file.doc_starts) - 1:,} documents"
+    return Part(name, tokens, docs, len(file.tokens), file.vocab_size,
+                f"{what}: {len(file.tokens):,} tokens, {documents}")
+
+
 class Loader:
     """This rank's micro-batches of each optimizer step; `state_dict()` is the next step to load."""
 
     def __init__(self, config: DataConfig, seed: int, *, dp_rank: int = 0, dp_degree: int = 1, cp_rank: int = 0,
                  cp_degree: int = 1, grad_accum: int = 1, vocab_size: int | None = None, holdout: float = 0.0,
-                 split: Literal["train", "eval"] = "train", path_key: str = "data.path"):
+                 split: str = "train", path_key: str = "data.path", say=None):
         """`vocab_size` is the model's: required for `synthetic`, checked against the source otherwise.
         `split`/`holdout`: see `split_tokens`; the eval split also draws its windows from its own stream.
-        `path_key`: the config key that named config.path, which errors about the file start with."""
+        `path_key`: the config key that named config.path, which errors about the file start with.
+        `say(line)`: where a mixture notes a source that wraps around (None: silent)."""
         check_split(config, dp_degree, cp_degree, grad_accum)
         assert 0 <= dp_rank < dp_degree and 0 <= cp_rank < cp_degree, (dp_rank, dp_degree, cp_rank, cp_degree)
         self.config, self.seed, self.grad_accum, self.step = config, seed, grad_accum, 0
         self.rows = config.batch_size // (grad_accum * dp_degree)  # B
         self.first_row = dp_rank * self.rows
         self.positions_S = load_balanced_positions(config.seq_len, cp_degree, cp_rank)
-        tokens, source_vocab = open_tokens(config, path_key)
-        self.tokens = split_tokens(tokens, holdout, split)
-        self.source_tokens, self.holdout, self.split, self.path_key = (
-            None if tokens is None else len(tokens)), holdout, split, path_key
+        self.holdout, self.split = holdout, split.partition("/")[0]  # "eval/<name>": a mixture source's held-out part
         self.part = f"the {split} part (eval.holdout={holdout}) of " if holdout else ""
         self.stream = _DATA_STREAM if split == "train" else _EVAL_STREAM
-        self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self.model_vocab = vocab_size
+        self.path_key = path_key
+        self.parts = self._open_parts(path_key)
+        self.tokens = self.parts[0].tokens if len(self.parts) == 1 else None  # single source
+        source_vocab = max((p.vocab_size for p in self.parts), default=0)
+        self.vocab_size = vocab_size if config.source == "synthetic" else source_vocab
         self._check_sizes(source_vocab, vocab_size)
+        self.mixture = None
+        if config.sources:
+            self.mixture = Mixture([p.name for p in self.parts], [len(p.tokens) for p in self.parts],
+                                   [s.weight for s in config.sources], config.batch_size, config.seq_len, seed, say)
+
+    def _open_parts(self, path_key: str) -> list[Part]:
+        c = self.config
+        if c.source == "synthetic":
+            return []
+        if not c.sources:
+            return [open_part(c, path_key, self.holdout, self.split)]
+        return [open_part(dataclasses.replace(c, sources=(), path=s.path), f"data.sources[{i}].path", self.holdout,
+                          self.split, s.label()) for i, s in enumerate(c.sources)]
 
     def _check_sizes(self, source_vocab: int, model_vocab: int | None) -> None:
         if self.config.source == "synthetic" and not model_vocab:
@@ -245,27 +301,64 @@ class Loader:
         if model_vocab and source_vocab > model_vocab:
             raise ValueError(f"data: the {self.config.source} source has vocab size {source_vocab} but "
                              f"model.vocab_size={model_vocab}")
-        if self.tokens is not None and len(self.tokens) < self.config.seq_len + 1:
-            raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
-                             f"tokens but {self.part}the {self.config.source} source has only {len(self.tokens)}")
+        for i, part in enumerate(self.parts):
+            if self.config.document_mask and part.doc_starts is None:
+                key = f"data.sources[{i}].path" if part.name else self.path_key
+                raise ValueError(f"data.document_mask: {key} is a flat token file without document boundaries; "
+                                 f"write a Megatron indexed dataset (launch/tokenize_text.py --format indexed)")
+            if len(part.tokens) < self.config.seq_len + 1:
+                what = f"data.sources[{i}] ({part.name!r})" if part.name else f"the {self.config.source} source"
+                raise ValueError(f"data.seq_len={self.config.seq_len} needs windows of {self.config.seq_len + 1} "
+                                 f"tokens but {self.part}{what} has only {len(part.tokens)}")
 
     def describe(self) -> str:
         """What this loader reads, for the start-up line: source, file, tokens, documents, split."""
-        c = self.config
-        if c.source == "synthetic":
+        if self.config.source == "synthetic":
             return f"synthetic: uniform random ids < {self.vocab_size} (the {self.split} stream)"
         if self.split == "eval" and self.holdout:
-            return f"the last {len(self.tokens):,} tokens of the training source (eval.holdout={self.holdout})"
-        what = "corpus (bundled byte-level text)" if c.source == "corpus" else f"bin {c.path} ({self.tokens.dtype})"
-        text = f"{what}: {self.source_tokens:,} tokens, documents not recorded"
-        return text + (f"; training reads the first {len(self.tokens):,}" if self.holdout else "")
+            return f"the last {len(self.parts[0].tokens):,} tokens of the training source (eval.holdout={self.holdout})"
+        if not self.mixture:
+            part = self.parts[0]
+            return part.describe + (f"; training reads the first {len(part.tokens):,}" if self.holdout else "")
+        total = math.fsum(s.weight for s in self.config.sources)
+        held = f", the last {self.holdout:.0%} of each held out" if self.holdout else ""
+        return f"mixture of {len(self.parts)} sources{held}: " + "; ".join(
+            f"{p.name} {s.weight / total:.1%} = {p.describe}" for p, s in zip(self.parts, self.config.sources))
+
+    def tokens_by_source(self, step: int) -> dict[str, int]:
+        """Cumulative label tokens per source name over steps 0..step (mixtures; {} otherwise)."""
+        return self.mixture.tokens_by_source(step) if self.mixture else {}
 
     def batch(self, step: int) -> list[MicroBatch]:
-        """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step)."""
+        """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step).
+        With data.document_mask: DocumentMicroBatch (runtime/documents.py) instead."""
         windows_BW = self._windows(step)  # W = L + 1; this rank's rows of the step, micro-batch-major
         pos_S = self.positions_S
+        if self.config.document_mask:
+            doc_BW, global_labels = self._documents(step)
+            return document_micro_batches(windows_BW, doc_BW, pos_S, self.rows, global_labels)
         return [MicroBatch(w_BW[:, :-1][:, pos_S], w_BW[:, 1:][:, pos_S], pos_S)
                 for w_BW in windows_BW.split(self.rows)]
+
+    def _documents(self, step: int) -> tuple[np.ndarray, int]:
+        """(window document ids [rows, W] of this rank's rows, trained labels of the whole step)."""
+        part_B, start_B = self._draws(step)
+        rows, width, L = self._global_rows(), self.config.seq_len + 1, self.config.seq_len
+        doc_BW = np.empty((len(rows), width), dtype=np.int64)
+        crossing = 0
+        for p, part in enumerate(self.parts):
+            mine, every = np.flatnonzero(part_B[rows] == p), part_B == p
+            doc_BW[mine] = window_documents(part.doc_starts, start_B[rows][mine], width)
+            crossing += crossing_labels(part.doc_starts, start_B[every], L)
+        return doc_BW, self.config.batch_size * L - crossing
+
+    def _draws(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source part [B], window start [B]) of every global row of `step` (token sources only)."""
+        if self.mixture is not None:
+            return self.mixture.draws(step)
+        starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
+                               self.stream)
+        return np.zeros(len(starts), dtype=np.int64), starts
 
     def _global_rows(self) -> np.ndarray:
         per_micro = self.config.batch_size // self.grad_accum
@@ -273,13 +366,12 @@ class Loader:
 
     def _windows(self, step: int) -> torch.Tensor:
         rows, length = self._global_rows(), self.config.seq_len + 1
-        if self.tokens is None:
+        if self.config.source == "synthetic":
             windows = [np.random.default_rng([self.stream, self.seed, step, r]).integers(0, self.vocab_size, length)
                        for r in rows]
         else:
-            starts = window_starts(self.seed, step, self.config.batch_size, len(self.tokens), self.config.seq_len,
-                                   self.stream)
-            windows = [self.tokens[s:s + length] for s in starts[rows]]
+            part_B, start_B = self._draws(step)
+            windows = [self.parts[part_B[r]].tokens[start_B[r]:start_B[r] + length] for r in rows]
         windows = np.stack(windows).astype(np.int64)
         if self.model_vocab and windows.max(initial=0) >= self.model_vocab:  # wrong dtype or tokenizer
             raise ValueError(f"data: token id {windows.max()} in the {self.config.source} source at step {step} "

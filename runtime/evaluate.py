@@ -46,7 +46,7 @@ class EvalConfig:
         """The DataConfig the eval loader reads."""
         if not self.path:
             return data_config
-        return dataclasses.replace(data_config, source="bin", path=self.path)
+        return dataclasses.replace(data_config, source="bin", path=self.path, sources=())  # a mixture's too
 
 
 @torch.no_grad()
@@ -57,6 +57,8 @@ def evaluate(model: nn.Module, loader, steps: int, tokens_per_batch: int, micro_
     so evaluation runs the model exactly as training does; communication: one scalar all-reduce."""
     was_training = model.training
     model.eval()
-    local = sum(micro_batch_loss(micro, tokens_per_batch * steps) for e in range(steps) for micro in loader.batch(e))
+    batches = [loader.batch(e) for e in range(steps)]
+    total = sum(getattr(b[0], "global_labels", tokens_per_batch) for b in batches)  # document masking: trained labels
+    local = sum(micro_batch_loss(micro, total) for batch in batches for micro in batch)
     model.train(was_training)
     return (global_loss(local) if dist.is_initialized() else local).item()

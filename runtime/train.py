@@ -37,6 +37,7 @@ from parallel.parallelize import parallelize
 from runtime import checkpoint
 from runtime.config import JobConfig
 from runtime.data import Loader, startup_line
+from runtime.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
@@ -82,9 +83,10 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
                        replica_split=o.replica_split, overlap=o.overlap, ranks_per_node=o.ranks_per_node)
 
 
-def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train") -> Loader:
+def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train", say=None) -> Loader:
     """This rank's rows (dense data-parallel rank) and CP chunks of every global batch of `split`
-    ("train", or "eval": the held-out batches of runtime/evaluate.py); post-training rollouts train only."""
+    ("train", or "eval" / "eval/<source>": the held-out batches of runtime/evaluate.py); post-training
+    rollouts train only. `say(line)`: where a mixture notes a source that wraps around."""
     if config.data.source == "rollouts" and split == "train":
         return RolloutLoader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
                              max_seq_len=config.model.max_seq_len, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
@@ -92,14 +94,18 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
     data, holdout, key = config.token_splits()[split]
     return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                   cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
-                  vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key)
+                  vocab_size=config.model.vocab_size, holdout=holdout, split=split, path_key=key, say=say)
 
 
 def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) -> torch.Tensor:
     """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
     The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
-    inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch)
-    logits_BSV = model(inputs_BS, positions_S)
+    inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch[:3])
+    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/documents.py)
+    if documents is None:
+        logits_BSV = model(inputs_BS, positions_S)
+    else:
+        logits_BSV = model(inputs_BS, positions_S, documents=documents.to(device))
     return loss_fn(logits_BSV, labels_BS, global_tokens)
 
 
@@ -129,8 +135,8 @@ class NextToken:
         self.grad_sync = config.training.grad_sync
 
     def forward_backward(self, model, micro_batches, device) -> tuple[torch.Tensor, int, dict]:
-        return (forward_backward(model, micro_batches, self.global_tokens, device, self.grad_sync),
-                self.global_tokens, {})
+        tokens = getattr(micro_batches[0], "global_labels", self.global_tokens)  # document masking: trained labels
+        return forward_backward(model, micro_batches, tokens, device, self.grad_sync), tokens, {}
 
     def after_step(self, model) -> None:
         pass
@@ -306,7 +312,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     if rank == 0:
         print(describe_optimizer(optimizer, config), flush=True)
     scheduler = build_scheduler(optimizer, config.training)
-    loader = build_loader(config, meshes, layout)
+    loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True))
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
     start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True))
@@ -321,14 +327,20 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                         world_size=layout.world_size, log_interval=config.training.log_interval,
                         tensorboard=config.metrics.tensorboard)
     divergence = DivergenceGuard(config.training.max_nonfinite_steps, config.training.max_nonfinite_fraction)
-    eval_loader = build_loader(config, meshes, layout, "eval") if "eval" in config.token_splits() else None
+    eval_loaders = {split: build_loader(config, meshes, layout, split) for split in config.token_splits()
+                    if split.startswith("eval")}
     if rank == 0:
-        print(startup_line(loader.describe(), eval_loader and eval_loader.describe(), config.data, config.eval),
-              flush=True)
+        held_out = "; ".join(f"{s[5:]}: {e.describe()}" if "/" in s else e.describe() for s, e in eval_loaders.items())
+        print(startup_line(loader.describe(), held_out or None, config.data, config.eval), flush=True)
 
-    def eval_loss() -> float:
-        return evaluate(model, eval_loader, config.eval.steps, config.data.tokens_per_step(),
-                        lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
+    def eval_losses() -> dict[str, float]:
+        """eval_loss, and for a mixture eval_loss/<name> per source with eval_loss their weighted mean."""
+        losses = {"eval_loss" + split[4:]: evaluate(model, e, config.eval.steps, config.data.tokens_per_step(),
+                                                    lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
+                  for split, e in eval_loaders.items()}
+        if "eval_loss" not in losses:  # a mixture's sources: the overall loss is their weighted mean
+            losses = {"eval_loss": mixture_eval_loss(config.data.sources, losses), **losses}
+        return losses
 
     with maybe_profile(config.profile, config.run.dir, rank, optimizer, device.type, start) as profiler, \
             Preemption() as preemption:
@@ -337,8 +349,10 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                 with profiler.count_syncs():
                     stats = train_step(model, optimizer, scheduler, loader, config, device, objective, preemption)
                 preempted = stats.pop("preempted")
-                if eval_loader is not None and config.eval.due(step + 1, config.training.steps):
-                    stats["eval_loss"] = eval_loss()
+                if config.data.sources:
+                    stats["tokens_by_source"] = loader.tokens_by_source(step)
+                if eval_loaders and config.eval.due(step + 1, config.training.steps):
+                    stats.update(eval_losses())
                 log.log(step, **stats)
                 profiler.step()
                 divergence.record(step, finite=not stats["skipped"], last=step + 1 == config.training.steps)

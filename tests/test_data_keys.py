@@ -37,7 +37,7 @@ def test_a_missing_file_given_alone_exits_2_instead_of_training_on_the_corpus(tm
     """The defect: `--data.path=missing.bin` trained on the bundled corpus and exited 0."""
     code = main([f"--data.path={tmp_path}/missing.bin", f"--run.dir={tmp_path}/run", *SMALL])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == [f"config error: data.path: no such file '{tmp_path}/missing.bin'"], err
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"config error: data.path: no such file '{tmp_path}/missing.bin'"), err
     assert not os.path.exists(tmp_path / "run")
 
 
