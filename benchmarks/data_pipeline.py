@@ -30,9 +30,11 @@ import torch.distributed as dist
 
 from parallel.meshes import build_meshes
 from runtime import train as T
+from runtime.cli import user_errors
 from runtime.config import load_config
 from runtime.data import Loader
 from runtime.indexed import IndexedWriter
+from runtime.paths import check_outputs
 
 
 def make_files(directory: str, scale: int = 1) -> dict[str, str]:
@@ -103,6 +105,7 @@ def rank_rate(config_path: str, steps: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+@user_errors
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
@@ -113,6 +116,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--small", action="store_true", help="files 64x smaller, 1 step (tests)")
     args = p.parse_args(argv)
+    check_outputs([("--json", args.json)])
     torch.set_num_threads(args.threads)
     if args.small:
         args.steps, args.seq_len, args.batch_size = 1, 64, 8

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from benchmarks.memory_peak import track_peak
 from models.document_attention import document_attention
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 
 def variants(S: int, doc_len: int):
@@ -53,6 +55,7 @@ def run_once(fn, H: int, S: int, E: int) -> tuple[float, int]:
     return seconds, peak()["Total"]
 
 
+@user_errors
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
@@ -63,6 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    check_outputs([("--json", args.json)])
     torch.set_num_threads(args.threads)
     rows = []
     for S in (int(s) for s in args.seqs.split(",")):

@@ -30,6 +30,8 @@ from benchmarks.hf_load import measure  # noqa: E402
 from models import Transformer, int4, preset  # noqa: E402
 from models.hf import _is_linear, save_pretrained  # noqa: E402
 from models.hf_files import INDEX, TensorRecord, write_shards  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 SHAPE = dict(vocab_size=16384, dim=7168, n_layers=2, n_dense_layers=1, n_heads=64, q_lora_rank=1536, kv_lora_rank=512,
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, inter_dim=2048, moe_inter_dim=2048,
@@ -119,12 +121,14 @@ def _int4_records(key, shape, read) -> list[TensorRecord]:
             TensorRecord(base + "weight_shape", (2,), torch.int64, lambda: torch.tensor([rows, cols]))]
 
 
+@user_errors
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", help="write DIR/bf16, DIR/fp8 and DIR/int4 and exit")
     parser.add_argument("--dir", help="the checkpoint to load")
     parser.add_argument("--out", default="", help="append the result (JSON line) to this file")
     args = parser.parse_args(argv)
+    check_outputs([("--out", args.out)], [("--dir", args.dir or "")])  # --out appends: never onto a shard
     if args.make:
         make(args.make)
         return 0

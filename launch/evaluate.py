@@ -23,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from launch.model_source import load_model  # noqa: E402
+from runtime.cli import report  # noqa: E402
 from runtime.data import DataConfig, Loader  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.evaluate import evaluate  # noqa: E402
@@ -74,8 +75,7 @@ def main(argv: list[str]) -> int:
     try:
         result = run(args)
     except (ValueError, RunError) as e:
-        print(f"evaluate error: {e}", file=sys.stderr)
-        return 2
+        return report(e, prefix="evaluate error")
     if args.json:
         print(json.dumps(result))
     else:

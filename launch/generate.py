@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from launch.model_source import load_model  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
+from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.generate import SamplingConfig, generate  # noqa: E402
 
@@ -82,8 +83,7 @@ def main(argv: list[str]) -> int:
     try:
         results = run(args)
     except (ValueError, RunError) as e:
-        print(f"generate error: {e}", file=sys.stderr)
-        return 2
+        return report(e, prefix="generate error")
     for result in results:
         print(json.dumps(result) if args.json else result["prompt"] + result["completion"])
     return 0

@@ -25,6 +25,7 @@ from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from runtime import tokenizer_dir  # noqa: E402
+from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 from runtime.rollouts import trajectory_from_record  # noqa: E402
 from runtime.transcripts import (check_logprobs, insert_hint, parse_conversation, render_conversation,  # noqa: E402
@@ -202,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{args.inp}: no conversation left to write ({counts['conversations']} read)")
         _write(args.out, records)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except OSError as e:  # a failed write (disk full) names no file: then it is the output
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return report(os_error_message(e, args.out))
     print(summary(args, records, counts))
     return 0
 
