@@ -34,11 +34,14 @@ from models.experts import GroupedExperts, swiglu_experts
 EXPERT_WEIGHTS = ("w13", "w2")
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward.
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) -> None:
+    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward; with
+    `layout.ep_dedup`, also swap every MoE's `routed` for the node-deduplicated dispatch.
 
     Applied for ep == 1 too (a size-1 mesh), so expert weights have the same placements in every
     layout. Each rank keeps its own slice of the (identical) full weights: no communication."""
+    if layout is not None and layout.ep_dedup:
+        _apply_dedup(model, ep_mesh, layout.ranks_per_node)
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name in EXPERT_WEIGHTS:
@@ -48,6 +51,20 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             module.ep_group = ep_mesh.get_group()
             module.exchange_counts = types.MethodType(expert_parallel_exchange_counts, module)
             module.forward = types.MethodType(expert_parallel_forward, module)
+
+
+def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:
+    from models.moe import MoE
+    from parallel.ep_dedup import dedup_routed
+    from parallel.ep_plan import Placement
+
+    group = ep_mesh.get_group()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ep_placement = Placement(module.router.n_experts, tuple(dist.get_process_group_ranks(group)),
+                                            ranks_per_node)
+            module.ep_group, module.ep_rank = group, dist.get_rank(group)
+            module.routed = types.MethodType(dedup_routed, module)
 
 
 @dataclass

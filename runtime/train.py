@@ -79,7 +79,8 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
     """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest."""
     o = config.optim
     return ShardedMuon(list(model.named_parameters()), muon_splits(model), o, bucket_mb=o.bucket_mb,
-                       replica_split=o.replica_split, overlap=o.overlap, ranks_per_node=o.ranks_per_node)
+                       replica_split=o.replica_split, overlap=o.overlap,
+                       ranks_per_node=config.parallel.ranks_per_node)
 
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train") -> Loader:

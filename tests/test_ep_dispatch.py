@@ -1,0 +1,238 @@
+"""EP dispatch at scale: the dispatch plan (parallel/ep_plan.py) against plain loops, and the runtime's
+dispatch variants on 8 gloo ranks in two simulated nodes (parallel.ranks_per_node=4) against the
+single-process step, with every all-to-all byte counted (benchmarks/ep_traffic.py) and compared with
+the plan.
+
+Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
+relative; allowed 2e-5 on gradients, 1e-5 on the loss and the norm).
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.ep_traffic import count_all_to_all, split_by_node
+from models import Transformer, preset
+from multirank import run_ranks
+from parallel.context_parallel import load_balanced_positions
+from parallel.ep_plan import Placement, distinct_nodes_per_token, layer_traffic, sent_bytes
+from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.layout import ParallelConfig
+from parallel.meshes import build_meshes
+from parallel.parallelize import parallelize
+
+WORLD, BATCH, SEQ, RPN = 8, 8, 32, 4
+GRAD_RTOL, NORM_RTOL = 2e-5, 1e-5
+HEADLINE = dict(dp_shard=4, cp=2, ep=8, edp_shard=1, ranks_per_node=RPN)
+FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard", ranks_per_node=RPN)
+CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
+         for (name, layout), (knob, extra) in itertools.product(
+             (("headline", HEADLINE), ("folded", FOLDED)),
+             (("direct", {}), ("dedup", {"ep_dedup": True})))}
+
+
+# -- the plan against plain loops (one process)
+
+def _loop_traffic(experts_by_rank, placement):
+    """Independent reference: direct copies, distinct (token, node) pairs and fan-out copies per
+    (src, dst) by Python loops over tokens."""
+    P, L = placement.size, placement.local_experts
+    direct, pairs, fan = ([[0] * P for _ in range(P)] for _ in range(3))
+    for src, experts_TK in enumerate(experts_by_rank):
+        gateway = placement.gateway(src)
+        for row in experts_TK.tolist():
+            for e in row:
+                direct[src][e // L] += 1
+            for node in sorted({placement.node_of_rank[e // L] for e in row}):
+                pairs[src][gateway[node]] += 1
+            for e in row:
+                fan[gateway[placement.node_of_rank[e // L]]][e // L] += 1
+    return direct, pairs, fan
+
+
+@pytest.mark.parametrize("ep_ranks", [tuple(range(8)), (0, 2, 4, 6), (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)])
+def test_plan_rows_equal_plain_loops(ep_ranks):
+    placement = Placement(24, ep_ranks, RPN)
+    g = torch.Generator().manual_seed(0)
+    routing = [torch.rand(13, 24, generator=g).topk(4, dim=1).indices for _ in ep_ranks]
+    direct, pairs, fan = _loop_traffic(routing, placement)
+    plain = {s.name: s.rows.tolist() for s in layer_traffic(routing, placement, 16, 4, dedup=False)}
+    dedup = {s.name: s.rows.tolist() for s in layer_traffic(routing, placement, 16, 4, dedup=True)}
+    assert plain["dispatch"] == direct
+    assert dedup["node_dispatch"] == pairs and dedup["fan_out"] == fan
+    distinct = sum(len({placement.node_of_rank[e // placement.local_experts] for e in row})
+                   for r in routing for row in r.tolist())
+    assert sum(map(sum, pairs)) == distinct == sum(int(distinct_nodes_per_token(r, placement).sum()) for r in routing)
+
+
+def test_gateway_is_self_on_own_node_and_one_per_node():
+    placement = Placement(16, (0, 2, 4, 6, 8, 10, 12, 14), RPN)  # 2 ep ranks per node, 4 nodes
+    for src in range(placement.size):
+        gateway = placement.gateway(src)
+        assert gateway[placement.node_of_rank[src]] == src
+        assert [placement.node_of_rank[g] for g in gateway] == list(range(placement.n_nodes))
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--optim.ranks_per_node=4"], 8, "optim.ranks_per_node: moved to parallel.ranks_per_node"),
+    (["--parallel.ranks_per_node=0"], 8, "parallel.ranks_per_node=0: must be >= 1"),
+    (["--parallel.ep_capacity_factor=-1"], 8, "parallel.ep_capacity_factor=-1.0: must be finite and >= 0"),
+    (["--parallel.ep_dedup=true", "--parallel.ep=1"], 8, "parallel.ep_dedup=True has no effect with parallel.ep=1"),
+    (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
+     "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
+])
+def test_bad_dispatch_knobs_fail_in_one_line(argv, world, message):
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(argv).layout(world)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+# -- 8 ranks, two simulated nodes
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(preset("debug"))
+    model.init_weights()
+    return model
+
+
+def _batch(vocab_size):
+    tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference() -> dict:
+    model = _model()
+    inputs, labels = _batch(model.config.vocab_size)
+    loss = loss_fn(model(inputs), labels, BATCH * SEQ)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return {"loss": loss.item(), "norm": norm.item(), "grads": grads}
+
+
+def _run_case(config, reference):
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _model()
+    layout = config.resolve(dist.get_world_size())
+    layout.validate(model.config, SEQ, BATCH)
+    meshes = build_meshes(layout, "cpu")
+    parallelize(model, meshes, layout)
+    routing = []
+    for router in model.routers():
+        router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
+    inputs, labels = _batch(model.config.vocab_size)
+    rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
+    positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
+    with count_all_to_all() as forward:
+        loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
+                       BATCH * SEQ)
+    with count_all_to_all() as backward:
+        loss.backward()
+    grad_err = {}
+    for fqn, p in model.named_parameters():
+        expected = distribute_tensor(reference["grads"][fqn], p.grad.device_mesh, p.grad.placements,
+                                     src_data_rank=None).to_local()
+        diff = p.grad.to_local() - expected
+        grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
+    return {"loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
+            "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
+            "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN)}
+
+
+def _run_all(rank, world, reference):
+    torch.manual_seed(0)
+    return {name: _run_case(config, reference) for name, config in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = _reference()
+    finally:
+        torch.set_num_threads(threads)
+    return reference, run_ranks(_run_all, WORLD, reference, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_matches_single_process(results, name):
+    reference, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        got = by_case[name]
+        assert got["loss"] == pytest.approx(reference["loss"], rel=NORM_RTOL), f"rank {rank} loss"
+        assert got["norm"] == pytest.approx(reference["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
+        for fqn, (err, scale) in got["grad_err"].items():
+            assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
+
+
+def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple[int, int]]:
+    """{global rank: (intra, inter) bytes} the plan gives for the run's own routing, all MoE layers."""
+    out = {}
+    for ep_ranks in {tuple(r[name]["ep_ranks"]) for r in per_rank}:
+        placement = Placement(preset("debug").n_routed_experts, ep_ranks, RPN)
+        n_layers = len(per_rank[ep_ranks[0]][name]["routing"])
+        totals = {r: [0, 0] for r in ep_ranks}
+        for layer in range(n_layers):
+            routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
+            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup), placement, backward)
+            for i, r in enumerate(ep_ranks):
+                totals[r][0] += int(sent["intra"][i])
+                totals[r][1] += int(sent["inter"][i])
+        out.update({r: tuple(v) for r, v in totals.items()})
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_counted_bytes_equal_the_plan(results, name):
+    """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
+    simulated nodes, equals the plan computed from the run's own routing."""
+    _, per_rank = results
+    dim = preset("debug").dim
+    for direction in ("forward", "backward"):
+        plan = planned_bytes(per_rank, name, dim, "dedup" in name, direction == "backward")
+        counted = {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)}
+        assert counted == plan, direction
+
+
+def test_dedup_sends_fewer_bytes_across_nodes(results):
+    _, per_rank = results
+    for layout in ("headline", "folded"):
+        direct = sum(r[f"{layout}_direct"]["forward"][1] for r in per_rank)
+        dedup = sum(r[f"{layout}_dedup"]["forward"][1] for r in per_rank)
+        assert dedup < direct, (layout, dedup, direct)
+
+
+def test_dedup_cross_node_rows_are_distinct_token_node_pairs(results):
+    """Counted inter-node forward bytes of dedup, per rank = the off-node distinct (token, node) pairs
+    it sends (row, K weights, K ids) and those it answers as a gateway (the summed row back), plus the
+    count exchanges' off-node ints: a plain loop over the routing."""
+    _, per_rank = results
+    c = preset("debug")
+    K = c.n_activated_experts
+    for layout in ("headline", "folded"):
+        name = f"{layout}_dedup"
+        out_pairs, in_pairs = [0] * WORLD, [0] * WORLD
+        for rank, by_case in enumerate(per_rank):
+            ep_ranks = by_case[name]["ep_ranks"]
+            L = c.n_routed_experts // len(ep_ranks)
+            for experts_TK in by_case[name]["routing"]:
+                for row in experts_TK.tolist():
+                    nodes = {ep_ranks[e // L] // RPN for e in row} - {rank // RPN}
+                    out_pairs[rank] += len(nodes)
+                    for node in nodes:  # the gateway: the member of `node` at my position in my node
+                        members = [r for r in ep_ranks if r // RPN == node]
+                        mine = [r for r in ep_ranks if r // RPN == rank // RPN]
+                        in_pairs[members[mine.index(rank) % len(members)]] += 1
+        for rank, by_case in enumerate(per_rank):
+            ep_ranks = by_case[name]["ep_ranks"]
+            off_node_peers = sum(1 for r in ep_ranks if r // RPN != rank // RPN)
+            counts = len(by_case[name]["routing"]) * off_node_peers * (1 + c.n_routed_experts // len(ep_ranks)) * 8
+            expected = out_pairs[rank] * (c.dim * 4 + K * 4 + K * 8) + in_pairs[rank] * c.dim * 4 + counts
+            assert by_case[name]["forward"][1] == expected, (name, rank)
