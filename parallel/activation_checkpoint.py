@@ -58,9 +58,10 @@ def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
 def _checkpoint_forward(module: nn.Module) -> None:
     inner = module.forward  # the class forward, or the one expert parallelism swapped in
     routers = [m for m in module.modules() if isinstance(m, Router)]
+    dropping = [m for m in module.modules() if hasattr(m, "ep_drop_counts")]  # parallel/ep_capacity.py
 
     def context_fn():
-        return contextlib.nullcontext(), _counted_once(routers)
+        return contextlib.nullcontext(), _counted_once(routers, dropping)
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -69,11 +70,14 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _counted_once(routers: list[Router]):
-    """Around a recompute: leave the routers' token counts as the original forward left them."""
-    saved = [router.tokens_per_expert.clone() for router in routers]
+def _counted_once(routers: list[Router], dropping: list[nn.Module]):
+    """Around a recompute: leave the routers' token counts (and EP drop counts) as the original forward
+    left them. Read when the recompute starts (the drop counters exist from the first forward on)."""
+    counters = [r.tokens_per_expert for r in routers] + [m.ep_drop_counts for m in dropping
+                                                         if m.ep_drop_counts is not None]
+    saved = [counter.clone() for counter in counters]
     try:
         yield
     finally:
-        for router, counts_E in zip(routers, saved):
-            router.tokens_per_expert.copy_(counts_E)
+        for counter, value in zip(counters, saved):
+            counter.copy_(value)

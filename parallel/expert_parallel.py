@@ -36,7 +36,8 @@ EXPERT_WEIGHTS = ("w13", "w2")
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) -> None:
     """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward; with
-    `layout.ep_dedup`, also swap every MoE's `routed` for the node-deduplicated dispatch.
+    `layout.ep_dedup`, also swap every MoE's `routed` for the node-deduplicated dispatch; with
+    `layout.ep_capacity_factor` > 0, the experts' dispatch for the fixed-capacity one (no host sync).
 
     Applied for ep == 1 too (a size-1 mesh), so expert weights have the same placements in every
     layout. Each rank keeps its own slice of the (identical) full weights: no communication."""
@@ -51,6 +52,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
             module.ep_group = ep_mesh.get_group()
             module.exchange_counts = types.MethodType(expert_parallel_exchange_counts, module)
             module.forward = types.MethodType(expert_parallel_forward, module)
+    if layout is not None and layout.ep_capacity_factor > 0:
+        from parallel.ep_capacity import apply_capacity
+
+        apply_capacity(model, layout.ep_capacity_factor)
 
 
 def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:

@@ -17,7 +17,8 @@ from benchmarks.ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
-from parallel.ep_plan import Placement, distinct_nodes_per_token, layer_traffic, sent_bytes
+from parallel.ep_capacity import read_drop_counts
+from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
@@ -30,7 +31,8 @@ FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner=
 CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
          for (name, layout), (knob, extra) in itertools.product(
              (("headline", HEADLINE), ("folded", FOLDED)),
-             (("direct", {}), ("dedup", {"ep_dedup": True})))}
+             (("direct", {}), ("dedup", {"ep_dedup": True}), ("capacity", {"ep_capacity_factor": 8.0})))}
+CASES["headline_dropping"] = ParallelConfig(**HEADLINE, ep_capacity_factor=0.5)
 
 
 # -- the plan against plain loops (one process)
@@ -140,7 +142,8 @@ def _run_case(config, reference):
                                      src_data_rank=None).to_local()
         diff = p.grad.to_local() - expected
         grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
-    return {"loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
+    drops = read_drop_counts(model)
+    return {"drops": None if drops is None else drops.tolist(), "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
             "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
             "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN)}
 
@@ -161,7 +164,7 @@ def results():
     return reference, run_ranks(_run_all, WORLD, reference, timeout=300)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if "dropping" not in n])
 def test_step_matches_single_process(results, name):
     reference, per_rank = results
     for rank, by_case in enumerate(per_rank):
@@ -181,7 +184,9 @@ def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple
         totals = {r: [0, 0] for r in ep_ranks}
         for layer in range(n_layers):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
-            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup), placement, backward)
+            factor = CASES[name].ep_capacity_factor
+            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, capacity_factor=factor), placement,
+                              backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
                 totals[r][1] += int(sent["inter"][i])
@@ -236,3 +241,54 @@ def test_dedup_cross_node_rows_are_distinct_token_node_pairs(results):
             counts = len(by_case[name]["routing"]) * off_node_peers * (1 + c.n_routed_experts // len(ep_ranks)) * 8
             expected = out_pairs[rank] * (c.dim * 4 + K * 4 + K * 8) + in_pairs[rank] * c.dim * 4 + counts
             assert by_case[name]["forward"][1] == expected, (name, rank)
+
+
+def _loop_drops(per_rank, name, rank):
+    """[dropped, routed] copies of `rank` by a plain loop: its copies sorted by expert (token order
+    within an expert), the first C per destination rank kept."""
+    ep_ranks = per_rank[rank][name]["ep_ranks"]
+    L = preset("debug").n_routed_experts // len(ep_ranks)
+    dropped = routed = 0
+    for experts_TK in per_rank[rank][name]["routing"]:
+        copies = sorted(e for row in experts_TK.tolist() for e in row)
+        C = capacity_slots(len(copies), len(ep_ranks), CASES[name].ep_capacity_factor)
+        for dest in range(len(ep_ranks)):
+            dropped += max(0, sum(1 for e in copies if e // L == dest) - C)
+        routed += len(copies)
+    return [dropped, routed]
+
+
+def test_capacity_counts_the_copies_it_drops(results):
+    """Factor 0.5 drops copies (counted as a plain loop counts them); factor ep drops none."""
+    _, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        assert by_case["headline_dropping"]["drops"] == _loop_drops(per_rank, "headline_dropping", rank)
+        assert by_case["headline_capacity"]["drops"][0] == 0 and by_case["folded_capacity"]["drops"][0] == 0
+        assert by_case["headline_direct"]["drops"] is None
+    assert sum(r["headline_dropping"]["drops"][0] for r in per_rank) > 0
+
+
+def _pretrain(rank, world_size, argv):
+    from launch.pretrain import main
+
+    return main(argv)
+
+
+def test_capacity_dispatch_has_one_host_sync_per_step_and_logs_drops(tmp_path):
+    """2 ranks (ep=2), 2 MoE layers x 2 micro-batches: the direct dispatch reads split sizes 4 times a
+    step (tests/test_host_syncs.py: 1 + 4, 1 + 8 with full recompute); the fixed-capacity one only the
+    step's readback, also with full activation checkpointing, and
+    metrics.jsonl carries the step's dropped fraction."""
+    import json
+
+    argv = ["--training.steps=3", "--data.seq_len=32", "--data.batch_size=8", "--training.grad_accum=2",
+            "--checkpoint.interval=0", "--profile.enabled=true", "--profile.steps=1,2", f"--run.dir={tmp_path}",
+            "--parallel.ep_capacity_factor=0.5", "--training.activation_checkpoint=full"]
+    assert run_ranks(_pretrain, 2, argv, as_torchrun=True) == [0, 0]
+    for rank in (0, 1):
+        with open(tmp_path / "profile" / f"syncs_rank{rank}.json") as f:
+            assert all(s["total"] == 1 for s in json.load(f).values())
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if '"step"' in line]
+    fractions = [r["ep_dropped_fraction"] for r in rows if "ep_dropped_fraction" in r]
+    assert len(fractions) == 3 and all(0 < x < 1 for x in fractions), rows
