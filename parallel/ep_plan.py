@@ -125,18 +125,21 @@ def capacity_slots(copies: int, n_ranks: int, factor: float) -> int:
 
 
 def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim: int, act_bytes: int,
-                  dedup: bool, dispatch_bytes: int | None = None, capacity_factor: float = 0.0) -> list[Stage]:
+                  dedup: bool, dispatch_bytes: int | None = None, capacity_factor: float = 0.0,
+                  chunks: int = 1) -> list[Stage]:
     """Every all-to-all of one MoE layer's forward, given each ep rank's routing (experts_TK per ep
     index). `dispatch_bytes`: bytes of one dispatched row when it crosses in another dtype than the
     compute dtype (low-precision dispatch: values plus their scale); the combine uses act_bytes.
-    `capacity_factor` > 0: the fixed-capacity dispatch (C rows to every peer, their expert ids)."""
+    `capacity_factor` > 0: the fixed-capacity dispatch (C rows to every peer, their expert ids);
+    `chunks` > 1: the overlapped dispatch (parallel/ep_overlap.py: the same rows in `chunks` pieces,
+    one count exchange of chunks x L ints per peer)."""
     P, L, K = placement.size, placement.local_experts, experts_by_rank[0].shape[1]
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
     if capacity_factor > 0:
         slots = torch.full((P, P), capacity_slots(experts_by_rank[0].numel(), P, capacity_factor), dtype=torch.int64)
         return [Stage("dispatch", slots, dispatch_bytes, True), Stage("slot_ids", slots, ID_BYTES, False),
                 Stage("combine", slots, dim * act_bytes, True)]
-    counts = torch.full((P, P), L, dtype=torch.int64)  # the per-expert count exchange
+    counts = torch.full((P, P), L * chunks, dtype=torch.int64)  # the per-expert count exchange
     if not dedup:
         copies = torch.stack([copies_per_rank(e, placement) for e in experts_by_rank])
         return [Stage("counts", counts, ID_BYTES, False), Stage("dispatch", copies, dispatch_bytes, True),

@@ -56,6 +56,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         from parallel.ep_capacity import apply_capacity
 
         apply_capacity(model, layout.ep_capacity_factor)
+    if layout is not None and layout.ep_overlap_chunks > 1:
+        from parallel.ep_overlap import apply_overlap
+
+        apply_overlap(model, layout.ep_overlap_chunks)
 
 
 def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:

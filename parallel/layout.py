@@ -46,6 +46,7 @@ class ParallelConfig:
     ranks_per_node: int = 8  # ranks per node (consecutive ranks): the optimizer plan's and the EP dispatch's intra/inter-node split
     ep_dedup: bool = False  # EP: send a token once per destination node, fan out inside it, sum inside it on the way back (parallel/ep_dedup.py)
     ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep_capacity.py)
+    ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep_overlap.py)
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
 
     def check_degrees(self) -> None:
@@ -73,7 +74,7 @@ def _check_expert_inner(value) -> None:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
-EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_dispatch_dtype")
+EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 
 
@@ -83,6 +84,8 @@ def check_ep_knobs(c) -> None:
         raise ValueError(f"parallel.ranks_per_node={c.ranks_per_node}: must be >= 1")
     if not (c.ep_capacity_factor >= 0 and c.ep_capacity_factor != float("inf")):
         raise ValueError(f"parallel.ep_capacity_factor={c.ep_capacity_factor}: must be finite and >= 0 (0 = off)")
+    if c.ep_overlap_chunks < 1:
+        raise ValueError(f"parallel.ep_overlap_chunks={c.ep_overlap_chunks}: must be >= 1 (1 = no overlap)")
     if c.ep_dispatch_dtype not in DISPATCH_DTYPES:
         raise ValueError(f"parallel.ep_dispatch_dtype={c.ep_dispatch_dtype!r}: expected one of {DISPATCH_DTYPES}")
 
@@ -90,7 +93,7 @@ def check_ep_knobs(c) -> None:
 def _check_ep_modes(layout: "Layout") -> None:
     """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
     on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-          "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute"}
+          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute"}
     for key, enabled in on.items():
         if enabled and layout.ep == 1:
             raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
@@ -100,6 +103,10 @@ def _check_ep_modes(layout: "Layout") -> None:
     if layout.ep_dedup and layout.ep_capacity_factor > 0:
         raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
                          f"not combined yet (the node hop needs host split sizes); choose one")
+    if layout.ep_overlap_chunks > 1 and (layout.ep_dedup or layout.ep_capacity_factor > 0):
+        other = "parallel.ep_dedup" if layout.ep_dedup else f"parallel.ep_capacity_factor={layout.ep_capacity_factor}"
+        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with {other}: not combined yet "
+                         f"(the overlap pipelines the direct dispatch); choose one")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -138,6 +145,7 @@ class Layout:
     ranks_per_node: int = 8  # see ParallelConfig (and the EP knobs below)
     ep_dedup: bool = False
     ep_capacity_factor: float = 0.0
+    ep_overlap_chunks: int = 1
     ep_dispatch_dtype: str = "compute"
 
     @property

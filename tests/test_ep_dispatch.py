@@ -33,6 +33,8 @@ CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
              (("headline", HEADLINE), ("folded", FOLDED)),
              (("direct", {}), ("dedup", {"ep_dedup": True}), ("capacity", {"ep_capacity_factor": 8.0})))}
 CASES["headline_dropping"] = ParallelConfig(**HEADLINE, ep_capacity_factor=0.5)
+CASES["headline_overlap"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2)
+CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
 
 
 # -- the plan against plain loops (one process)
@@ -82,6 +84,9 @@ def test_gateway_is_self_on_own_node_and_one_per_node():
     (["--parallel.ranks_per_node=0"], 8, "parallel.ranks_per_node=0: must be >= 1"),
     (["--parallel.ep_capacity_factor=-1"], 8, "parallel.ep_capacity_factor=-1.0: must be finite and >= 0"),
     (["--parallel.ep_dedup=true", "--parallel.ep=1"], 8, "parallel.ep_dedup=True has no effect with parallel.ep=1"),
+    (["--parallel.ep_overlap_chunks=0"], 8, "parallel.ep_overlap_chunks=0: must be >= 1"),
+    (["--parallel.ep_overlap_chunks=2", "--parallel.ep_dedup=true"], 8,
+     "parallel.ep_overlap_chunks=2 with parallel.ep_dedup: not combined yet"),
     (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
      "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
 ])
@@ -125,7 +130,10 @@ def _run_case(config, reference):
     layout.validate(model.config, SEQ, BATCH)
     meshes = build_meshes(layout, "cpu")
     parallelize(model, meshes, layout)
-    routing = []
+    routing, timeline = [], []
+    experts = [m for m in model.modules() if hasattr(m, "ep_timeline")]
+    if experts:
+        experts[0].ep_timeline = timeline  # the first MoE layer's pieces
     for router in model.routers():
         router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
     inputs, labels = _batch(model.config.vocab_size)
@@ -143,7 +151,7 @@ def _run_case(config, reference):
         diff = p.grad.to_local() - expected
         grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
     drops = read_drop_counts(model)
-    return {"drops": None if drops is None else drops.tolist(), "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
+    return {"timeline": timeline, "drops": None if drops is None else drops.tolist(), "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
             "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
             "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN)}
 
@@ -185,8 +193,8 @@ def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple
         for layer in range(n_layers):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
             factor = CASES[name].ep_capacity_factor
-            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, capacity_factor=factor), placement,
-                              backward)
+            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, capacity_factor=factor,
+                                            chunks=CASES[name].ep_overlap_chunks), placement, backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
                 totals[r][1] += int(sent["inter"][i])
@@ -292,3 +300,16 @@ def test_capacity_dispatch_has_one_host_sync_per_step_and_logs_drops(tmp_path):
         rows = [json.loads(line) for line in f if '"step"' in line]
     fractions = [r["ep_dropped_fraction"] for r in rows if "ep_dropped_fraction" in r]
     assert len(fractions) == 3 and all(0 < x < 1 for x in fractions), rows
+
+
+def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
+    """Recorded timestamps (2 pieces, first MoE layer, every rank): forward, piece 1's dispatch is
+    issued before piece 0's grouped matmul and waited for after it; backward, piece 0's combine
+    gradient is issued before piece 1's gradient computation and waited for after it."""
+    _, per_rank = results
+    for by_case in per_rank:
+        t = {(event, piece): when for event, piece, when in by_case["headline_overlap"]["timeline"]}
+        assert t["dispatch_start", 1] < t["compute_start", 0] < t["compute_end", 0] < t["dispatch_wait", 1]
+        assert t["combine_start", 0] < t["compute_start", 1]
+        assert (t["combine_grad_start", 0] < t["combine_grad_wait", 1] < t["dispatch_grad_start", 1]
+                < t["combine_grad_wait", 0])
