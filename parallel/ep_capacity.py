@@ -52,7 +52,7 @@ def _keep_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
 
 def capacity_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """Drop-in GroupedExperts.forward (module docstring); same inputs and output as the direct path."""
-    from parallel.expert_parallel import EXPERT_WEIGHTS, _all_to_all, _local
+    from parallel.expert_parallel import EXPERT_WEIGHTS, _all_to_all, _local, dispatch_rows
 
     w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
     group = self.ep_group
@@ -64,7 +64,7 @@ def capacity_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.
     send_SD = x_ND.new_zeros(P * C + 1, x_ND.shape[1]).index_copy(0, slot_N, x_ND)[:-1]  # row P C: the dropped
     ids_S = torch.full((P * C + 1,), L, dtype=torch.int64, device=x_ND.device).index_copy(0, slot_N, local_expert_N)
     splits = [C] * P
-    x_SD = _all_to_all(send_SD, splits, splits, group)  # communication: dispatch (fixed splits)
+    x_SD = dispatch_rows(self, send_SD, splits, splits, group)  # communication: dispatch (fixed splits)
     ids_S = _all_to_all(ids_S[:-1], splits, splits, group)
     order_S = torch.argsort(ids_S, stable=True)
     sizes_L = torch.zeros(L + 1, dtype=torch.int64, device=x_ND.device).index_add_(0, ids_S, torch.ones_like(ids_S))

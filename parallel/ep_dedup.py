@@ -36,7 +36,7 @@ from parallel.ep_plan import Placement, expert_nodes, pair_order, pairs_per_node
 def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
     """Drop-in MoE.routed under `ep_dedup` (module docstring). `self.ep_placement`, `self.ep_group` and
     `self.ep_rank` are set by apply_expert_parallel."""
-    from parallel.expert_parallel import _all_to_all
+    from parallel.expert_parallel import _all_to_all, dispatch_rows
 
     placement, group = self.ep_placement, self.ep_group
     T, K = experts_TK.shape
@@ -48,7 +48,7 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
     ids_QK = experts_TK[token_Q].masked_fill(~on_node_QK, -1)
     w_QK = weights_TK[token_Q].to(x_TD.dtype) * on_node_QK  # rounded to the compute dtype, as MoE.routed does
 
-    x_RD = _all_to_all(x_TD[token_Q], recv_splits, send_splits, group)  # communication: node hop (dispatch)
+    x_RD = dispatch_rows(self, x_TD[token_Q], recv_splits, send_splits, group)  # communication: node hop (dispatch)
     w_RK = _all_to_all(w_QK, recv_splits, send_splits, group)
     ids_RK = _all_to_all(ids_QK, recv_splits, send_splits, group)
     partial_RD = _fan_out(self, x_RD, w_RK, ids_RK)  # communication: inside the node

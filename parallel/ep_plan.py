@@ -113,9 +113,10 @@ class Stage:
     rows: torch.Tensor  # int64 [P, P]
     row_bytes: int
     backward: bool
+    grad_row_bytes: int | None = None  # bytes of one gradient row when not row_bytes (FP8 dispatch: compute dtype)
 
-    def bytes_PP(self) -> torch.Tensor:
-        return self.rows * self.row_bytes
+    def bytes_PP(self, backward: bool = False) -> torch.Tensor:
+        return self.rows * (self.grad_row_bytes or self.row_bytes if backward else self.row_bytes)
 
 
 def capacity_slots(copies: int, n_ranks: int, factor: float) -> int:
@@ -137,12 +138,12 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
     if capacity_factor > 0:
         slots = torch.full((P, P), capacity_slots(experts_by_rank[0].numel(), P, capacity_factor), dtype=torch.int64)
-        return [Stage("dispatch", slots, dispatch_bytes, True), Stage("slot_ids", slots, ID_BYTES, False),
+        return [Stage("dispatch", slots, dispatch_bytes, True, dim * act_bytes), Stage("slot_ids", slots, ID_BYTES, False),
                 Stage("combine", slots, dim * act_bytes, True)]
     counts = torch.full((P, P), L * chunks, dtype=torch.int64)  # the per-expert count exchange
     if not dedup:
         copies = torch.stack([copies_per_rank(e, placement) for e in experts_by_rank])
-        return [Stage("counts", counts, ID_BYTES, False), Stage("dispatch", copies, dispatch_bytes, True),
+        return [Stage("counts", counts, ID_BYTES, False), Stage("dispatch", copies, dispatch_bytes, True, dim * act_bytes),
                 Stage("combine", copies.T.contiguous(), dim * act_bytes, True)]
     pairs, fan = torch.zeros(P, P, dtype=torch.int64), torch.zeros(P, P, dtype=torch.int64)
     for src, experts_TK in enumerate(experts_by_rank):
@@ -155,11 +156,11 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
                        torch.ones(experts_TK.numel(), dtype=torch.int64), accumulate=True)
     node_counts = torch.ones(P, P, dtype=torch.int64)
     return [Stage("node_counts", node_counts, ID_BYTES, False),
-            Stage("node_dispatch", pairs, dispatch_bytes, True),
+            Stage("node_dispatch", pairs, dispatch_bytes, True, dim * act_bytes),
             Stage("node_weights", pairs, K * act_bytes, True),
             Stage("node_ids", pairs, K * ID_BYTES, False),
             Stage("counts", counts, ID_BYTES, False),
-            Stage("fan_out", fan, dim * act_bytes, True),
+            Stage("fan_out", fan, dispatch_bytes, True, dim * act_bytes),
             Stage("fan_in", fan.T.contiguous(), dim * act_bytes, True),
             Stage("node_combine", pairs.T.contiguous(), dim * act_bytes, True)]
 
@@ -174,7 +175,7 @@ def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False
     total = torch.zeros(placement.size, placement.size, dtype=torch.int64)
     for s in stages:
         if backward and s.backward:
-            total += s.bytes_PP().T
+            total += s.bytes_PP(backward=True).T
         elif not backward:
             total += s.bytes_PP()
     return {"intra": (total * (same_PP & not_self_PP)).sum(1), "inter": (total * ~same_PP).sum(1)}

@@ -43,6 +43,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
     layout. Each rank keeps its own slice of the (identical) full weights: no communication."""
     if layout is not None and layout.ep_dedup:
         _apply_dedup(model, ep_mesh, layout.ranks_per_node)
+    if layout is not None and layout.ep_dispatch_dtype != "compute":
+        from parallel.ep_fp8 import check_fp8_device
+
+        check_fp8_device(ep_mesh.device_type)
+        from models.moe import MoE
+
+        for module in model.modules():
+            if isinstance(module, (MoE, GroupedExperts)):
+                module.ep_dispatch_dtype = layout.ep_dispatch_dtype  # read by `dispatch_rows`
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name in EXPERT_WEIGHTS:
@@ -128,7 +137,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
     n_ranks, n_local = recv_counts_PL.shape
     send_splits, recv_splits = counts.split_sizes()  # host sync: split sizes must be Python ints
 
-    x_RD = _all_to_all(x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
+    x_RD = dispatch_rows(self, x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
     # Received rows are ordered (source rank, local expert); the grouped matmul needs (local expert, ...).
     expert_of_row_R = torch.arange(n_local, device=x_TD.device).repeat(n_ranks).repeat_interleave(
         recv_counts_PL.flatten(), output_size=sum(recv_splits)  # output_size: no second host sync
@@ -142,6 +151,16 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """The local experts of an (unsharded by FSDP) expert weight; gradients flow back as Shard(0)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def dispatch_rows(module: nn.Module, x_ND: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """The dispatch all-to-all of activation rows, in FP8 when `parallel.ep_dispatch_dtype` says so
+    (parallel/ep_fp8.py), else in x's dtype. A GPU dispatch backend would replace this call."""
+    if getattr(module, "ep_dispatch_dtype", "compute") == "float8_e4m3":
+        from parallel.ep_fp8 import fp8_all_to_all
+
+        return fp8_all_to_all(x_ND, out_splits, in_splits, group)
+    return _all_to_all(x_ND, out_splits, in_splits, group)
 
 
 def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

@@ -35,6 +35,9 @@ CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
 CASES["headline_dropping"] = ParallelConfig(**HEADLINE, ep_capacity_factor=0.5)
 CASES["headline_overlap"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2)
 CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
+CASES["headline_fp8"] = ParallelConfig(**HEADLINE, ep_dispatch_dtype="float8_e4m3")
+CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
+INEXACT = ("headline_dropping", "headline_fp8", "folded_dedup_fp8")
 
 
 # -- the plan against plain loops (one process)
@@ -172,7 +175,7 @@ def results():
     return reference, run_ranks(_run_all, WORLD, reference, timeout=300)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if "dropping" not in n])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in INEXACT])
 def test_step_matches_single_process(results, name):
     reference, per_rank = results
     for rank, by_case in enumerate(per_rank):
@@ -193,7 +196,8 @@ def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple
         for layer in range(n_layers):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
             factor = CASES[name].ep_capacity_factor
-            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, capacity_factor=factor,
+            fp8 = dim + 4 if CASES[name].ep_dispatch_dtype == "float8_e4m3" else None
+            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, fp8, capacity_factor=factor,
                                             chunks=CASES[name].ep_overlap_chunks), placement, backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
@@ -313,3 +317,38 @@ def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
         assert t["combine_start", 0] < t["compute_start", 1]
         assert (t["combine_grad_start", 0] < t["combine_grad_wait", 1] < t["dispatch_grad_start", 1]
                 < t["combine_grad_wait", 0])
+
+
+def _train_losses(rank, world, variants, steps):
+    """Per variant (param dtype, dispatch dtype): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
+    out = {}
+    for name, (param_dtype, dispatch) in variants.items():
+        model = _model()
+        layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, ep_dispatch_dtype=dispatch).resolve(world)
+        parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype)
+        opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, foreach=False)
+        losses = []
+        for step in range(steps):
+            tokens = torch.randint(0, model.config.vocab_size, (4, SEQ + 1),
+                                   generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:], 2 * 4 * SEQ)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(global_loss(loss.float()).item())
+        out[name] = losses
+    return out
+
+
+def test_fp8_dispatch_stays_within_three_bf16_yardsticks_over_20_steps():
+    """Yardstick: the largest |bf16 - fp32| loss difference over 20 steps (bf16 compute through FSDP's
+    mixed precision). FP8 dispatch in an fp32 run may move the loss by at most 3 of them, and must move
+    it (the FP8 path ran)."""
+    variants = {"fp32": (torch.float32, "compute"), "bf16": (torch.bfloat16, "compute"),
+                "fp8": (torch.float32, "float8_e4m3")}
+    losses = run_ranks(_train_losses, 2, variants, 20, timeout=300)[0]
+    yardstick = max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"]))
+    fp8_error = max(abs(a - b) for a, b in zip(losses["fp8"], losses["fp32"]))
+    print(f"yardstick {yardstick:.3g}, fp8 dispatch {fp8_error:.3g}, losses fp32 {losses['fp32'][0]:.4f} -> "
+          f"{losses['fp32'][-1]:.4f}")
+    assert 0 < fp8_error <= 3 * yardstick
