@@ -14,16 +14,21 @@ token loads are assumed uniform):
               every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
               (every micro-batch; fewer with --grad-sync, parallel/overlap.py). Shards padded as
               FSDP2 pads them.
-  ep          dispatch + combine all-to-alls, forward and backward, per MoE layer and micro-batch:
-              t K D bytes, (ep - 1)/ep of it to peers under uniform routing (t local tokens)
+  ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
+              with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
+              the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
+              backward and the recompute of activation checkpointing, per MoE layer and micro-batch;
+              each layout is also projected with every other dispatch combination the runtime
+              implements, and the fastest row that fits is marked "recommended"
   cp          the keys' all-gather (backward: reduce-scatter) per layer and micro-batch, what
               parallel/context_parallel.py gathers: MLA's latent + rotary key (kv_lora_rank + rope
               dim values per token), GQA's kv heads (2 G E); --cp-gather expanded: the expanded K/V
               (H (qk + v), or 2 H E), as it gathered before, plus that version's positions all-gather
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
-  host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches (runtime/syncs.py, measured by
-              benchmarks/host_syncs.py and tests/test_host_syncs.py)
+  host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
+              (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py, measured by
+              benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
 peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
@@ -37,8 +42,9 @@ Time (device model: benchmarks/device_model.py links; compute rates below, or me
            + host_syncs x SYNC_S
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
-CP collectives sit on the critical path (the runtime does not overlap them; --overlap-ep shows the
-what-if max(compute, ep + cp) instead); a host sync is charged SYNC_S of idle device.
+CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
+routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if max(compute, ep + cp) (no
+runtime does that); a host sync is charged SYNC_S of idle device.
 MFU = model FLOPs / (step x peak).
 Memory per GPU: fp32 weights + gradients + optimizer state of the local shards, the two largest
 units unsharded (prefetch), and activations of one layer plus a t x D checkpoint per layer (that is,
@@ -173,12 +179,81 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
     return out
 
 
-def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int) -> Link:
-    """Dispatch + combine, forward + backward, every MoE layer and micro-batch; uniform routing."""
+SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
+INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
+EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
+
+
+@functools.lru_cache(maxsize=None)
+def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int = 0) -> tuple:
+    """experts_TK of `tokens` tokens per ep rank from the model's own Router (models/moe.py: group-limited
+    routing where the config has it) with a randomly initialized gate and standard normal inputs: the
+    routing of an untrained model, close to uniform. Each rank's sample comes from its own gate draw,
+    so that no single draw's favourite experts bias the mean over ranks. A trained router is more
+    skewed (not modelled)."""
+    from models.moe import Router
+
+    generator = torch.Generator().manual_seed(seed)
+    router = Router(config).eval()
+    bound = 1 / math.sqrt(config.dim)  # nn.Linear's default init, drawn from our generator
+    out = []
+    with torch.no_grad():
+        for _ in range(n_ranks):
+            router.gate.weight.uniform_(-bound, bound, generator=generator)
+            out.append(router(torch.randn(1, tokens, config.dim, generator=generator))[1])
+    return tuple(out)
+
+
+def ep_placement(config, layout):
+    """The plan's placement of rank 0's ep group (mesh groups are translates of it), nodes of GPUS_PER_NODE."""
+    from parallel.ep_plan import Placement
+
     size, stride = groups(layout)["ep"]
+    return Placement(config.n_routed_experts, tuple(i * stride for i in range(size)), GPUS_PER_NODE)
+
+
+def ep_layer_stages(config, layout, routing, act_bytes: int, placement=None) -> list:
+    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
+    this routing (experts_TK per ep index) and the layout's dispatch knobs."""
+    from parallel.ep_plan import layer_traffic
+
+    placement = placement or ep_placement(config, layout)
+    dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
+    return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
+                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
+
+
+def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int,
+               activation_checkpoint: str = "none") -> tuple[Link, float]:
+    """(EP bytes one rank sends per step, distinct nodes per token): the dispatch plan on the model's own
+    routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
+    scaled to `local_tokens` (the count exchanges not); forward, backward, and what activation
+    checkpointing reruns (full: the layer's forward; selective: the experts' dispatch and combine),
+    every MoE layer and micro-batch."""
+    from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
+
+    if layout.ep == 1:
+        return Link(), 1.0
+    routing = sampled_routing(config, layout.ep)
+    placement = ep_placement(config, layout)
+    stages = ep_layer_stages(config, layout, routing, act_bytes, placement)
+    passes = [(stages, False), (stages, True)]  # forward, backward
+    if activation_checkpoint == "full":
+        passes.append((stages, False))
+    elif activation_checkpoint == "selective":
+        passes.append(([s for s in stages if s.name in EXPERT_STAGES], False))
+    scale = local_tokens / SAMPLE_TOKENS
+    total = Link()
+    for chosen, backward in passes:
+        for subset, k in (([s for s in chosen if s.name in INTEGER_STAGES], 1.0),
+                          ([s for s in chosen if s.name not in INTEGER_STAGES], scale)):
+            sent = sent_bytes(subset, placement, backward) if subset else None
+            if sent is not None:
+                mean = {link: sent[link].double().mean().item() for link in ("intra", "inter")}
+                total = total + Link(mean["intra"], mean["inter"]).scale(k)
+    nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
     n_moe = config.n_layers - config.n_dense_layers
-    per_peer = local_tokens * config.n_activated_experts * config.dim * act_bytes / size
-    return all_gather(per_peer, size, stride).scale(4 * n_moe * micro_batches)
+    return total.scale(n_moe * micro_batches), nodes
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -218,9 +293,13 @@ def flops_split(config, seq_len: int) -> dict:
 
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
-    """1 per step + under EP 1 per MoE layer and micro-batch, twice when "full" checkpointing reruns
-    the whole MoE layer (a "selective" recompute of the experts reuses the split sizes)."""
-    per_layer = 2 if activation_checkpoint == "full" else 1
+    """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
+    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
+    twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
+    reuses the split sizes)."""
+    from parallel.ep_plan import host_syncs_per_layer
+
+    per_layer = host_syncs_per_layer(layout) * (2 if activation_checkpoint == "full" else 1)
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
@@ -265,7 +344,8 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     units = fsdp_units(model)
     fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4,
                         grad_sync=grad_sync)
-    ep = ep_traffic(c, layout, local_tokens, micro, act_bytes)
+    checkpointing = getattr(config_job.training, "activation_checkpoint", "none")
+    ep, nodes_per_token = ep_traffic(c, layout, local_tokens, micro, act_bytes, checkpointing)
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
     split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
@@ -275,9 +355,12 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     ep_s, cp_s = max(_link_seconds(ep, device)), max(_link_seconds(cp, device))
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
-    opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
-    syncs = sync_count(c, layout, micro, getattr(config_job.training, "activation_checkpoint", "none"))
-    exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
+    opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
+    syncs = sync_count(c, layout, micro, checkpointing)
+    expert_s = split["experts"] / rates["grouped_mm_bf16"]
+    exposed = compute + exposed_ep_s(ep_s, expert_s, layout.ep_overlap_chunks) + cp_s
+    if args.overlap_ep:
+        exposed = max(compute, ep_s + cp_s)
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync)
@@ -287,6 +370,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "grad_sync": grad_sync,
         "model_tflop_per_gpu": flops / 1e12, "flops_split_tflop": {k: v / 1e12 for k, v in split.items()},
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
+        "dispatch": dispatch_knobs(layout), "ep_nodes_per_token": nodes_per_token,
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
         "time_s": {"compute": compute, "ep": ep_s, "cp": cp_s, "fsdp_nvlink": fsdp_nvlink_s,
                    "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s, "all_network": network_s,
@@ -295,6 +379,40 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
     }
+
+
+def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
+    """EP seconds on the critical path. Without overlap all of them. With n pieces
+    (parallel/ep_overlap.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
+    piece's dispatch and the last piece's combine wait for / are waited for by nothing, so the layer
+    takes max(E + C/n, C + E/n), of which max(C/n, C - E (n-1)/n) beyond the matmuls. Only the routed
+    experts' matmuls hide all-to-alls (the runtime overlaps nothing else with them)."""
+    if chunks <= 1:
+        return ep_s
+    return max(ep_s / chunks, ep_s - expert_s * (chunks - 1) / chunks)
+
+
+def dispatch_knobs(layout) -> dict:
+    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")}
+
+
+def degrees_only(layout):
+    """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
+    return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
+                               ep_dispatch_dtype="compute")
+
+
+def dispatch_variants(layout) -> dict:
+    """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
+    the others), ep > 1 only."""
+    if layout.ep == 1:
+        return {}
+    base = degrees_only(layout)
+    combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
+              "dedup": {"ep_dedup": True}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
+              "capacity1.25": {"ep_capacity_factor": 1.25},
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
+    return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
 
 
 def _link_seconds(link: Link, device) -> tuple[float, float]:
@@ -374,19 +492,44 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
         scaled = scaled_job(job, world, config_world)
         base = job.layout(world) if world == config_world else None
         for name, layout in candidate_layouts(scaled, world, base).items():
-            row = project_layout(scaled, layout, device, rates, args)
-            row["name"] = name
-            rows.append(row)
-            print(format_row(row), flush=True)
-        fitting = [r for r in rows if r["world"] == world and r["fits"]]
-        best = min(fitting or [r for r in rows if r["world"] == world], key=lambda r: r["time_s"]["step"])
-        best["recommended"] = True
-        print(f"  recommended at {world} GPUs: {best['layout']} ({best['time_s']['step']:.2f} s, "
-              f"MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})", flush=True)
+            rows += project_variants(scaled, name, layout, device, rates, args)
+        recommend([r for r in rows if r["world"] == world], world)
     return rows
 
 
-HEADER = ("world layout                                           step s  compute  ep s  cp s fsdpNVL fsdpNET"
+def project_variants(job, name, layout, device, rates, args) -> list[dict]:
+    """The rows of one layout: with its own dispatch knobs, then with every other combination the
+    runtime implements (`dispatch_variants`), named name+variant."""
+    variants = {name: layout}
+    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout).items() if lay != layout}
+    rows = []
+    for row_name, lay in variants.items():
+        row = project_layout(job, lay, device, rates, args)
+        row["name"] = row_name
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def recommend(rows: list[dict], world: int) -> dict:
+    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`."""
+    best = min([r for r in rows if r["fits"]] or rows, key=lambda r: r["time_s"]["step"])
+    best["recommended"] = True
+    print(f"  recommended at {world} GPUs: {best['name']}: {best['layout']} {describe_knobs(best['dispatch'])} "
+          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})",
+          flush=True)
+    return best
+
+
+def describe_knobs(knobs: dict) -> str:
+    parts = [("dedup" if knobs["ep_dedup"] else ""),
+             (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
+             (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
+             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else "")]
+    return "[" + (", ".join(p for p in parts if p) or "direct") + "]"
+
+
+HEADER = ("world layout                                   dispatch       step s  compute  ep s  cp s fsdpNVL fsdpNET"
           "   opt s syncs"
           "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
 
@@ -395,7 +538,8 @@ def format_row(r: dict) -> str:
     t = r["time_s"]
     fsdp_intra = sum(v["intra_gb"] for m in r["fsdp"].values() for v in m.values())
     fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
-    return (f"{r['world']:5d} {r['layout']:48s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
+    return (f"{r['world']:5d} {r['layout']:40s} {r['name'].split('+')[-1] if '+' in r['name'] else 'own':14s} "
+            f"{t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
             f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
             f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} "
             f"{r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
@@ -450,10 +594,8 @@ def main(argv=None) -> dict:
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
     else:
-        row = project_layout(job, job.layout(world), device, rates, args)
-        row["name"] = "config"
-        rows = [row]
-        print(format_row(row))
+        rows = project_variants(job, "config", job.layout(world), device, rates, args)
+        recommend(rows, world)
     out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
            "act_dtype": args.act_dtype, "param_dtype": args.param_dtype, "cp_gather": args.cp_gather, "rows": rows}
     if args.json:

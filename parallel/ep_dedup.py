@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from models.moe import expert_counts
-from parallel.ep_plan import Placement, expert_nodes, pair_order, pairs_per_node
+from parallel.ep_plan import Placement, expert_nodes, index_tensor, pair_order, pairs_per_node
 
 
 def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
 def _exchange_pair_counts(pairs_N, placement: Placement, ep_rank: int, group) -> tuple[list[int], list[int]]:
     """(send splits, recv splits) per ep index: this rank's pairs go to its gateway on each node;
     all-to-all of one int per peer, then read on the host (the hop's host sync)."""
-    gateway_N = torch.tensor(placement.gateway(ep_rank), device=pairs_N.device)
+    gateway_N = index_tensor(placement.gateway(ep_rank), pairs_N.device)
     send_P = torch.zeros(placement.size, dtype=torch.int64, device=pairs_N.device).index_add_(0, gateway_N, pairs_N)
     recv_P = torch.empty_like(send_P)
     dist.all_to_all_single(recv_P, send_P, group=group)  # communication: pair counts

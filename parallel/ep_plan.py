@@ -69,10 +69,16 @@ class Placement:
         return tuple(self.members(n)[position % len(self.members(n))] for n in range(self.n_nodes))
 
 
+@functools.lru_cache(maxsize=None)
+def index_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small int64 index tensor made from host data once per device (a host-to-device copy: a
+    host sync on CUDA, runtime/syncs.py), then reused by every layer and step."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def expert_nodes(experts_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Node index of each copy's expert (int64 [T, K])."""
-    node_P = torch.tensor(placement.node_of_rank, dtype=torch.int64, device=experts_TK.device)
-    return node_P[experts_TK // placement.local_experts]
+    return index_tensor(placement.node_of_rank, experts_TK.device)[experts_TK // placement.local_experts]
 
 
 def copies_per_rank(experts_TK: torch.Tensor, placement: Placement) -> torch.Tensor:
@@ -138,12 +144,14 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
     if capacity_factor > 0:
         slots = torch.full((P, P), capacity_slots(experts_by_rank[0].numel(), P, capacity_factor), dtype=torch.int64)
-        return [Stage("dispatch", slots, dispatch_bytes, True, dim * act_bytes), Stage("slot_ids", slots, ID_BYTES, False),
+        return [Stage("dispatch", slots, dispatch_bytes, True, dim * act_bytes),
+                Stage("slot_ids", slots, ID_BYTES, False),
                 Stage("combine", slots, dim * act_bytes, True)]
     counts = torch.full((P, P), L * chunks, dtype=torch.int64)  # the per-expert count exchange
     if not dedup:
         copies = torch.stack([copies_per_rank(e, placement) for e in experts_by_rank])
-        return [Stage("counts", counts, ID_BYTES, False), Stage("dispatch", copies, dispatch_bytes, True, dim * act_bytes),
+        return [Stage("counts", counts, ID_BYTES, False),
+                Stage("dispatch", copies, dispatch_bytes, True, dim * act_bytes),
                 Stage("combine", copies.T.contiguous(), dim * act_bytes, True)]
     pairs, fan = torch.zeros(P, P, dtype=torch.int64), torch.zeros(P, P, dtype=torch.int64)
     for src, experts_TK in enumerate(experts_by_rank):
@@ -179,3 +187,12 @@ def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False
         elif not backward:
             total += s.bytes_PP()
     return {"intra": (total * (same_PP & not_self_PP)).sum(1), "inter": (total * ~same_PP).sum(1)}
+
+
+def host_syncs_per_layer(layout) -> int:
+    """Host readbacks of split sizes per MoE layer forward under EP: the direct dispatch 1 (its count
+    exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), fixed
+    capacity 0 (tests/test_ep_dispatch.py and tests/test_host_syncs.py count them)."""
+    if layout.ep_capacity_factor > 0:
+        return 0
+    return 2 if layout.ep_dedup else 1

@@ -18,6 +18,7 @@ from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
 from parallel.ep_capacity import read_drop_counts
+from runtime.syncs import count_syncs
 from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import ParallelConfig
@@ -142,7 +143,7 @@ def _run_case(config, reference):
     inputs, labels = _batch(model.config.vocab_size)
     rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
-    with count_all_to_all() as forward:
+    with count_all_to_all() as forward, count_syncs() as syncs:
         loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
                        BATCH * SEQ)
     with count_all_to_all() as backward:
@@ -154,9 +155,11 @@ def _run_case(config, reference):
         diff = p.grad.to_local() - expected
         grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
     drops = read_drop_counts(model)
-    return {"timeline": timeline, "drops": None if drops is None else drops.tolist(), "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
+    return {"timeline": timeline, "drops": None if drops is None else drops.tolist(),
+            "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
             "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
-            "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN)}
+            "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN),
+            "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
 
 
 def _run_all(rank, world, reference):
@@ -186,19 +189,20 @@ def test_step_matches_single_process(results, name):
             assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
 
 
-def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple[int, int]]:
-    """{global rank: (intra, inter) bytes} the plan gives for the run's own routing, all MoE layers."""
-    out = {}
+def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
+    """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
+    (benchmarks/step_projection.ep_layer_stages: the runtime's dispatch plan) give for the run's own
+    routing, summed over the MoE layers."""
+    from benchmarks.step_projection import ep_layer_stages
+
+    config, out = preset("debug"), {}
+    layout = CASES[name].resolve(WORLD)
     for ep_ranks in {tuple(r[name]["ep_ranks"]) for r in per_rank}:
-        placement = Placement(preset("debug").n_routed_experts, ep_ranks, RPN)
-        n_layers = len(per_rank[ep_ranks[0]][name]["routing"])
+        placement = Placement(config.n_routed_experts, ep_ranks, RPN)
         totals = {r: [0, 0] for r in ep_ranks}
-        for layer in range(n_layers):
+        for layer in range(len(per_rank[ep_ranks[0]][name]["routing"])):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
-            factor = CASES[name].ep_capacity_factor
-            fp8 = dim + 4 if CASES[name].ep_dispatch_dtype == "float8_e4m3" else None
-            sent = sent_bytes(layer_traffic(routing, placement, dim, 4, dedup, fp8, capacity_factor=factor,
-                                            chunks=CASES[name].ep_overlap_chunks), placement, backward)
+            sent = sent_bytes(ep_layer_stages(config, layout, routing, 4, placement), placement, backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
                 totals[r][1] += int(sent["inter"][i])
@@ -209,11 +213,10 @@ def planned_bytes(per_rank, name, dim, dedup, backward=False) -> dict[int, tuple
 @pytest.mark.parametrize("name", list(CASES))
 def test_counted_bytes_equal_the_plan(results, name):
     """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
-    simulated nodes, equals the plan computed from the run's own routing."""
+    simulated nodes, equals the projection's per-layer EP bytes for the run's own routing."""
     _, per_rank = results
-    dim = preset("debug").dim
     for direction in ("forward", "backward"):
-        plan = planned_bytes(per_rank, name, dim, "dedup" in name, direction == "backward")
+        plan = planned_bytes(per_rank, name, direction == "backward")
         counted = {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)}
         assert counted == plan, direction
 
@@ -352,3 +355,34 @@ def test_fp8_dispatch_stays_within_three_bf16_yardsticks_over_20_steps():
     print(f"yardstick {yardstick:.3g}, fp8 dispatch {fp8_error:.3g}, losses fp32 {losses['fp32'][0]:.4f} -> "
           f"{losses['fp32'][-1]:.4f}")
     assert 0 < fp8_error <= 3 * yardstick
+
+
+def test_group_limited_routing_reaches_at_most_topk_group_nodes():
+    """DeepSeek-V3's node-limited routing through the model's own Router: 4 groups of 4 experts, a token
+    may use 2 groups; with one group per node (one ep rank of 4 experts per node) every token's
+    experts span at most 2 nodes, and without the limit some span more."""
+    from models.moe import Router
+
+    config = preset("debug", n_routed_experts=16, n_activated_experts=4, n_expert_groups=4, n_limited_groups=2)
+    placement = Placement(16, (0, 4, 8, 12), RPN)  # ep rank p on node p: experts 4p..4p+3 = group p
+    torch.manual_seed(0)
+    x = torch.randn(1, 256, config.dim)
+    limited = Router(config).eval()
+    unlimited = Router(preset("debug", n_routed_experts=16, n_activated_experts=4)).eval()
+    unlimited.load_state_dict(limited.state_dict())
+    with torch.no_grad():
+        assert distinct_nodes_per_token(limited(x)[1], placement).max() <= 2
+        assert distinct_nodes_per_token(unlimited(x)[1], placement).max() > 2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_host_syncs_are_the_plans(results, name):
+    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep_plan.host_syncs_per_layer:
+    direct and overlapped 1, dedup 2, capacity 0. Index tensors the dispatch makes from host data once
+    and caches ("copy", a first-forward cost) are left out."""
+    from parallel.ep_plan import host_syncs_per_layer
+
+    _, per_rank = results
+    expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))
+    for by_case in per_rank:
+        assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]
