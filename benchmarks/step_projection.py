@@ -67,6 +67,9 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
+from benchmarks import ep_projection
+from benchmarks.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
+
 GPUS_PER_NODE = 8
 SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
 FIT_FRACTION = 0.9
@@ -179,81 +182,20 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
     return out
 
 
-SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
-INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
-EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
-
-
-@functools.lru_cache(maxsize=None)
-def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int = 0) -> tuple:
-    """experts_TK of `tokens` tokens per ep rank from the model's own Router (models/moe.py: group-limited
-    routing where the config has it) with a randomly initialized gate and standard normal inputs: the
-    routing of an untrained model, close to uniform. Each rank's sample comes from its own gate draw,
-    so that no single draw's favourite experts bias the mean over ranks. A trained router is more
-    skewed (not modelled)."""
-    from models.moe import Router
-
-    generator = torch.Generator().manual_seed(seed)
-    router = Router(config).eval()
-    bound = 1 / math.sqrt(config.dim)  # nn.Linear's default init, drawn from our generator
-    out = []
-    with torch.no_grad():
-        for _ in range(n_ranks):
-            router.gate.weight.uniform_(-bound, bound, generator=generator)
-            out.append(router(torch.randn(1, tokens, config.dim, generator=generator))[1])
-    return tuple(out)
-
-
 def ep_placement(config, layout):
-    """The plan's placement of rank 0's ep group (mesh groups are translates of it), nodes of GPUS_PER_NODE."""
-    from parallel.ep_plan import Placement
-
+    """The dispatch plan's placement of rank 0's ep group (mesh groups are translates of it)."""
     size, stride = groups(layout)["ep"]
-    return Placement(config.n_routed_experts, tuple(i * stride for i in range(size)), GPUS_PER_NODE)
-
-
-def ep_layer_stages(config, layout, routing, act_bytes: int, placement=None) -> list:
-    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
-    this routing (experts_TK per ep index) and the layout's dispatch knobs."""
-    from parallel.ep_plan import layer_traffic
-
-    placement = placement or ep_placement(config, layout)
-    dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
-    return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
-                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
+    return ep_projection.placement(config, size, stride, GPUS_PER_NODE)
 
 
 def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int,
                activation_checkpoint: str = "none") -> tuple[Link, float]:
-    """(EP bytes one rank sends per step, distinct nodes per token): the dispatch plan on the model's own
-    routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
-    scaled to `local_tokens` (the count exchanges not); forward, backward, and what activation
-    checkpointing reruns (full: the layer's forward; selective: the experts' dispatch and combine),
-    every MoE layer and micro-batch."""
-    from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
-
+    """(EP bytes one rank sends per step, distinct nodes per token): benchmarks/ep_projection.py."""
     if layout.ep == 1:
         return Link(), 1.0
-    routing = sampled_routing(config, layout.ep)
-    placement = ep_placement(config, layout)
-    stages = ep_layer_stages(config, layout, routing, act_bytes, placement)
-    passes = [(stages, False), (stages, True)]  # forward, backward
-    if activation_checkpoint == "full":
-        passes.append((stages, False))
-    elif activation_checkpoint == "selective":
-        passes.append(([s for s in stages if s.name in EXPERT_STAGES], False))
-    scale = local_tokens / SAMPLE_TOKENS
-    total = Link()
-    for chosen, backward in passes:
-        for subset, k in (([s for s in chosen if s.name in INTEGER_STAGES], 1.0),
-                          ([s for s in chosen if s.name not in INTEGER_STAGES], scale)):
-            sent = sent_bytes(subset, placement, backward) if subset else None
-            if sent is not None:
-                mean = {link: sent[link].double().mean().item() for link in ("intra", "inter")}
-                total = total + Link(mean["intra"], mean["inter"]).scale(k)
-    nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
-    n_moe = config.n_layers - config.n_dense_layers
-    return total.scale(n_moe * micro_batches), nodes
+    intra, inter, nodes = ep_projection.ep_bytes(config, layout, ep_placement(config, layout), local_tokens,
+                                                 micro_batches, act_bytes, activation_checkpoint)
+    return Link(intra, inter), nodes
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -381,40 +323,6 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     }
 
 
-def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
-    """EP seconds on the critical path. Without overlap all of them. With n pieces
-    (parallel/ep_overlap.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
-    piece's dispatch and the last piece's combine wait for / are waited for by nothing, so the layer
-    takes max(E + C/n, C + E/n), of which max(C/n, C - E (n-1)/n) beyond the matmuls. Only the routed
-    experts' matmuls hide all-to-alls (the runtime overlaps nothing else with them)."""
-    if chunks <= 1:
-        return ep_s
-    return max(ep_s / chunks, ep_s - expert_s * (chunks - 1) / chunks)
-
-
-def dispatch_knobs(layout) -> dict:
-    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")}
-
-
-def degrees_only(layout):
-    """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
-    return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute")
-
-
-def dispatch_variants(layout) -> dict:
-    """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others), ep > 1 only."""
-    if layout.ep == 1:
-        return {}
-    base = degrees_only(layout)
-    combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
-              "dedup": {"ep_dedup": True}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
-              "capacity1.25": {"ep_capacity_factor": 1.25},
-              "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
-    return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
-
-
 def _link_seconds(link: Link, device) -> tuple[float, float]:
     """(NVLink seconds, network seconds) of one rank's bytes."""
     return link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9)
@@ -519,14 +427,6 @@ def recommend(rows: list[dict], world: int) -> dict:
           f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})",
           flush=True)
     return best
-
-
-def describe_knobs(knobs: dict) -> str:
-    parts = [("dedup" if knobs["ep_dedup"] else ""),
-             (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
-             (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
-             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else "")]
-    return "[" + (", ".join(p for p in parts if p) or "direct") + "]"
 
 
 HEADER = ("world layout                                   dispatch       step s  compute  ep s  cp s fsdpNVL fsdpNET"

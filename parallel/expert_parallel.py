@@ -16,6 +16,11 @@ weights get exactly the gradient of the tokens they saw. A rank or expert with n
 an empty grouped matmul, which still yields a (zero) gradient for every local expert weight, so
 all ranks reduce the same gradients.
 
+Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
+`apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
+(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py), FP8 rows (parallel/ep_fp8.py);
+parallel/ep_plan.py is the plan they and the projection share.
+
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
 F expert hidden dim, E experts, L local experts (E/ep), P ep ranks.
 """

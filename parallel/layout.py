@@ -19,6 +19,9 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
 both (README "Whole-step projection").
 
+`ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
+dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement.
+
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
 """

@@ -191,9 +191,9 @@ def test_step_matches_single_process(results, name):
 
 def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
     """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
-    (benchmarks/step_projection.ep_layer_stages: the runtime's dispatch plan) give for the run's own
+    (benchmarks/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
     routing, summed over the MoE layers."""
-    from benchmarks.step_projection import ep_layer_stages
+    from benchmarks.ep_projection import layer_stages
 
     config, out = preset("debug"), {}
     layout = CASES[name].resolve(WORLD)
@@ -202,7 +202,7 @@ def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
         totals = {r: [0, 0] for r in ep_ranks}
         for layer in range(len(per_rank[ep_ranks[0]][name]["routing"])):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
-            sent = sent_bytes(ep_layer_stages(config, layout, routing, 4, placement), placement, backward)
+            sent = sent_bytes(layer_stages(config, layout, routing, 4, placement), placement, backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
                 totals[r][1] += int(sent["inter"][i])
@@ -223,6 +223,8 @@ def test_counted_bytes_equal_the_plan(results, name):
 
 def test_dedup_sends_fewer_bytes_across_nodes(results):
     _, per_rank = results
+    for name in CASES:  # the figures (pytest -s): forward all-to-all bytes of all ranks, intra / inter node
+        print(name, *(sum(r[name]["forward"][i] for r in per_rank) for i in (0, 1)))
     for layout in ("headline", "folded"):
         direct = sum(r[f"{layout}_direct"]["forward"][1] for r in per_rank)
         dedup = sum(r[f"{layout}_dedup"]["forward"][1] for r in per_rank)
