@@ -388,3 +388,16 @@ def test_forward_host_syncs_are_the_plans(results, name):
     expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))
     for by_case in per_rank:
         assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]
+
+
+def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys):
+    """Before any process group: a CUDA device of capability 8.0 (A100) has no float8."""
+    from launch.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert main(["--training.device=cuda", "--parallel.ep=2", "--parallel.ep_dispatch_dtype=float8_e4m3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("config error: parallel.ep_dispatch_dtype='float8_e4m3' needs a GPU with float8 support (compute "
+                   "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
