@@ -3,14 +3,15 @@
 Swapped in for `MoE.routed` (the dispatch interface, models/moe.py) by `apply_expert_parallel`. For
 one MoE layer, on each rank (the plan: parallel/ep_plan.py, "dedup"):
   1. pairs: the distinct (token, node) pairs of this rank's routing, ordered by node then token;
-     their counts are exchanged with the gateways (all-to-all of P ints) and read on the host
-     (host sync 1: split sizes),
+     their counts and their expert copies' counts are exchanged with the gateways (all-to-all of 2
+     ints per peer) and read on the host (host sync 1: split sizes),
   2. node hop: each pair's activation row, its K routing weights (compute dtype, 0 for experts on
      other nodes) and K expert ids (-1 for experts on other nodes) go to the node's gateway
      (three all-to-alls; the only ones that cross nodes on the way out),
-  3. fan-out: the gateway sorts the received copies by expert and runs the direct EP path
-     (parallel/expert_parallel.py: count exchange, host sync 2, dispatch, grouped matmul, combine);
-     every copy's expert is on the gateway's node, so these rows stay inside it,
+  3. fan-out: the gateway sorts the received copies by expert and runs the EP experts
+     (parallel/expert_parallel.py: count exchange, host sync 2, dispatch, grouped matmul, combine;
+     or their pieces pipelined, parallel/ep_overlap.py); every copy's expert is on the gateway's
+     node, so these rows stay inside it (the node hop itself is not pipelined),
   4. the gateway weights each copy's output and sums them per pair (index_add), and one row per
      pair goes back to the source (the only combine rows that cross nodes), which sums its nodes'
      rows per token.
@@ -42,7 +43,9 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
     T, K = experts_TK.shape
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
-    send_splits, recv_splits = _exchange_pair_counts(pairs_N, placement, self.ep_rank, group)  # host sync
+    copies_N = torch.zeros_like(pairs_N).index_add_(0, node_TK.flatten(), torch.ones_like(node_TK.flatten()))
+    send_splits, recv_splits, n_copies = _exchange_pair_counts(pairs_N, copies_N, placement, self.ep_rank,
+                                                               group)  # host sync
     token_Q, node_Q = pair_order(present_TN, sum(send_splits))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]
     ids_QK = experts_TK[token_Q].masked_fill(~on_node_QK, -1)
@@ -51,31 +54,33 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
     x_RD = dispatch_rows(self, x_TD[token_Q], recv_splits, send_splits, group)  # communication: node hop (dispatch)
     w_RK = _all_to_all(w_QK, recv_splits, send_splits, group)
     ids_RK = _all_to_all(ids_QK, recv_splits, send_splits, group)
-    partial_RD = _fan_out(self, x_RD, w_RK, ids_RK)  # communication: inside the node
+    partial_RD = _fan_out(self, x_RD, w_RK, ids_RK, n_copies)  # communication: inside the node
     back_QD = _all_to_all(partial_RD, send_splits, recv_splits, group)  # communication: node hop (combine)
     return back_QD.new_zeros(T, back_QD.shape[1]).index_add(0, token_Q, back_QD)
 
 
-def _exchange_pair_counts(pairs_N, placement: Placement, ep_rank: int, group) -> tuple[list[int], list[int]]:
-    """(send splits, recv splits) per ep index: this rank's pairs go to its gateway on each node;
-    all-to-all of one int per peer, then read on the host (the hop's host sync)."""
+def _exchange_pair_counts(pairs_N, copies_N, placement: Placement, ep_rank: int, group):
+    """(send splits, recv splits per ep index, copies this rank fans out as a gateway): this rank's pairs
+    go to its gateway on each node; all-to-all of two ints per peer (pairs, their expert copies on
+    that node), then one read on the host (the hop's host sync)."""
     gateway_N = index_tensor(placement.gateway(ep_rank), pairs_N.device)
-    send_P = torch.zeros(placement.size, dtype=torch.int64, device=pairs_N.device).index_add_(0, gateway_N, pairs_N)
-    recv_P = torch.empty_like(send_P)
-    dist.all_to_all_single(recv_P, send_P, group=group)  # communication: pair counts
-    send, recv = torch.stack([send_P, recv_P]).tolist()
-    return send, recv
+    send_P2 = torch.zeros(placement.size, 2, dtype=torch.int64, device=pairs_N.device).index_add_(
+        0, gateway_N, torch.stack([pairs_N, copies_N], dim=1))
+    recv_P2 = torch.empty_like(send_P2)
+    dist.all_to_all_single(recv_P2, send_P2, group=group)  # communication: pair and copy counts
+    send, recv, copies = torch.stack([send_P2[:, 0], recv_P2[:, 0], recv_P2[:, 1]]).tolist()
+    return send, recv, sum(copies)
 
 
-def _fan_out(self, x_RD, w_RK, ids_RK) -> torch.Tensor:
-    """At the gateway: every received copy (pair, k with an expert on this node) through the direct
-    EP experts, weighted and summed per pair (partial_RD)."""
+def _fan_out(self, x_RD, w_RK, ids_RK, n_copies: int) -> torch.Tensor:
+    """At the gateway: every received copy (pair, k with an expert on this node; `n_copies` of them,
+    known on the host from the hop's count exchange) through the EP experts (direct, or pipelined in
+    pieces under parallel.ep_overlap_chunks), weighted and summed per pair (partial_RD)."""
     R, K = ids_RK.shape
     E = self.router.n_experts
     valid_RK = ids_RK >= 0
     key_N = ids_RK.masked_fill(~valid_RK, E).flatten()  # invalid copies sort last
-    counts = self.experts.exchange_counts(expert_counts(key_N, E + 1)[:E])  # the direct path's count exchange
-    n_copies = sum(counts.split_sizes()[0])  # its host sync (dedup needs ep > 1: always an exchange)
+    counts = self.experts.exchange_counts(expert_counts(key_N, E + 1)[:E])  # the experts' own count exchange
     order_C = torch.argsort(key_N, stable=True)[:n_copies]
     y_CD = self.experts(x_RD[order_C // K], counts)
     weighted_CD = y_CD * w_RK.flatten()[order_C][:, None]

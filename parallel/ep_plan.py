@@ -162,7 +162,7 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
         # the gateway of node n fans each copy with an expert on n out to the expert's rank
         fan.index_put_((gateway_N[node_TK].flatten(), (experts_TK // L).flatten()),
                        torch.ones(experts_TK.numel(), dtype=torch.int64), accumulate=True)
-    node_counts = torch.ones(P, P, dtype=torch.int64)
+    node_counts = torch.full((P, P), 2, dtype=torch.int64)  # pairs and their copies, per peer
     return [Stage("node_counts", node_counts, ID_BYTES, False),
             Stage("node_dispatch", pairs, dispatch_bytes, True, dim * act_bytes),
             Stage("node_weights", pairs, K * act_bytes, True),

@@ -106,10 +106,9 @@ def _check_ep_modes(layout: "Layout") -> None:
     if layout.ep_dedup and layout.ep_capacity_factor > 0:
         raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
                          f"not combined yet (the node hop needs host split sizes); choose one")
-    if layout.ep_overlap_chunks > 1 and (layout.ep_dedup or layout.ep_capacity_factor > 0
-                                         or layout.ep_dispatch_dtype != "compute"):
-        other = ("parallel.ep_dedup" if layout.ep_dedup else f"parallel.ep_capacity_factor={layout.ep_capacity_factor}"
-                 if layout.ep_capacity_factor > 0 else f"parallel.ep_dispatch_dtype={layout.ep_dispatch_dtype!r}")
+    if layout.ep_overlap_chunks > 1 and (layout.ep_capacity_factor > 0 or layout.ep_dispatch_dtype != "compute"):
+        other = (f"parallel.ep_capacity_factor={layout.ep_capacity_factor}" if layout.ep_capacity_factor > 0
+                 else f"parallel.ep_dispatch_dtype={layout.ep_dispatch_dtype!r}")
         raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with {other}: not combined yet "
                          f"(the overlap pipelines the direct dispatch); choose one")
 

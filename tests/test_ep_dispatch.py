@@ -36,6 +36,8 @@ CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
 CASES["headline_dropping"] = ParallelConfig(**HEADLINE, ep_capacity_factor=0.5)
 CASES["headline_overlap"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2)
 CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
+CASES["headline_dedup_overlap"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
+CASES["folded_dedup_overlap"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2)
 CASES["headline_fp8"] = ParallelConfig(**HEADLINE, ep_dispatch_dtype="float8_e4m3")
 CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
 INEXACT = ("headline_dropping", "headline_fp8", "folded_dedup_fp8")
@@ -89,8 +91,8 @@ def test_gateway_is_self_on_own_node_and_one_per_node():
     (["--parallel.ep_capacity_factor=-1"], 8, "parallel.ep_capacity_factor=-1.0: must be finite and >= 0"),
     (["--parallel.ep_dedup=true", "--parallel.ep=1"], 8, "parallel.ep_dedup=True has no effect with parallel.ep=1"),
     (["--parallel.ep_overlap_chunks=0"], 8, "parallel.ep_overlap_chunks=0: must be >= 1"),
-    (["--parallel.ep_overlap_chunks=2", "--parallel.ep_dedup=true"], 8,
-     "parallel.ep_overlap_chunks=2 with parallel.ep_dedup: not combined yet"),
+    (["--parallel.ep_overlap_chunks=2", "--parallel.ep_capacity_factor=1"], 8,
+     "parallel.ep_overlap_chunks=2 with parallel.ep_capacity_factor=1.0: not combined yet"),
     (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
      "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
 ])
@@ -255,7 +257,7 @@ def test_dedup_cross_node_rows_are_distinct_token_node_pairs(results):
         for rank, by_case in enumerate(per_rank):
             ep_ranks = by_case[name]["ep_ranks"]
             off_node_peers = sum(1 for r in ep_ranks if r // RPN != rank // RPN)
-            counts = len(by_case[name]["routing"]) * off_node_peers * (1 + c.n_routed_experts // len(ep_ranks)) * 8
+            counts = len(by_case[name]["routing"]) * off_node_peers * (2 + c.n_routed_experts // len(ep_ranks)) * 8
             expected = out_pairs[rank] * (c.dim * 4 + K * 4 + K * 8) + in_pairs[rank] * c.dim * 4 + counts
             assert by_case[name]["forward"][1] == expected, (name, rank)
 
