@@ -17,6 +17,7 @@ import torch
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
 EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
+PIPELINED_STAGES = ("dispatch", "combine", "fan_out", "fan_in")  # what ep_overlap_chunks pipelines (not the node hop)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,33 +58,27 @@ def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
 
 
 def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, act_bytes: int,
-             activation_checkpoint: str = "none") -> tuple[float, float, float]:
-    """(intra-node, inter-node bytes one rank sends per step, distinct nodes per token): the dispatch
-    plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks,
-    token-proportional stages scaled to `local_tokens` (the count exchanges not); forward, backward,
-    and what activation checkpointing reruns (full: the layer's forward; selective: the experts'
-    dispatch and combine), every MoE layer and micro-batch."""
+             activation_checkpoint: str = "none") -> tuple[dict, float]:
+    """({stage name: (intra-node, inter-node bytes one rank sends per step)}, distinct nodes per token):
+    the dispatch plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep
+    ranks, token-proportional stages scaled to `local_tokens` (the count exchanges not); forward,
+    backward, and what activation checkpointing reruns (full: the layer's forward; selective: the
+    experts' dispatch and combine), every MoE layer and micro-batch."""
     from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
 
     routing = sampled_routing(config, layout.ep)
     stages = layer_stages(config, layout, routing, act_bytes, placement)
-    passes = [(stages, False), (stages, True)]  # forward, backward
-    if activation_checkpoint == "full":
-        passes.append((stages, False))
-    elif activation_checkpoint == "selective":
-        passes.append(([s for s in stages if s.name in EXPERT_STAGES], False))
-    scale = local_tokens / SAMPLE_TOKENS
-    total = {"intra": 0.0, "inter": 0.0}
-    for chosen, backward in passes:
-        for subset, k in (([s for s in chosen if s.name in INTEGER_STAGES], 1.0),
-                          ([s for s in chosen if s.name not in INTEGER_STAGES], scale)):
-            if subset:
-                sent = sent_bytes(subset, placement, backward)
-                for link in total:
-                    total[link] += sent[link].double().mean().item() * k
+    reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
+    n = (config.n_layers - config.n_dense_layers) * micro_batches
+    out = {}
+    for stage in stages:
+        k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
+        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES)
+        sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
+        out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
+                                     + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
     nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
-    n_moe = config.n_layers - config.n_dense_layers
-    return total["intra"] * n_moe * micro_batches, total["inter"] * n_moe * micro_batches, nodes
+    return out, nodes
 
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
@@ -114,7 +109,7 @@ def dispatch_variants(layout) -> dict:
         return {}
     base = degrees_only(layout)
     combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
-              "dedup": {"ep_dedup": True}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
+              "dedup": {"ep_dedup": True}, "dedup_overlap2": {"ep_dedup": True, "ep_overlap_chunks": 2}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
               "capacity1.25": {"ep_capacity_factor": 1.25},
               "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}

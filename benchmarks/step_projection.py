@@ -189,13 +189,23 @@ def ep_placement(config, layout):
 
 
 def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int,
-               activation_checkpoint: str = "none") -> tuple[Link, float]:
-    """(EP bytes one rank sends per step, distinct nodes per token): benchmarks/ep_projection.py."""
+               activation_checkpoint: str = "none") -> tuple[dict, float]:
+    """({all-to-all stage: Link of the bytes one rank sends per step}, distinct nodes per token):
+    benchmarks/ep_projection.py."""
     if layout.ep == 1:
-        return Link(), 1.0
-    intra, inter, nodes = ep_projection.ep_bytes(config, layout, ep_placement(config, layout), local_tokens,
-                                                 micro_batches, act_bytes, activation_checkpoint)
-    return Link(intra, inter), nodes
+        return {}, 1.0
+    by_stage, nodes = ep_projection.ep_bytes(config, layout, ep_placement(config, layout), local_tokens,
+                                             micro_batches, act_bytes, activation_checkpoint)
+    return {name: Link(*b) for name, b in by_stage.items()}, nodes
+
+
+def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
+    """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
+    the previous one's data), each as long as its slower link; with pieces, the pipelined stages hide
+    behind the routed experts' matmuls as `exposed_ep_s` says, the node hop does not."""
+    seconds = {name: max(_link_seconds(link, device)) for name, link in stages.items()}
+    piped = sum(t for name, t in seconds.items() if name in ep_projection.PIPELINED_STAGES) if chunks > 1 else 0.0
+    return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -287,20 +297,21 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[args.param_dtype], grad_bytes=4,
                         grad_sync=grad_sync)
     checkpointing = getattr(config_job.training, "activation_checkpoint", "none")
-    ep, nodes_per_token = ep_traffic(c, layout, local_tokens, micro, act_bytes, checkpointing)
+    ep_stages, nodes_per_token = ep_traffic(c, layout, local_tokens, micro, act_bytes, checkpointing)
+    ep = sum(ep_stages.values(), Link())
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
     split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
                + split["attention"] / rates["attention_bf16"])
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
-    ep_s, cp_s = max(_link_seconds(ep, device)), max(_link_seconds(cp, device))
+    expert_s = split["experts"] / rates["grouped_mm_bf16"]
+    ep_s, cp_s = ep_seconds(ep_stages, device, expert_s, layout.ep_overlap_chunks), max(_link_seconds(cp, device))
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro, checkpointing)
-    expert_s = split["experts"] / rates["grouped_mm_bf16"]
-    exposed = compute + exposed_ep_s(ep_s, expert_s, layout.ep_overlap_chunks) + cp_s
+    exposed = compute + ep_s + cp_s
     if args.overlap_ep:
         exposed = max(compute, ep_s + cp_s)
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
