@@ -403,3 +403,22 @@ def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monk
     err = capsys.readouterr().err.strip()
     assert err == ("config error: parallel.ep_dispatch_dtype='float8_e4m3' needs a GPU with float8 support (compute "
                    "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
+
+
+@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
+def test_large_configs_set_the_recommended_dispatch(model):
+    """The 256-GPU configs' layout and EP knobs are the row benchmarks/step_projection.py recommends
+    among every layout and dispatch combination (its committed --compare 256 JSON, bf16)."""
+    import json
+    import os
+
+    from benchmarks.ep_projection import dispatch_knobs
+    from benchmarks.step_projection import describe
+    from runtime.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    layout = load_config(["--config", os.path.join(root, "configs", f"{model}_256gpu.toml")]).layout(256)
+    path = os.path.join(root, "benchmarks", "results", f"step_projection_{model}_bf16_dispatch_compare.json")
+    with open(path) as f:
+        (best,) = [r for r in json.load(f)["rows"] if r.get("recommended")]
+    assert (best["layout"], best["dispatch"], best["fits"]) == (describe(layout), dispatch_knobs(layout), True)
