@@ -19,16 +19,21 @@ token loads are assumed uniform):
               every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
               (every micro-batch; fewer with --grad-sync, parallel/overlap.py). Shards padded as
               FSDP2 pads them.
-  ep          dispatch + combine all-to-alls, forward and backward, per MoE layer and micro-batch:
-              t K D bytes, (ep - 1)/ep of it to peers under uniform routing (t local tokens)
+  ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
+              with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
+              the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
+              backward and the recompute of activation checkpointing, per MoE layer and micro-batch;
+              each layout is also projected with every other dispatch combination the runtime
+              implements, and the fastest row that fits is marked "recommended"
   cp          the keys' all-gather (backward: reduce-scatter) per layer and micro-batch, what
               parallel/context_parallel.py gathers: MLA's latent + rotary key (kv_lora_rank + rope
               dim values per token), GQA's kv heads (2 G E); --cp-gather expanded: the expanded K/V
               (H (qk + v), or 2 H E), as it gathered before, plus that version's positions all-gather
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
-  host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches (runtime/syncs.py, measured by
-              benchmarks/host_syncs.py and tests/test_host_syncs.py)
+  host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
+              (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py, measured by
+              benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
 peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
@@ -42,8 +47,9 @@ Time (device model: benchmarks/device_model.py links; compute rates below, or me
            + host_syncs x SYNC_S
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
-CP collectives sit on the critical path (the runtime does not overlap them; --overlap-ep shows the
-what-if max(compute, ep + cp) instead); a host sync is charged SYNC_S of idle device.
+CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
+routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if max(compute, ep + cp) (no
+runtime does that); a host sync is charged SYNC_S of idle device.
 MFU = model FLOPs / (step x peak).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
@@ -66,6 +72,8 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
+from benchmarks import ep_projection
+from benchmarks.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from runtime.cli import user_errors
 from runtime.paths import check_outputs, config_inputs
 
@@ -184,12 +192,30 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
     return out
 
 
-def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int) -> Link:
-    """Dispatch + combine, forward + backward, every MoE layer and micro-batch; uniform routing."""
+def ep_placement(config, layout):
+    """The dispatch plan's placement of rank 0's ep group (mesh groups are translates of it)."""
     size, stride = groups(layout)["ep"]
-    n_moe = config.n_layers - config.n_dense_layers
-    per_peer = local_tokens * config.n_activated_experts * config.dim * act_bytes / size
-    return all_gather(per_peer, size, stride).scale(4 * n_moe * micro_batches)
+    return ep_projection.placement(config, size, stride, GPUS_PER_NODE)
+
+
+def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int,
+               activation_checkpoint: str = "none") -> tuple[dict, float]:
+    """({all-to-all stage: Link of the bytes one rank sends per step}, distinct nodes per token):
+    benchmarks/ep_projection.py."""
+    if layout.ep == 1:
+        return {}, 1.0
+    by_stage, nodes = ep_projection.ep_bytes(config, layout, ep_placement(config, layout), local_tokens,
+                                             micro_batches, act_bytes, activation_checkpoint)
+    return {name: Link(*b) for name, b in by_stage.items()}, nodes
+
+
+def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
+    """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
+    the previous one's data), each as long as its slower link; with pieces, the pipelined stages hide
+    behind the routed experts' matmuls as `exposed_ep_s` says, the node hop does not."""
+    seconds = {name: max(_link_seconds(link, device)) for name, link in stages.items()}
+    piped = sum(t for name, t in seconds.items() if name in ep_projection.PIPELINED_STAGES) if chunks > 1 else 0.0
+    return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -229,9 +255,13 @@ def flops_split(config, seq_len: int) -> dict:
 
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
-    """1 per step + under EP 1 per MoE layer and micro-batch, twice when "full" checkpointing reruns
-    the whole MoE layer (a "selective" recompute of the experts reuses the split sizes)."""
-    per_layer = 2 if activation_checkpoint == "full" else 1
+    """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
+    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
+    twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
+    reuses the split sizes)."""
+    from parallel.ep_plan import host_syncs_per_layer
+
+    per_layer = host_syncs_per_layer(layout) * (2 if activation_checkpoint == "full" else 1)
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
@@ -280,18 +310,21 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     units = fsdp_units(model)
     fsdp = fsdp_traffic(units, layout, c, micro, param_bytes=DTYPE_BYTES[dtypes["param_dtype"]],
                         grad_bytes=DTYPE_BYTES[dtypes["reduce_dtype"]], grad_sync=grad_sync)
-    ep = ep_traffic(c, layout, local_tokens, micro, act_bytes)
+    checkpointing = dtypes["activation_checkpoint"]
+    ep_stages, nodes_per_token = ep_traffic(c, layout, local_tokens, micro, act_bytes, checkpointing)
+    ep = sum(ep_stages.values(), Link())
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
     split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
                + split["attention"] / rates["attention_bf16"])
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
-    ep_s, cp_s = max(_link_seconds(ep, device)), max(_link_seconds(cp, device))
+    expert_s = split["experts"] / rates["grouped_mm_bf16"]
+    ep_s, cp_s = ep_seconds(ep_stages, device, expert_s, layout.ep_overlap_chunks), max(_link_seconds(cp, device))
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
-    opt_s = optimizer_step_s(c, layout, device) if optimizer else 0.0
-    syncs = sync_count(c, layout, micro, dtypes["activation_checkpoint"])
+    opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
+    syncs = sync_count(c, layout, micro, checkpointing)
     exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
@@ -303,6 +336,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "grad_sync": grad_sync,
         "model_tflop_per_gpu": flops / 1e12, "flops_split_tflop": {k: v / 1e12 for k, v in split.items()},
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
+        "dispatch": dispatch_knobs(layout), "ep_nodes_per_token": nodes_per_token,
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
         "time_s": {"compute": compute, "ep": ep_s, "cp": cp_s, "fsdp_nvlink": fsdp_nvlink_s,
                    "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s, "all_network": network_s,
@@ -398,19 +432,36 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
         scaled = scaled_job(job, world, config_world)
         base = job.layout(world) if world == config_world else None
         for name, layout in candidate_layouts(scaled, world, base).items():
-            row = project_layout(scaled, layout, device, rates, args)
-            row["name"] = name
-            rows.append(row)
-            print(format_row(row), flush=True)
-        fitting = [r for r in rows if r["world"] == world and r["fits"]]
-        best = min(fitting or [r for r in rows if r["world"] == world], key=lambda r: r["time_s"]["step"])
-        best["recommended"] = True
-        print(f"  recommended at {world} GPUs: {best['layout']} ({best['time_s']['step']:.2f} s, "
-              f"MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})", flush=True)
+            rows += project_variants(scaled, name, layout, device, rates, args)
+        recommend([r for r in rows if r["world"] == world], world)
     return rows
 
 
-HEADER = ("world layout                                           step s  compute  ep s  cp s fsdpNVL fsdpNET"
+def project_variants(job, name, layout, device, rates, args) -> list[dict]:
+    """The rows of one layout: with its own dispatch knobs, then with every other combination the
+    runtime implements (`dispatch_variants`), named name+variant."""
+    variants = {name: layout}
+    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout).items() if lay != layout}
+    rows = []
+    for row_name, lay in variants.items():
+        row = project_layout(job, lay, device, rates, args)
+        row["name"] = row_name
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+def recommend(rows: list[dict], world: int) -> dict:
+    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`."""
+    best = min([r for r in rows if r["fits"]] or rows, key=lambda r: r["time_s"]["step"])
+    best["recommended"] = True
+    print(f"  recommended at {world} GPUs: {best['name']}: {best['layout']} {describe_knobs(best['dispatch'])} "
+          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})",
+          flush=True)
+    return best
+
+
+HEADER = ("world layout                                   dispatch       step s  compute  ep s  cp s fsdpNVL fsdpNET"
           "   opt s syncs"
           "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
 
@@ -419,7 +470,8 @@ def format_row(r: dict) -> str:
     t = r["time_s"]
     fsdp_intra = sum(v["intra_gb"] for m in r["fsdp"].values() for v in m.values())
     fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
-    return (f"{r['world']:5d} {r['layout']:48s} {t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
+    return (f"{r['world']:5d} {r['layout']:40s} {r['name'].split('+')[-1] if '+' in r['name'] else 'own':14s} "
+            f"{t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
             f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
             f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} "
             f"{r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
@@ -486,10 +538,8 @@ def main(argv=None) -> dict:
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
     else:
-        row = project_layout(job, job.layout(world), device, rates, args)
-        row["name"] = "config"
-        rows = [row]
-        print(format_row(row))
+        rows = project_variants(job, "config", job.layout(world), device, rates, args)
+        recommend(rows, world)
     out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
            **used, "cp_gather": args.cp_gather, "memory_note": MEMORY_NOTE, "rows": rows}
     if args.json:

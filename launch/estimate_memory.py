@@ -292,7 +292,7 @@ def muon_step(job: Job) -> int:
     o = job.config.optim
     specs = model_specs(job.config.model, job.layout)  # expert ranks follow parallel.expert_inner
     options = plan_options(o, "cpu" if job.device == "cpu" else "cuda", bucket_mb=o.bucket_mb,
-                           replica_split=o.replica_split, ranks_per_node=o.ranks_per_node)
+                           replica_split=o.replica_split, ranks_per_node=job.layout.ranks_per_node)
     return int(STEP_BUCKETS[o.overlap] * largest_bucket(make_plan(specs, job.layout.world_size, options), job.rank))
 
 

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
+from parallel.ep_fp8 import check_fp8_device  # noqa: E402
 from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
@@ -34,6 +35,8 @@ def check_environment(config) -> None:
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    if config.parallel.ep_dispatch_dtype != "compute":
+        check_fp8_device(config.training.device_type())  # parallel.ep_dispatch_dtype: float8 on this device
     check_run_dir(config.run.dir)
     check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)

@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import one_line  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
+from parallel.ep_fp8 import check_fp8_device  # noqa: E402
 from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.posttrain import PosttrainConfig  # noqa: E402
@@ -36,6 +37,8 @@ def check_environment(config) -> None:
     that only post-training reads (ValueError naming the key otherwise)."""
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    if config.parallel.ep_dispatch_dtype != "compute":
+        check_fp8_device(config.training.device_type())  # parallel.ep_dispatch_dtype: float8 on this device
     if config.data.source == "rollouts":
         raise ValueError("data.source='rollouts' is post-training data: run launch/posttrain.py")
     default = PosttrainConfig()

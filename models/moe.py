@@ -169,7 +169,16 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         weights_TK, experts_TK = self.router(x_BSD)
+        out_TD = self.routed(x_TD, weights_TK, experts_TK)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(B, S, D)
+
+    def routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token (out_TD). The dispatch interface: expert
+        parallelism may swap this method for one that moves tokens differently (parallel/ep_dedup.py)."""
         T, K = experts_TK.shape
+        D = x_TD.shape[1]
         # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
         order_N = torch.argsort(experts_TK.flatten(), stable=True)
         counts = self.experts.exchange_counts(expert_counts(experts_TK, self.router.n_experts))
@@ -177,7 +186,4 @@ class MoE(nn.Module):
         y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
         # Combine in the compute dtype (the fp32 router weights are rounded to it; the sum over K
         # accumulates in fp32 inside torch's reduction): no fp32 copy of the N x D expert outputs.
-        out_TD = (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
-        return out_TD.view(B, S, D)
+        return (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)

@@ -37,7 +37,6 @@ class OptimConfig:
     bucket_mb: float = 256.0  # sharded Muon: NS input each rank owns per pipelined all-to-all bucket, MiB
     replica_split: str = "auto"  # sharded Muon: split NS over HSDP replicas too ("on"/"off"; "auto" = the plan's cost model)
     overlap: bool = True  # sharded Muon: next bucket's all-to-all in flight during this bucket's NS
-    ranks_per_node: int = 8  # sharded Muon: ranks per node, for the plan's intra/inter-node cost model
     qk_clip_tau: float = 0.0  # QK-clip: rescale q/k of heads whose step max logit > tau (0 = off; Kimi K2: 100)
     qk_clip_alpha: float = 0.5  # QK-clip: exponent of gamma on non-rotary queries (the key takes 1 - alpha)
 
@@ -57,12 +56,11 @@ class OptimConfig:
                   "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
                   "adam_eps": finite["adam_eps"] and self.adam_eps > 0,
                   "bucket_mb": finite["bucket_mb"] and self.bucket_mb > 0,
-                  "ranks_per_node": self.ranks_per_node >= 1,
                   "qk_clip_tau": finite["qk_clip_tau"] and self.qk_clip_tau >= 0,
                   "qk_clip_alpha": 0 <= self.qk_clip_alpha <= 1}
         ranges = {"lr": "finite and >= 0", "weight_decay": "finite and >= 0", "momentum": "in [0, 1)",
                   "ns_steps": ">= 1", "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)",
-                  "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0", "ranks_per_node": ">= 1",
+                  "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0",
                   "qk_clip_tau": "finite and >= 0", "qk_clip_alpha": "in [0, 1]"}
         for key, ok in checks.items():
             if not ok:

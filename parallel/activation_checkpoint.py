@@ -62,9 +62,10 @@ def _checkpoint_forward(module: nn.Module) -> None:
     inner = module.forward  # the class forward, or the one expert parallelism swapped in
     routers = [m for m in module.modules() if isinstance(m, Router)]
     recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
+    dropping = [m for m in module.modules() if hasattr(m, "ep_drop_counts")]  # parallel/ep_capacity.py
 
     def context_fn():
-        return contextlib.nullcontext(), _as_recompute(routers, recorders)
+        return contextlib.nullcontext(), _as_recompute(routers, dropping, recorders)
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -73,17 +74,20 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _as_recompute(routers: list[Router], recorders: list[CausalAttention]):
-    """Around a recompute: leave the routers' token counts as the original forward left them, and
+def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: list[CausalAttention]):
+    """Around a recompute: leave the routers' token counts (and EP drop counts) as the original forward
+    left them (read when the recompute starts: the drop counters exist from the first forward on), and
     record no QK-clip maxima (the original forward recorded the same logits)."""
-    saved = [router.tokens_per_expert.clone() for router in routers]
+    counters = [r.tokens_per_expert for r in routers] + [m.ep_drop_counts for m in dropping
+                                                         if m.ep_drop_counts is not None]
+    saved = [counter.clone() for counter in counters]
     recording = [recorder.record_max_logits for recorder in recorders]
     for recorder in recorders:
         recorder.record_max_logits = False
     try:
         yield
     finally:
-        for router, counts_E in zip(routers, saved):
-            router.tokens_per_expert.copy_(counts_E)
+        for counter, value in zip(counters, saved):
+            counter.copy_(value)
         for recorder, flag in zip(recorders, recording):
             recorder.record_max_logits = flag

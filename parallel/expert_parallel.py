@@ -16,6 +16,11 @@ weights get exactly the gradient of the tokens they saw. A rank or expert with n
 an empty grouped matmul, which still yields a (zero) gradient for every local expert weight, so
 all ranks reduce the same gradients.
 
+Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
+`apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
+(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py), FP8 rows (parallel/ep_fp8.py);
+parallel/ep_plan.py is the plan they and the projection share.
+
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
 F expert hidden dim, E experts, L local experts (E/ep), P ep ranks.
 """
@@ -34,11 +39,24 @@ from models.experts import GroupedExperts, swiglu_experts
 EXPERT_WEIGHTS = ("w13", "w2")
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward.
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) -> None:
+    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward; with
+    `layout.ep_dedup`, also swap every MoE's `routed` for the node-deduplicated dispatch; with
+    `layout.ep_capacity_factor` > 0, the experts' dispatch for the fixed-capacity one (no host sync).
 
     Applied for ep == 1 too (a size-1 mesh), so expert weights have the same placements in every
     layout. Each rank keeps its own slice of the (identical) full weights: no communication."""
+    if layout is not None and layout.ep_dedup:
+        _apply_dedup(model, ep_mesh, layout.ranks_per_node)
+    if layout is not None and layout.ep_dispatch_dtype != "compute":
+        from parallel.ep_fp8 import check_fp8_device
+
+        check_fp8_device(ep_mesh.device_type)
+        from models.moe import MoE
+
+        for module in model.modules():
+            if isinstance(module, (MoE, GroupedExperts)):
+                module.ep_dispatch_dtype = layout.ep_dispatch_dtype  # read by `dispatch_rows`
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name in EXPERT_WEIGHTS:
@@ -48,6 +66,28 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             module.ep_group = ep_mesh.get_group()
             module.exchange_counts = types.MethodType(expert_parallel_exchange_counts, module)
             module.forward = types.MethodType(expert_parallel_forward, module)
+    if layout is not None and layout.ep_capacity_factor > 0:
+        from parallel.ep_capacity import apply_capacity
+
+        apply_capacity(model, layout.ep_capacity_factor)
+    if layout is not None and layout.ep_overlap_chunks > 1:
+        from parallel.ep_overlap import apply_overlap
+
+        apply_overlap(model, layout.ep_overlap_chunks)
+
+
+def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:
+    from models.moe import MoE
+    from parallel.ep_dedup import dedup_routed
+    from parallel.ep_plan import Placement
+
+    group = ep_mesh.get_group()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ep_placement = Placement(module.router.n_experts, tuple(dist.get_process_group_ranks(group)),
+                                            ranks_per_node)
+            module.ep_group, module.ep_rank = group, dist.get_rank(group)
+            module.routed = types.MethodType(dedup_routed, module)
 
 
 @dataclass
@@ -102,7 +142,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
     n_ranks, n_local = recv_counts_PL.shape
     send_splits, recv_splits = counts.split_sizes()  # host sync: split sizes must be Python ints
 
-    x_RD = _all_to_all(x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
+    x_RD = dispatch_rows(self, x_TD, recv_splits, send_splits, self.ep_group)  # communication: dispatch
     # Received rows are ordered (source rank, local expert); the grouped matmul needs (local expert, ...).
     expert_of_row_R = torch.arange(n_local, device=x_TD.device).repeat(n_ranks).repeat_interleave(
         recv_counts_PL.flatten(), output_size=sum(recv_splits)  # output_size: no second host sync
@@ -116,6 +156,16 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """The local experts of an (unsharded by FSDP) expert weight; gradients flow back as Shard(0)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def dispatch_rows(module: nn.Module, x_ND: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """The dispatch all-to-all of activation rows, in FP8 when `parallel.ep_dispatch_dtype` says so
+    (parallel/ep_fp8.py), else in x's dtype. A GPU dispatch backend would replace this call."""
+    if getattr(module, "ep_dispatch_dtype", "compute") == "float8_e4m3":
+        from parallel.ep_fp8 import fp8_all_to_all
+
+        return fp8_all_to_all(x_ND, out_splits, in_splits, group)
+    return _all_to_all(x_ND, out_splits, in_splits, group)
 
 
 def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

@@ -19,6 +19,9 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
 both (README "Whole-step projection").
 
+`ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
+dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement.
+
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
 """
@@ -43,6 +46,11 @@ class ParallelConfig:
     edp_replicate: int = 1  # expert: HSDP replicas of the routed-expert weights
     edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
     expert_inner: Literal["ep", "edp_shard"] = "ep"  # expert axis on consecutive ranks (inside a node): ep = all-to-all in a node, expert FSDP across nodes; edp_shard = expert FSDP in a node, ep across nodes
+    ranks_per_node: int = 8  # ranks per node (consecutive ranks): the optimizer plan's and the EP dispatch's intra/inter-node split
+    ep_dedup: bool = False  # EP: send a token once per destination node, fan out inside it, sum inside it on the way back (parallel/ep_dedup.py)
+    ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep_capacity.py)
+    ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep_overlap.py)
+    ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -51,6 +59,7 @@ class ParallelConfig:
             if value == 0 or value < -1:
                 raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
         _check_expert_inner(self.expert_inner)
+        check_ep_knobs(self)
 
     def resolve(self, world_size: int) -> "Layout":
         """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
@@ -59,12 +68,49 @@ class ParallelConfig:
         self.check_degrees()
         dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
         expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
-        return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner)
+        knobs = {k: getattr(self, k) for k in EP_KNOBS}
+        return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner, **knobs)
 
 
 def _check_expert_inner(value) -> None:
     if value not in EXPERT_INNER:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
+
+
+EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")
+DISPATCH_DTYPES = ("compute", "float8_e4m3")
+
+
+def check_ep_knobs(c) -> None:
+    """ValueError (one line, the key and its value) for an out-of-range node size or EP dispatch knob."""
+    if c.ranks_per_node < 1:
+        raise ValueError(f"parallel.ranks_per_node={c.ranks_per_node}: must be >= 1")
+    if not (c.ep_capacity_factor >= 0 and c.ep_capacity_factor != float("inf")):
+        raise ValueError(f"parallel.ep_capacity_factor={c.ep_capacity_factor}: must be finite and >= 0 (0 = off)")
+    if c.ep_overlap_chunks < 1:
+        raise ValueError(f"parallel.ep_overlap_chunks={c.ep_overlap_chunks}: must be >= 1 (1 = no overlap)")
+    if c.ep_dispatch_dtype not in DISPATCH_DTYPES:
+        raise ValueError(f"parallel.ep_dispatch_dtype={c.ep_dispatch_dtype!r}: expected one of {DISPATCH_DTYPES}")
+
+
+def _check_ep_modes(layout: "Layout") -> None:
+    """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
+    on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
+          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute"}
+    for key, enabled in on.items():
+        if enabled and layout.ep == 1:
+            raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
+    if layout.ep_dedup and layout.world_size % layout.ranks_per_node:
+        raise ValueError(f"parallel.ep_dedup: parallel.ranks_per_node={layout.ranks_per_node} does not divide "
+                         f"the world size {layout.world_size}")
+    if layout.ep_dedup and layout.ep_capacity_factor > 0:
+        raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
+                         f"not combined yet (the node hop needs host split sizes); choose one")
+    if layout.ep_overlap_chunks > 1 and (layout.ep_capacity_factor > 0 or layout.ep_dispatch_dtype != "compute"):
+        other = (f"parallel.ep_capacity_factor={layout.ep_capacity_factor}" if layout.ep_capacity_factor > 0
+                 else f"parallel.ep_dispatch_dtype={layout.ep_dispatch_dtype!r}")
+        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with {other}: not combined yet "
+                         f"(the overlap pipelines the direct dispatch); choose one")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -100,6 +146,11 @@ class Layout:
     edp_replicate: int
     edp_shard: int
     expert_inner: str = "ep"  # see ParallelConfig.expert_inner
+    ranks_per_node: int = 8  # see ParallelConfig (and the EP knobs below)
+    ep_dedup: bool = False
+    ep_capacity_factor: float = 0.0
+    ep_overlap_chunks: int = 1
+    ep_dispatch_dtype: str = "compute"
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:
@@ -174,6 +225,8 @@ def _check_positive(layout: Layout) -> None:
         if getattr(layout, name) < 1:
             raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
     _check_expert_inner(layout.expert_inner)
+    check_ep_knobs(layout)
+    _check_ep_modes(layout)
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep
     for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):

@@ -340,7 +340,13 @@ def _collect(toml: dict, overrides: list[tuple[str, str]], sections: dict) -> di
     return values
 
 
+MOVED_KEYS = {"optim.ranks_per_node": "parallel.ranks_per_node"}  # old dotted key -> its new home
+
+
 def _lookup(sections: dict, section: str, key: str):
+    if f"{section}.{key}" in MOVED_KEYS:
+        raise ConfigError(f"{section}.{key}: moved to {MOVED_KEYS[f'{section}.{key}']} (one node size for the "
+                          f"whole job: the optimizer plan and the EP dispatch read it)")
     types = _key_types(section, sections[section])
     if key not in types:
         raise ConfigError(f"{section}.{key}: unknown key (valid: {', '.join(types)})")

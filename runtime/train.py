@@ -30,6 +30,7 @@ from models.splits import muon_splits
 from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
 from optim.sharded_muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.ep_capacity import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
@@ -80,7 +81,8 @@ def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
     """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest."""
     o = config.optim
     return ShardedMuon(list(model.named_parameters()), muon_splits(model), o, bucket_mb=o.bucket_mb,
-                       replica_split=o.replica_split, overlap=o.overlap, ranks_per_node=o.ranks_per_node)
+                       replica_split=o.replica_split, overlap=o.overlap,
+                       ranks_per_node=config.parallel.ranks_per_node)
 
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train", say=None) -> Loader:
@@ -175,19 +177,23 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     local_loss, global_tokens, extra = objective.forward_backward(model, loader.next_step(), device)
     # torch.full, not torch.tensor: a tensor from host data is a pageable copy, which on CUDA waits for the stream
     signalled = torch.full((), float(preemption is not None and preemption.signalled), device=local_loss.device)
-    local = torch.stack([local_loss.float(), signalled])
-    loss, sigterms = global_loss(local) if dist.is_initialized() else local
+    drops = read_drop_counts(model)  # EP capacity: this rank's [dropped, routed] copies, or None
+    fraction = [drops[0].float() / drops[1].float().clamp(min=1)] if drops is not None else []
+    local = torch.stack([local_loss.float(), signalled, *fraction])  # summed with the loss: no extra collective
+    loss, sigterms, *dropped = global_loss(local) if dist.is_initialized() else local
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
     tau = config.optim.qk_clip_tau
-    values = [loss, grad_norm.float(), sigterms]
+    values = [loss, grad_norm.float(), sigterms, *dropped]
     if tau > 0:
         max_LH = step_max_logits(model)  # MAX all-reduce; QK-clip's metrics join the readback below
         reset_recording(model)
         values += list(clip_metrics(max_LH, tau))
-    loss_value, norm_value, sigterm_count, *qk_values = torch.stack(values).tolist()  # one host sync
+    loss_value, norm_value, sigterm_count, *rest = torch.stack(values).tolist()  # one host sync
+    ep = {"ep_dropped_fraction": rest.pop(0) / _world()} if dropped else {}  # every rank routes the same copies
+    qk_values = rest
     skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
     qk = {"max_logit": qk_values[0], "clipped_heads": int(qk_values[1])} if qk_values and not skipped else {}
     if skipped:
@@ -205,7 +211,11 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     end = time.perf_counter()
     return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "tokens": global_tokens,
             "step_time_s": end - start, "optimizer_time_s": end - optimizer_start, "skipped": skipped,
-            "preempted": sigterm_count > 0, **qk, **extra}
+            "preempted": sigterm_count > 0, **qk, **ep, **extra}
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def run_meta(config: JobConfig) -> dict:

@@ -184,7 +184,10 @@ def test_command_line_on_the_debug_config(tmp_path):
     from benchmarks.step_projection import main
 
     out = main(["--config", "configs/debug.toml", "--world", "8", "--json", str(tmp_path / "p.json")])
-    (row,) = out["rows"]
-    assert row["layout"] == "dense 1x4x2 | experts 1x1x8"
+    row, *variants = out["rows"]  # the config's own dispatch, then the other combinations (parallel/ep_plan.py)
+    assert row["layout"] == "dense 1x4x2 | experts 1x1x8" and row["name"] == "config"
     assert row["host_syncs"] == 1 + 2  # the step's readback + 2 MoE layers x 1 micro-batch under ep=8
     assert row["time_s"]["step"] > 0 and 0 < row["mfu"] < 1 and row["fits"]
+    syncs = {r["name"]: r["host_syncs"] for r in variants}
+    assert syncs["config+dedup"] == 1 + 2 * 2 and syncs["config+capacity1.25"] == 1 and syncs["config+overlap2"] == 3
+    assert sum(1 for r in out["rows"] if r.get("recommended")) == 1

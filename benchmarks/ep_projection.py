@@ -1,0 +1,123 @@
+"""EP traffic for the whole-step projection, from the runtime's dispatch plan (parallel/ep_plan.py).
+
+benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch combination
+(`dispatch_variants`): the stages of parallel/ep_plan.layer_traffic, the code the runtime dispatches
+with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
+byte is one the runtime would send for that routing (tests/test_ep_dispatch.py checks it to the byte
+on real 8-rank runs); the host syncs come from parallel/ep_plan.host_syncs_per_layer; the overlap is
+modelled as the runtime does it (`exposed_ep_s`).
+"""
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
+INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
+EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
+PIPELINED_STAGES = ("dispatch", "combine", "fan_out", "fan_in")  # what ep_overlap_chunks pipelines (not the node hop)
+
+
+@functools.lru_cache(maxsize=None)
+def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int = 0) -> tuple:
+    """experts_TK of `tokens` tokens per ep rank from the model's own Router (models/moe.py: group-limited
+    routing where the config has it) with a randomly initialized gate and standard normal inputs: the
+    routing of an untrained model, close to uniform. Each rank's sample comes from its own gate draw,
+    so that no single draw's favourite experts bias the mean over ranks. A trained router is more
+    skewed (not modelled)."""
+    from models.moe import Router
+
+    generator = torch.Generator().manual_seed(seed)
+    router = Router(config).eval()
+    bound = 1 / math.sqrt(config.dim)  # nn.Linear's default init, drawn from our generator
+    out = []
+    with torch.no_grad():
+        for _ in range(n_ranks):
+            router.gate.weight.uniform_(-bound, bound, generator=generator)
+            out.append(router(torch.randn(1, tokens, config.dim, generator=generator))[1])
+    return tuple(out)
+
+
+def placement(config, size: int, stride: int, gpus_per_node: int):
+    """The plan's placement of an ep group of `size` ranks `stride` apart from rank 0."""
+    from parallel.ep_plan import Placement
+
+    return Placement(config.n_routed_experts, tuple(i * stride for i in range(size)), gpus_per_node)
+
+
+def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
+    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
+    this routing (experts_TK per ep index) and the layout's dispatch knobs."""
+    from parallel.ep_plan import layer_traffic
+
+    dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
+    return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
+                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
+
+
+def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, act_bytes: int,
+             activation_checkpoint: str = "none") -> tuple[dict, float]:
+    """({stage name: (intra-node, inter-node bytes one rank sends per step)}, distinct nodes per token):
+    the dispatch plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep
+    ranks, token-proportional stages scaled to `local_tokens` (the count exchanges not); forward,
+    backward, and what activation checkpointing reruns (full: the layer's forward; selective: the
+    experts' dispatch and combine), every MoE layer and micro-batch."""
+    from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
+
+    routing = sampled_routing(config, layout.ep)
+    stages = layer_stages(config, layout, routing, act_bytes, placement)
+    reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
+    n = (config.n_layers - config.n_dense_layers) * micro_batches
+    out = {}
+    for stage in stages:
+        k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
+        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES)
+        sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
+        out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
+                                     + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
+    nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
+    return out, nodes
+
+
+def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
+    """EP seconds on the critical path. Without overlap all of them. With n pieces
+    (parallel/ep_overlap.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
+    piece's dispatch and the last piece's combine wait for / are waited for by nothing, so the layer
+    takes max(E + C/n, C + E/n), of which max(C/n, C - E (n-1)/n) beyond the matmuls. Only the routed
+    experts' matmuls hide all-to-alls (the runtime overlaps nothing else with them)."""
+    if chunks <= 1:
+        return ep_s
+    return max(ep_s / chunks, ep_s - expert_s * (chunks - 1) / chunks)
+
+
+def dispatch_knobs(layout) -> dict:
+    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")}
+
+
+def degrees_only(layout):
+    """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
+    return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
+                               ep_dispatch_dtype="compute")
+
+
+def dispatch_variants(layout) -> dict:
+    """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
+    the others), ep > 1 only."""
+    if layout.ep == 1:
+        return {}
+    base = degrees_only(layout)
+    combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
+              "dedup": {"ep_dedup": True}, "dedup_overlap2": {"ep_dedup": True, "ep_overlap_chunks": 2}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
+              "capacity1.25": {"ep_capacity_factor": 1.25},
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
+    return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
+
+
+def describe_knobs(knobs: dict) -> str:
+    parts = [("dedup" if knobs["ep_dedup"] else ""),
+             (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
+             (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
+             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else "")]
+    return "[" + (", ".join(p for p in parts if p) or "direct") + "]"

@@ -1,0 +1,173 @@
+"""Chunked EP dispatch with overlap (`parallel.ep_overlap_chunks` = n > 1): one piece's all-to-alls in
+flight while another piece's grouped matmuls run, in forward and in backward.
+
+Swapped in for GroupedExperts.forward (the direct path's inputs and output: token copies sorted by
+expert, out in the same order), so FSDP gathers the experts once per micro-batch, not once per piece:
+  1. pieces: the copies bound for each ep rank are cut into n consecutive slices (copy at position
+     `pos` of destination p's n_p rows -> piece floor(pos n / n_p)), so every piece sends to every
+     peer; within a piece the rows stay sorted by expert;
+  2. one count exchange for all pieces (all-to-all of [n, L] ints per peer) and one host read of the
+     split sizes: the layer's one host sync, as in the direct path;
+  3. the pipeline: dispatch(0) starts; for each piece i: dispatch(i+1) starts, dispatch(i) is
+     waited for, piece i's grouped matmul runs, combine(i) starts; then the combines are waited for.
+     The all-to-alls are asynchronous (`async_op=True`; gloo runs them on its own threads, NCCL on
+     its stream) and split into a start and a wait autograd node. In backward the wait node starts
+     the gradient's all-to-all and the start node waits for it; autograd runs ready nodes latest
+     first, so piece i+1's gradient all-to-all is in flight while piece i's matmul gradients run.
+Exact: each copy's output depends on its own row only, and the weight gradients sum the same
+products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). `ep_timeline`, when a
+list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
+
+Shape letters: N token copies of this rank (sorted by expert), D model dim, E experts, P ep ranks,
+L local experts, n pieces, M rows of one piece sent, R rows of one piece received.
+"""
+
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.experts import GroupedExperts, swiglu_experts
+
+
+def apply_overlap(model: nn.Module, chunks: int) -> None:
+    """Swap every GroupedExperts' exchange_counts/forward (already on the ep mesh) for the chunked ones."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.ep_overlap_chunks = chunks
+            module.ep_timeline = None
+            module.exchange_counts = types.MethodType(lambda self, counts_E: counts_E, module)
+            module.forward = types.MethodType(overlapped_forward, module)
+
+
+def overlapped_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Drop-in GroupedExperts.forward under EP with n pieces (module docstring)."""
+    from parallel.expert_parallel import EXPERT_WEIGHTS, _local
+
+    w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
+    group, n = self.ep_group, self.ep_overlap_chunks
+    P = dist.get_world_size(group)
+    L = counts_E.shape[0] // P
+    piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
+    recv_counts_nPL = _exchange(piece_counts_nPL, group)  # communication: counts of every piece
+    sizes = torch.stack([piece_counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()  # host sync: split sizes
+    order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
+    rows = [sum(s) for s in sizes[0]]
+    x_pieces = torch.split(x_ND[order_N], rows)
+    y_pieces = _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2)
+    return torch.empty_like(x_ND).index_copy(0, order_N, torch.cat(y_pieces))
+
+
+def _pieces(counts_E, P: int, L: int, n: int, N: int):
+    """(piece of each copy, copies per (piece, ep rank, local expert) [n, P, L]), on the device."""
+    counts_PL = counts_E.view(P, L)
+    expert_N = torch.repeat_interleave(torch.arange(P * L, device=counts_E.device), counts_E, output_size=N)
+    rank_N = expert_N // L
+    per_rank_P = counts_PL.sum(1)
+    position_N = torch.arange(N, device=counts_E.device) - (torch.cumsum(per_rank_P, 0) - per_rank_P)[rank_N]
+    piece_N = position_N * n // per_rank_P[rank_N].clamp(min=1)
+    flat = torch.zeros(n * P * L, dtype=torch.int64, device=counts_E.device)
+    flat.index_add_(0, piece_N * P * L + expert_N, torch.ones_like(expert_N))
+    return piece_N, flat.view(n, P, L)
+
+
+def _exchange(counts_nPL: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of the [n, L] counts bound for each peer; returns what each peer sends me, [n, P, L]."""
+    n, P, L = counts_nPL.shape
+    send_PnL = counts_nPL.transpose(0, 1).contiguous()
+    recv_PnL = torch.empty_like(send_PnL)
+    dist.all_to_all_single(recv_PnL, send_PnL, group=group)
+    return recv_PnL.transpose(0, 1).contiguous()
+
+
+def _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Tensor]:
+    """Dispatch, grouped matmul and combine of every piece, the all-to-alls of one piece in flight while
+    another computes (module docstring, step 3)."""
+    send, recv = sizes
+    n, group = len(x_pieces), self.ep_group
+    dispatched = [None] * n
+    dispatched[0] = _start(self, "dispatch", 0, x_pieces[0], recv[0], send[0], group)
+    combined = []
+    for i in range(n):
+        if i + 1 < n:
+            dispatched[i + 1] = _start(self, "dispatch", i + 1, x_pieces[i + 1], recv[i + 1], send[i + 1], group)
+        x_RD = _wait(self, "dispatch", i, *dispatched[i])
+        _mark(self, "compute_start", i)
+        y_RD = _experts(x_RD, recv_counts_nPL[i], w13, w2)
+        _mark(self, "compute_end", i)
+        combined.append(_start(self, "combine", i, y_RD, send[i], recv[i], group))
+    return [_wait(self, "combine", i, *c) for i, c in enumerate(combined)]
+
+
+def _experts(x_RD, recv_counts_PL, w13, w2) -> torch.Tensor:
+    """Received rows (source rank, local expert) regrouped by local expert, SwiGLU, original order."""
+    P, L = recv_counts_PL.shape
+    expert_of_row_R = torch.arange(L, device=x_RD.device).repeat(P).repeat_interleave(
+        recv_counts_PL.flatten(), output_size=x_RD.shape[0])
+    order_R = torch.argsort(expert_of_row_R, stable=True)
+    return swiglu_experts(x_RD[order_R], w13, w2, recv_counts_PL.sum(0))[torch.argsort(order_R)]
+
+
+def _mark(self, event: str, piece: int) -> None:
+    if self.ep_timeline is not None:
+        self.ep_timeline.append((event, piece, time.perf_counter()))
+
+
+def _start(self, name, piece, x_MD, out_splits, in_splits, group):
+    """Start an async all-to-all; returns (out buffer, its handle box) for `_wait`."""
+    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece)}
+    out_RD = _Start.apply(x_MD, out_splits, in_splits, group, box)
+    return out_RD, box
+
+
+def _wait(self, name, piece, out_RD, box):
+    return _Wait.apply(out_RD, box)
+
+
+class _Start(torch.autograd.Function):
+    """Forward: issue the all-to-all (async) into a new buffer. Backward: wait for the gradient's
+    all-to-all that `_Wait.backward` issued, and return its result (the gradient autograd hands this
+    node is the received rows' one, already being sent)."""
+
+    @staticmethod
+    def forward(ctx, x_MD, out_splits, in_splits, group, box):
+        ctx.box = box
+        out_RD = x_MD.new_empty((sum(out_splits), *x_MD.shape[1:]))
+        box["mark"]("start")
+        box["source"] = x_MD.contiguous()  # alive until the wait
+        box["work"] = dist.all_to_all_single(out_RD, box["source"], out_splits, in_splits, group=group,
+                                             async_op=True)
+        box["splits"], box["group"] = (out_splits, in_splits), group
+        return out_RD
+
+    @staticmethod
+    def backward(ctx, _grad_RD):  # the received rows' gradient, already on its way (`_Wait.backward`)
+        ctx.box["grad_work"].wait()
+        ctx.box["mark"]("grad_wait")
+        del ctx.box["grad_source"]
+        return ctx.box.pop("grad_in"), None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Forward: wait for the all-to-all `_Start` issued. Backward: issue the gradient's all-to-all
+    (async) back along the rows' way; `_Start.backward` waits for it."""
+
+    @staticmethod
+    def forward(ctx, out_RD, box):
+        ctx.box = box
+        box["work"].wait()
+        box["mark"]("wait")
+        del box["source"]
+        return out_RD.view_as(out_RD)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        out_splits, in_splits = ctx.box["splits"]
+        ctx.box["grad_in"] = grad_RD.new_empty((sum(in_splits), *grad_RD.shape[1:]))
+        ctx.box["mark"]("grad_start")
+        ctx.box["grad_source"] = grad_RD.contiguous()  # alive until the wait
+        ctx.box["grad_work"] = dist.all_to_all_single(ctx.box["grad_in"], ctx.box["grad_source"], in_splits,
+                                                      out_splits, group=ctx.box["group"], async_op=True)
+        return ctx.box["grad_source"], None  # passed through to `_Start.backward`, which returns grad_in

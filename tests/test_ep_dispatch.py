@@ -1,0 +1,424 @@
+"""EP dispatch at scale: the dispatch plan (parallel/ep_plan.py) against plain loops, and the runtime's
+dispatch variants on 8 gloo ranks in two simulated nodes (parallel.ranks_per_node=4) against the
+single-process step, with every all-to-all byte counted (benchmarks/ep_traffic.py) and compared with
+the plan.
+
+Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
+relative; allowed 2e-5 on gradients, 1e-5 on the loss and the norm).
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.ep_traffic import count_all_to_all, split_by_node
+from models import Transformer, preset
+from multirank import run_ranks
+from parallel.context_parallel import load_balanced_positions
+from parallel.ep_capacity import read_drop_counts
+from runtime.syncs import count_syncs
+from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
+from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.layout import ParallelConfig
+from parallel.meshes import build_meshes
+from parallel.parallelize import parallelize
+
+WORLD, BATCH, SEQ, RPN = 8, 8, 32, 4
+GRAD_RTOL, NORM_RTOL = 2e-5, 1e-5
+HEADLINE = dict(dp_shard=4, cp=2, ep=8, edp_shard=1, ranks_per_node=RPN)
+FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard", ranks_per_node=RPN)
+CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
+         for (name, layout), (knob, extra) in itertools.product(
+             (("headline", HEADLINE), ("folded", FOLDED)),
+             (("direct", {}), ("dedup", {"ep_dedup": True}), ("capacity", {"ep_capacity_factor": 8.0})))}
+CASES["headline_dropping"] = ParallelConfig(**HEADLINE, ep_capacity_factor=0.5)
+CASES["headline_overlap"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2)
+CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
+CASES["headline_dedup_overlap"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
+CASES["folded_dedup_overlap"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2)
+CASES["headline_fp8"] = ParallelConfig(**HEADLINE, ep_dispatch_dtype="float8_e4m3")
+CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
+INEXACT = ("headline_dropping", "headline_fp8", "folded_dedup_fp8")
+
+
+# -- the plan against plain loops (one process)
+
+def _loop_traffic(experts_by_rank, placement):
+    """Independent reference: direct copies, distinct (token, node) pairs and fan-out copies per
+    (src, dst) by Python loops over tokens."""
+    P, L = placement.size, placement.local_experts
+    direct, pairs, fan = ([[0] * P for _ in range(P)] for _ in range(3))
+    for src, experts_TK in enumerate(experts_by_rank):
+        gateway = placement.gateway(src)
+        for row in experts_TK.tolist():
+            for e in row:
+                direct[src][e // L] += 1
+            for node in sorted({placement.node_of_rank[e // L] for e in row}):
+                pairs[src][gateway[node]] += 1
+            for e in row:
+                fan[gateway[placement.node_of_rank[e // L]]][e // L] += 1
+    return direct, pairs, fan
+
+
+@pytest.mark.parametrize("ep_ranks", [tuple(range(8)), (0, 2, 4, 6), (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)])
+def test_plan_rows_equal_plain_loops(ep_ranks):
+    placement = Placement(24, ep_ranks, RPN)
+    g = torch.Generator().manual_seed(0)
+    routing = [torch.rand(13, 24, generator=g).topk(4, dim=1).indices for _ in ep_ranks]
+    direct, pairs, fan = _loop_traffic(routing, placement)
+    plain = {s.name: s.rows.tolist() for s in layer_traffic(routing, placement, 16, 4, dedup=False)}
+    dedup = {s.name: s.rows.tolist() for s in layer_traffic(routing, placement, 16, 4, dedup=True)}
+    assert plain["dispatch"] == direct
+    assert dedup["node_dispatch"] == pairs and dedup["fan_out"] == fan
+    distinct = sum(len({placement.node_of_rank[e // placement.local_experts] for e in row})
+                   for r in routing for row in r.tolist())
+    assert sum(map(sum, pairs)) == distinct == sum(int(distinct_nodes_per_token(r, placement).sum()) for r in routing)
+
+
+def test_gateway_is_self_on_own_node_and_one_per_node():
+    placement = Placement(16, (0, 2, 4, 6, 8, 10, 12, 14), RPN)  # 2 ep ranks per node, 4 nodes
+    for src in range(placement.size):
+        gateway = placement.gateway(src)
+        assert gateway[placement.node_of_rank[src]] == src
+        assert [placement.node_of_rank[g] for g in gateway] == list(range(placement.n_nodes))
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--optim.ranks_per_node=4"], 8, "optim.ranks_per_node: moved to parallel.ranks_per_node"),
+    (["--parallel.ranks_per_node=0"], 8, "parallel.ranks_per_node=0: must be >= 1"),
+    (["--parallel.ep_capacity_factor=-1"], 8, "parallel.ep_capacity_factor=-1.0: must be finite and >= 0"),
+    (["--parallel.ep_dedup=true", "--parallel.ep=1"], 8, "parallel.ep_dedup=True has no effect with parallel.ep=1"),
+    (["--parallel.ep_overlap_chunks=0"], 8, "parallel.ep_overlap_chunks=0: must be >= 1"),
+    (["--parallel.ep_overlap_chunks=2", "--parallel.ep_capacity_factor=1"], 8,
+     "parallel.ep_overlap_chunks=2 with parallel.ep_capacity_factor=1.0: not combined yet"),
+    (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
+     "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
+])
+def test_bad_dispatch_knobs_fail_in_one_line(argv, world, message):
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(argv).layout(world)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+# -- 8 ranks, two simulated nodes
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(preset("debug"))
+    model.init_weights()
+    return model
+
+
+def _batch(vocab_size):
+    tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference() -> dict:
+    model = _model()
+    inputs, labels = _batch(model.config.vocab_size)
+    loss = loss_fn(model(inputs), labels, BATCH * SEQ)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return {"loss": loss.item(), "norm": norm.item(), "grads": grads}
+
+
+def _run_case(config, reference):
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _model()
+    layout = config.resolve(dist.get_world_size())
+    layout.validate(model.config, SEQ, BATCH)
+    meshes = build_meshes(layout, "cpu")
+    parallelize(model, meshes, layout)
+    routing, timeline = [], []
+    experts = [m for m in model.modules() if hasattr(m, "ep_timeline")]
+    if experts:
+        experts[0].ep_timeline = timeline  # the first MoE layer's pieces
+    for router in model.routers():
+        router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
+    inputs, labels = _batch(model.config.vocab_size)
+    rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
+    positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
+    with count_all_to_all() as forward, count_syncs() as syncs:
+        loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
+                       BATCH * SEQ)
+    with count_all_to_all() as backward:
+        loss.backward()
+    grad_err = {}
+    for fqn, p in model.named_parameters():
+        expected = distribute_tensor(reference["grads"][fqn], p.grad.device_mesh, p.grad.placements,
+                                     src_data_rank=None).to_local()
+        diff = p.grad.to_local() - expected
+        grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
+    drops = read_drop_counts(model)
+    return {"timeline": timeline, "drops": None if drops is None else drops.tolist(),
+            "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
+            "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
+            "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN),
+            "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
+
+
+def _run_all(rank, world, reference):
+    torch.manual_seed(0)
+    return {name: _run_case(config, reference) for name, config in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = _reference()
+    finally:
+        torch.set_num_threads(threads)
+    return reference, run_ranks(_run_all, WORLD, reference, timeout=300)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in INEXACT])
+def test_step_matches_single_process(results, name):
+    reference, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        got = by_case[name]
+        assert got["loss"] == pytest.approx(reference["loss"], rel=NORM_RTOL), f"rank {rank} loss"
+        assert got["norm"] == pytest.approx(reference["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
+        for fqn, (err, scale) in got["grad_err"].items():
+            assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
+
+
+def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
+    """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
+    (benchmarks/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
+    routing, summed over the MoE layers."""
+    from benchmarks.ep_projection import layer_stages
+
+    config, out = preset("debug"), {}
+    layout = CASES[name].resolve(WORLD)
+    for ep_ranks in {tuple(r[name]["ep_ranks"]) for r in per_rank}:
+        placement = Placement(config.n_routed_experts, ep_ranks, RPN)
+        totals = {r: [0, 0] for r in ep_ranks}
+        for layer in range(len(per_rank[ep_ranks[0]][name]["routing"])):
+            routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
+            sent = sent_bytes(layer_stages(config, layout, routing, 4, placement), placement, backward)
+            for i, r in enumerate(ep_ranks):
+                totals[r][0] += int(sent["intra"][i])
+                totals[r][1] += int(sent["inter"][i])
+        out.update({r: tuple(v) for r, v in totals.items()})
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_counted_bytes_equal_the_plan(results, name):
+    """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
+    simulated nodes, equals the projection's per-layer EP bytes for the run's own routing."""
+    _, per_rank = results
+    for direction in ("forward", "backward"):
+        plan = planned_bytes(per_rank, name, direction == "backward")
+        counted = {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)}
+        assert counted == plan, direction
+
+
+def test_dedup_sends_fewer_bytes_across_nodes(results):
+    _, per_rank = results
+    for name in CASES:  # the figures (pytest -s): forward all-to-all bytes of all ranks, intra / inter node
+        print(name, *(sum(r[name]["forward"][i] for r in per_rank) for i in (0, 1)))
+    for layout in ("headline", "folded"):
+        direct = sum(r[f"{layout}_direct"]["forward"][1] for r in per_rank)
+        dedup = sum(r[f"{layout}_dedup"]["forward"][1] for r in per_rank)
+        assert dedup < direct, (layout, dedup, direct)
+
+
+def test_dedup_cross_node_rows_are_distinct_token_node_pairs(results):
+    """Counted inter-node forward bytes of dedup, per rank = the off-node distinct (token, node) pairs
+    it sends (row, K weights, K ids) and those it answers as a gateway (the summed row back), plus the
+    count exchanges' off-node ints: a plain loop over the routing."""
+    _, per_rank = results
+    c = preset("debug")
+    K = c.n_activated_experts
+    for layout in ("headline", "folded"):
+        name = f"{layout}_dedup"
+        out_pairs, in_pairs = [0] * WORLD, [0] * WORLD
+        for rank, by_case in enumerate(per_rank):
+            ep_ranks = by_case[name]["ep_ranks"]
+            L = c.n_routed_experts // len(ep_ranks)
+            for experts_TK in by_case[name]["routing"]:
+                for row in experts_TK.tolist():
+                    nodes = {ep_ranks[e // L] // RPN for e in row} - {rank // RPN}
+                    out_pairs[rank] += len(nodes)
+                    for node in nodes:  # the gateway: the member of `node` at my position in my node
+                        members = [r for r in ep_ranks if r // RPN == node]
+                        mine = [r for r in ep_ranks if r // RPN == rank // RPN]
+                        in_pairs[members[mine.index(rank) % len(members)]] += 1
+        for rank, by_case in enumerate(per_rank):
+            ep_ranks = by_case[name]["ep_ranks"]
+            off_node_peers = sum(1 for r in ep_ranks if r // RPN != rank // RPN)
+            counts = len(by_case[name]["routing"]) * off_node_peers * (2 + c.n_routed_experts // len(ep_ranks)) * 8
+            expected = out_pairs[rank] * (c.dim * 4 + K * 4 + K * 8) + in_pairs[rank] * c.dim * 4 + counts
+            assert by_case[name]["forward"][1] == expected, (name, rank)
+
+
+def _loop_drops(per_rank, name, rank):
+    """[dropped, routed] copies of `rank` by a plain loop: its copies sorted by expert (token order
+    within an expert), the first C per destination rank kept."""
+    ep_ranks = per_rank[rank][name]["ep_ranks"]
+    L = preset("debug").n_routed_experts // len(ep_ranks)
+    dropped = routed = 0
+    for experts_TK in per_rank[rank][name]["routing"]:
+        copies = sorted(e for row in experts_TK.tolist() for e in row)
+        C = capacity_slots(len(copies), len(ep_ranks), CASES[name].ep_capacity_factor)
+        for dest in range(len(ep_ranks)):
+            dropped += max(0, sum(1 for e in copies if e // L == dest) - C)
+        routed += len(copies)
+    return [dropped, routed]
+
+
+def test_capacity_counts_the_copies_it_drops(results):
+    """Factor 0.5 drops copies (counted as a plain loop counts them); factor ep drops none."""
+    _, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        assert by_case["headline_dropping"]["drops"] == _loop_drops(per_rank, "headline_dropping", rank)
+        assert by_case["headline_capacity"]["drops"][0] == 0 and by_case["folded_capacity"]["drops"][0] == 0
+        assert by_case["headline_direct"]["drops"] is None
+    assert sum(r["headline_dropping"]["drops"][0] for r in per_rank) > 0
+
+
+def _pretrain(rank, world_size, argv):
+    from launch.pretrain import main
+
+    return main(argv)
+
+
+def test_capacity_dispatch_has_one_host_sync_per_step_and_logs_drops(tmp_path):
+    """2 ranks (ep=2), 2 MoE layers x 2 micro-batches: the direct dispatch reads split sizes 4 times a
+    step (tests/test_host_syncs.py: 1 + 4, 1 + 8 with full recompute); the fixed-capacity one only the
+    step's readback, also with full activation checkpointing, and
+    metrics.jsonl carries the step's dropped fraction."""
+    import json
+
+    argv = ["--training.steps=3", "--data.seq_len=32", "--data.batch_size=8", "--training.grad_accum=2",
+            "--checkpoint.interval=0", "--profile.enabled=true", "--profile.steps=1,2", f"--run.dir={tmp_path}",
+            "--parallel.ep_capacity_factor=0.5", "--training.activation_checkpoint=full"]
+    assert run_ranks(_pretrain, 2, argv, as_torchrun=True) == [0, 0]
+    for rank in (0, 1):
+        with open(tmp_path / "profile" / f"syncs_rank{rank}.json") as f:
+            assert all(s["total"] == 1 for s in json.load(f).values())
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if '"step"' in line]
+    fractions = [r["ep_dropped_fraction"] for r in rows if "ep_dropped_fraction" in r]
+    assert len(fractions) == 3 and all(0 < x < 1 for x in fractions), rows
+
+
+def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
+    """Recorded timestamps (2 pieces, first MoE layer, every rank): forward, piece 1's dispatch is
+    issued before piece 0's grouped matmul and waited for after it; backward, piece 0's combine
+    gradient is issued before piece 1's gradient computation and waited for after it."""
+    _, per_rank = results
+    for by_case in per_rank:
+        t = {(event, piece): when for event, piece, when in by_case["headline_overlap"]["timeline"]}
+        assert t["dispatch_start", 1] < t["compute_start", 0] < t["compute_end", 0] < t["dispatch_wait", 1]
+        assert t["combine_start", 0] < t["compute_start", 1]
+        assert (t["combine_grad_start", 0] < t["combine_grad_wait", 1] < t["dispatch_grad_start", 1]
+                < t["combine_grad_wait", 0])
+
+
+def _train_losses(rank, world, variants, steps):
+    """Per variant (param dtype, dispatch dtype): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
+    out = {}
+    for name, (param_dtype, dispatch) in variants.items():
+        model = _model()
+        layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, ep_dispatch_dtype=dispatch).resolve(world)
+        parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype)
+        opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, foreach=False)
+        losses = []
+        for step in range(steps):
+            tokens = torch.randint(0, model.config.vocab_size, (4, SEQ + 1),
+                                   generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:], 2 * 4 * SEQ)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(global_loss(loss.float()).item())
+        out[name] = losses
+    return out
+
+
+def test_fp8_dispatch_stays_within_three_bf16_yardsticks_over_20_steps():
+    """Yardstick: the largest |bf16 - fp32| loss difference over 20 steps (bf16 compute through FSDP's
+    mixed precision). FP8 dispatch in an fp32 run may move the loss by at most 3 of them, and must move
+    it (the FP8 path ran)."""
+    variants = {"fp32": (torch.float32, "compute"), "bf16": (torch.bfloat16, "compute"),
+                "fp8": (torch.float32, "float8_e4m3")}
+    losses = run_ranks(_train_losses, 2, variants, 20, timeout=300)[0]
+    yardstick = max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"]))
+    fp8_error = max(abs(a - b) for a, b in zip(losses["fp8"], losses["fp32"]))
+    print(f"yardstick {yardstick:.3g}, fp8 dispatch {fp8_error:.3g}, losses fp32 {losses['fp32'][0]:.4f} -> "
+          f"{losses['fp32'][-1]:.4f}")
+    assert 0 < fp8_error <= 3 * yardstick
+
+
+def test_group_limited_routing_reaches_at_most_topk_group_nodes():
+    """DeepSeek-V3's node-limited routing through the model's own Router: 4 groups of 4 experts, a token
+    may use 2 groups; with one group per node (one ep rank of 4 experts per node) every token's
+    experts span at most 2 nodes, and without the limit some span more."""
+    from models.moe import Router
+
+    config = preset("debug", n_routed_experts=16, n_activated_experts=4, n_expert_groups=4, n_limited_groups=2)
+    placement = Placement(16, (0, 4, 8, 12), RPN)  # ep rank p on node p: experts 4p..4p+3 = group p
+    torch.manual_seed(0)
+    x = torch.randn(1, 256, config.dim)
+    limited = Router(config).eval()
+    unlimited = Router(preset("debug", n_routed_experts=16, n_activated_experts=4)).eval()
+    unlimited.load_state_dict(limited.state_dict())
+    with torch.no_grad():
+        assert distinct_nodes_per_token(limited(x)[1], placement).max() <= 2
+        assert distinct_nodes_per_token(unlimited(x)[1], placement).max() > 2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_host_syncs_are_the_plans(results, name):
+    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep_plan.host_syncs_per_layer:
+    direct and overlapped 1, dedup 2, capacity 0. Index tensors the dispatch makes from host data once
+    and caches ("copy", a first-forward cost) are left out."""
+    from parallel.ep_plan import host_syncs_per_layer
+
+    _, per_rank = results
+    expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))
+    for by_case in per_rank:
+        assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]
+
+
+def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys):
+    """Before any process group: a CUDA device of capability 8.0 (A100) has no float8."""
+    from launch.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert main(["--training.device=cuda", "--parallel.ep=2", "--parallel.ep_dispatch_dtype=float8_e4m3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("config error: parallel.ep_dispatch_dtype='float8_e4m3' needs a GPU with float8 support (compute "
+                   "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
+
+
+@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
+def test_large_configs_set_the_recommended_dispatch(model):
+    """The 256-GPU configs' layout and EP knobs are the row benchmarks/step_projection.py recommends
+    among every layout and dispatch combination (its committed --compare 256 JSON, bf16)."""
+    import json
+    import os
+
+    from benchmarks.ep_projection import dispatch_knobs
+    from benchmarks.step_projection import describe
+    from runtime.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    layout = load_config(["--config", os.path.join(root, "configs", f"{model}_256gpu.toml")]).layout(256)
+    path = os.path.join(root, "benchmarks", "results", f"step_projection_{model}_bf16_dispatch_compare.json")
+    with open(path) as f:
+        (best,) = [r for r in json.load(f)["rows"] if r.get("recommended")]
+    assert (best["layout"], best["dispatch"], best["fits"]) == (describe(layout), dispatch_knobs(layout), True)
