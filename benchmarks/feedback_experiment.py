@@ -330,7 +330,7 @@ class Learner:
 
 
 def run_arm(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str,
-            precheck_into: dict | None = None) -> dict:
+            precheck_into: dict | None = None, say=lambda _: None) -> dict:
     """One arm, one seed: the measured curves (and, into `precheck_into`, the pre-check on the step-0
     batch, which every arm plays alike)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -342,6 +342,8 @@ def run_arm(arm: str, seed: int, base: str, cfg: ExperimentConfig, work: str,
                 curves["steps"].append(step)
                 for key, value in measure(learner.model, learner.start, cfg, seed, step).items():
                     curves.setdefault(key, []).append(value)
+                say(f"  {arm} seed {seed} step {step}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in curves.items()
+                                                                    if k != "steps" and len(v) == len(curves["steps"])))
             if step == cfg.steps:
                 break
             episodes = _episodes(cfg, cfg.episodes, _TASK_STREAM, seed, step)
@@ -370,7 +372,7 @@ def run(cfg: ExperimentConfig, work: str, say=print) -> dict:
         runs = []
         for k, seed in enumerate(range(cfg.first_seed, cfg.first_seed + cfg.seeds)):
             t1 = time.perf_counter()
-            runs.append(run_arm(arm, seed, base, cfg, work, prechecks[k] if arm == cfg.arms[0] else None))
+            runs.append(run_arm(arm, seed, base, cfg, work, prechecks[k] if arm == cfg.arms[0] else None, say))
             r = runs[-1]
             r["seconds"] = [round(time.perf_counter() - t1, 1)]
             second = (f"redundant/turn {r['redundant_call_rate'][0]:.3f} -> {r['redundant_call_rate'][-1]:.3f}, "
