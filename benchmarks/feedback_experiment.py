@@ -408,11 +408,9 @@ def merge(results: list[dict]) -> dict:
             runs[arm] += r["arms"][arm]["per_seed"]
             prechecks.update({expected + k: p for k, p in enumerate(r.get("precheck", []))})
             expected += r["seeds"]
-    seeds = {len(v) for v in runs.values()}
-    if len(seeds) != 1:
-        raise ValueError(f"--merge: the arms have different numbers of seeds: { {a: len(v) for a, v in runs.items()} }")
-    n = seeds.pop()
+    n = max(len(v) for v in runs.values())  # arms may hold fewer seeds: "seeds_per_arm" says so
     out = {"arms": {arm: summarize(v) for arm, v in runs.items()}, "seeds": n,
+           "seeds_per_arm": {arm: len(v) for arm, v in runs.items()},
            "config": {**results[0]["config"], "seeds": n, "first_seed": start, "arms": arms},
            "seconds": round(sum(r["seconds"] for r in results), 1), "merged_from_processes": len(results)}
     if prechecks:
@@ -449,8 +447,10 @@ def plot(result: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     env = result["config"].get("env", "short")
+    seeds = result.get("seeds_per_arm", {})
+    seeds = ", ".join(f"{a} {n}" for a, n in seeds.items()) if len(set(seeds.values())) > 1 else result["seeds"]
     fig.suptitle(f"on-policy tool use ({env} episodes, teacher {result['config']['teacher']}), "
-                 f"{result['seeds']} seeds (mean, min-max band)")
+                 f"seeds: {seeds} (mean, min-max band)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
