@@ -73,6 +73,14 @@ class Episode:
     def assistant_turns(self) -> int:
         return sum(role == "assistant" for role, _ in self.turns)
 
+    def targeted_turns(self) -> list[int]:
+        """Turn indices that feedback targets (here: calls to unavailable tools)."""
+        return list(self.invalid_turns)
+
+    def feedback_hints(self) -> list[tuple[int, str]]:
+        """(turn, hint line) for every targeted turn."""
+        return [(t, self.hint()) for t in self.invalid_turns]
+
 
 def new_episode(rng: random.Random, n_goals: int = N_GOALS) -> Episode:
     tools = [rng.choice(synonyms) for synonyms in GOALS.values()]
@@ -147,34 +155,36 @@ def rollout_record(episode: Episode, logprobs: dict[int, list[float]] | None = N
     if logprobs is not None:
         record["logprobs"] = token_logprobs
     if with_feedback:
-        hint = list(episode.hint().encode("latin-1"))
-        record["feedback"] = [{"turn": t, "hint": hint, "at": header_at[t]} for t in episode.invalid_turns]
+        record["feedback"] = [{"turn": t, "hint": list(hint.encode("latin-1")), "at": header_at[t]}
+                              for t, hint in episode.feedback_hints()]
     return record
 
 
-def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int = 0) -> list[dict[int, list[float]]]:
+def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int = 0, step_fn=step,
+         max_turns: int = MAX_ASSISTANT_TURNS) -> list[dict[int, list[float]]]:
     """Let the model play `episodes` to the end (in place); returns each episode's behaviour log-probs per
     assistant turn (of the generated tokens after the header, for `rollout_record`).
 
     Each round, every unfinished episode needs one assistant line: the context plus the header is the
     prompt, and episodes whose prompts have the same length are generated as one batch
     (runtime/generate.py needs equal-length prompts), stopping at a newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
-    distinct and independent of the batching. On a sharded model every rank must pass the same
+    distinct and independent of the batching. `step_fn` and `max_turns` are the environment's rules
+    (examples/long_tool_env.py passes its own). On a sharded model every rank must pass the same
     episodes: the number of generate calls (each collective) depends on them."""
     sampling = dataclasses.replace(sampling, stop_tokens=(ord("\n"),))  # one line per assistant turn
     logprobs: list[dict[int, list[float]]] = [{} for _ in episodes]
-    for round_ in range(MAX_ASSISTANT_TURNS):
+    for round_ in range(max_turns):
         active = [i for i, e in enumerate(episodes) if not e.done]
         by_length: dict[int, list[int]] = {}
         for i in active:
             by_length.setdefault(len(episodes[i].text()), []).append(i)
         for group in by_length.values():
             prompts = torch.tensor([list((episodes[i].text() + HEADER).encode("latin-1")) for i in group])
-            ids = [(first_id + i) * MAX_ASSISTANT_TURNS + round_ for i in group]
+            ids = [(first_id + i) * max_turns + round_ for i in group]
             out = generate(model, prompts, sampling, seed=seed, sequence_ids=ids)
             for row, i in enumerate(group):
                 n = int(out.lengths_B[row])
                 line = bytes(out.tokens_BN[row, :n].tolist()).decode("latin-1")
                 logprobs[i][len(episodes[i].turns)] = out.logprobs_BN[row, :n].tolist()
-                step(episodes[i], HEADER + line)
+                step_fn(episodes[i], HEADER + line)
     return logprobs
