@@ -30,6 +30,8 @@ from parallel.gradients import loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
 
 SHAPE = dict(dim=256, moe_inter_dim=512, n_routed_experts=16, n_activated_experts=4, n_layers=3)
 BATCH, SEQ = 4, 128
@@ -72,12 +74,14 @@ def overlap_fraction(timeline) -> float:
     return covered / total if total else 0.0
 
 
+@user_errors
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    check_outputs([("--json", args.json)])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     models = {1: build(1), args.chunks: build(args.chunks)}
