@@ -6,7 +6,7 @@ Sections and where each one's dataclass lives (next to the component it configur
   [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
   [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
   [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
-                                                   [posttrain]   PosttrainConfig   runtime/posttrain.py
+  [comm]       CommConfig       runtime/comm.py    [posttrain]   PosttrainConfig   runtime/posttrain.py
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -35,6 +35,7 @@ from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.checkpoint import CheckpointConfig
+from runtime.comm import CommConfig
 from runtime.data import DataConfig, check_split
 from runtime.evaluate import EvalConfig
 from runtime.metrics import MetricsConfig
@@ -133,6 +134,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)  # launch/posttrain.py only
+    comm: CommConfig = field(default_factory=CommConfig)  # timeouts, flight recorder, heartbeat (runtime/comm.py)
 
     def __post_init__(self):
         if self.profile.enabled and self.profile.steps[-1] >= self.training.steps:
@@ -205,7 +207,7 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
 def _sections() -> dict[str, type]:
     return {"run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
             "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig,
-            "metrics": MetricsConfig, "profile": ProfileConfig, "posttrain": PosttrainConfig}
+            "metrics": MetricsConfig, "profile": ProfileConfig, "posttrain": PosttrainConfig, "comm": CommConfig}
 
 
 def _key_types(section: str, cls: type) -> dict[str, object]:
