@@ -75,3 +75,32 @@ def test_bad_comm_keys_fail_in_one_line(tmp_path, capsys, key, value, message):
     assert main([f"--{key}={value}", f"--run.dir={tmp_path}/run"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"config error: {message}"]
     assert not os.path.exists(tmp_path / "run")
+
+
+def _timeouts(rank, world_size, run_dir):
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    from parallel.meshes import build_meshes
+    from runtime.comm import CommConfig, CommWatch, checkpoint_group
+    from runtime.config import load_config
+
+    meshes = build_meshes(load_config([]).layout(world_size), "cpu")
+    config = CommConfig(train_timeout_s=7, checkpoint_timeout_s=77)
+    group = checkpoint_group(config)
+    watch = CommWatch(config, run_dir, rank, meshes, exempt=[group])
+
+    def timeouts():
+        return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g, name in c10d._world.pg_names.items()}
+
+    before = timeouts()
+    watch.step_done(0, 0.1)
+    return before, timeouts(), group.group_name, json.load(open(os.path.join(run_dir, "heartbeat", f"rank_{rank}")))
+
+
+def test_after_the_first_step_training_groups_get_the_short_timeout_and_checkpoints_keep_theirs(tmp_path):
+    for before, after, checkpoint, beat in run_ranks(_timeouts, 2, str(tmp_path), timeout=120):
+        assert before[checkpoint] == after[checkpoint] == 77  # a gloo group of its own (issue 36 item 5)
+        assert len(after) >= 4 and all(t == 7 for name, t in after.items() if name != checkpoint), after
+        assert beat["step"] == 0 and beat["step_time_s"] == 0.1
