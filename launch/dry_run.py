@@ -12,7 +12,8 @@ layers, no memory), the sharded Muon optimizer and its plan (timed: `planner_s`)
 It then materializes the model's last `--layers` blocks (plus embedding, final norm and head) at full
 width on the CPU and runs one forward/backward/optimizer step of them at a short sequence (`--seq`
 tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
-tensor memory (torch's MemTracker).
+tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
+alive at once: benchmarks/counters.py's live-storage count; the process's max RSS is reported too).
 
 What the fake backend cannot give, and what the dry run assumes instead: received values are whatever
 the output buffers held. The only received values that steer control flow are the expert-parallel
@@ -33,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -43,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
 from launch import estimate_memory  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
@@ -115,7 +118,7 @@ def symmetric_counts(model) -> None:
             module.exchange_counts = exchange.__get__(module)
 
 
-def states_bytes(model, optimizer, meshes) -> dict:
+def states_bytes(model, optimizer) -> dict:
     """{dense|expert: {params, grads, optimizer}} bytes of this rank's shards: fp32 masters, fp32 grads of
     the same shape, and every tensor in the optimizer's state but AdamW's "step" counters, which live
     in host memory whatever the device (optim/adamw.py, as torch keeps them): `host_bytes` apart."""
@@ -143,13 +146,15 @@ class CollectiveLog(TorchDispatchMode):
 
     def __init__(self, names: dict):
         super().__init__()
-        self.names, self.rows = names, {}
+        self.names, self.rows, self.memory = names, {}, LiveMemory()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
         if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
             self._add(func.namespace, name, args)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.memory.track(args, out)
+        return out
 
     def _add(self, namespace, name, args):
         if namespace == "c10d":
@@ -190,7 +195,7 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
         planner_start = time.perf_counter()
         optimizer = train.build_optimizer(model, config)
         planner_s = time.perf_counter() - planner_start
-        states = states_bytes(model, optimizer, meshes)
+        states = states_bytes(model, optimizer)
         loader = train.build_loader(config, meshes, layout)
         app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "data": loader}
         checkpoint_entries = len(app_state["train"].state_dict()["model"])
@@ -209,26 +214,28 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
 
 
 def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
-    """One forward/backward/optimizer step of the last `layers` blocks at full width (real init)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    """One forward/backward/optimizer step of the last `layers` blocks at full width (real init).
+    Peak memory: this rank's shards of the materialized model and its optimizer state, plus the most
+    bytes the step's ops allocate alive at once (gathered weights, activations, gradients, buckets)."""
     small = dataclasses.replace(config, model=last_blocks(config.model, layers))
     model = train.build_model(small, meshes, layout, torch.device("cpu"), init=lambda m: m.init_weights(seed=0))
     symmetric_counts(model)
     optimizer = train.build_optimizer(model, small)
     scheduler = train.build_scheduler(optimizer, small.training)
     loader = train.build_loader(small, meshes, layout)
+    resident = sum(sum(m.values()) - m["grads"] for m in _by_mesh(states_bytes(model, optimizer)))
     log = CollectiveLog(names)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
     start = time.perf_counter()
-    with tracker, log:
+    with log:
         train.train_step(model, optimizer, scheduler, loader, small, torch.device("cpu"))
-    peak = tracker.get_tracker_snapshot("peak")
-    peak_bytes = max((d.get("Total", 0) for d in peak.values()), default=0)
     return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": time.perf_counter() - start,
             "collectives": sorted(log.rows.values(), key=lambda r: (r["mesh"], r["kind"])),
-            "peak_memory_bytes": int(peak_bytes)}
+            "peak_memory_bytes": resident + log.memory.peak, "step_peak_extra_bytes": log.memory.peak,
+            "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _by_mesh(states: dict) -> list[dict]:
+    return [states["dense"], states["expert"]]
 
 
 def main(argv=None) -> list[dict]:

@@ -110,7 +110,12 @@ def main(argv: list[str], *, check=check_environment, build_objective=None) -> i
                 print(describe(layout, config.model), flush=True)
             train(config, layout, meshes, device, build_objective)
     except RunError as e:  # raised identically on every rank (a CommFailure: each rank its own line)
-        return stop(rank, str(e), e.exit_code, every_rank=getattr(e, "every_rank", False))
+        code = stop(rank, str(e), e.exit_code, every_rank=getattr(e, "every_rank", False))
+        if getattr(e, "abandoned_write", False):  # a checkpoint thread stuck in a collective: exit without it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     finally:
         dist.destroy_process_group()
     return 0

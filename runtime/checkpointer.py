@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from runtime import checkpoint
 from runtime.checkpoint import CheckpointConfig
 
+ABANDON_AFTER_S = 5.0  # how long a failing run gives an in-flight write to finish or fail before leaving it
+
 
 class Checkpointer:
     """Saves `<directory>/step_<N>` the `config.mode` way; `close()` waits for the last write."""
@@ -84,14 +86,20 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True) -> bool:
         """End of the run: wait for the in-flight save (unless the run ends on a broken process group,
-        `wait=False`), then free the host buffers."""
+        `wait=False`), then free the host buffers. Returns whether a write is still in flight (abandoned:
+        its thread may sit in a collective until comm.checkpoint_timeout_s, so the process must not wait
+        for it at exit)."""
+        if not wait and self._pending is not None:  # a dead peer fails DCP's gather within moments
+            concurrent.futures.wait([self._pending[1]], timeout=ABANDON_AFTER_S)
+        abandoned = not wait and self.in_flight() is not None
         try:
             if wait:
                 self.wait()
         finally:
-            if self._stager is not None:
+            if self._stager is not None and not abandoned:
                 self._stager.close()
                 self._stager = None
+        return abandoned
 

@@ -63,6 +63,7 @@ class CommFailure(RunError):
     """A collective timed out or a peer died; every rank prints its own line (`every_rank`)."""
     exit_code = 4
     every_rank = True
+    abandoned_write = False  # a checkpoint write was still in flight (runtime/checkpointer.py close)
 
 
 def _seconds(value: float) -> datetime.timedelta:

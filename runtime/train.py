@@ -307,9 +307,10 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
         checkpointer.close(wait=True)
         raise
     except Exception as e:
-        checkpointer.close(wait=False)
+        abandoned = checkpointer.close(wait=False)
         failure = watch.failure(e)
         if failure is not None:
+            failure.abandoned_write = abandoned  # the entry point must then exit without joining its thread
             raise failure from None
         raise
     checkpointer.close(wait=True)  # the last step's save

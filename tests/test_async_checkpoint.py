@@ -102,7 +102,9 @@ def test_resume_from_an_async_checkpoint_is_bitwise_and_equals_the_sync_one(tmp_
 
 def test_kill_9_during_an_async_write_leaves_the_previous_checkpoint_newest(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    with pytest.raises(AssertionError, match=r"rank 1 failed first \(also failed: \[\]\):\nrank 1 exited without"):
+    # rank 0 exits 4 (a peer died); if its own write is still waiting for rank 1 then, it leaves with
+    # os._exit (runtime/checkpointer.py close) and reports nothing either
+    with pytest.raises(AssertionError, match=r"rank 1 failed first \(also failed: \[0?\]\):\nrank 1 exited without"):
         run(run_dir, 2, "--training.steps=5", "--comm.train_timeout_s=30", kill_in_write_of="step_4")
     killed = records(run_dir)  # steps 0-3 logged; the kill came in step_4's write, during step 4
     err = capfd.readouterr().err
