@@ -152,6 +152,7 @@ class CollectiveLog(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
             self._add(func.namespace, name, args)
+            args = _fake_backend_legal(func, args)
         out = func(*args, **(kwargs or {}))
         self.memory.track(args, out)
         return out
@@ -169,6 +170,17 @@ class CollectiveLog(TorchDispatchMode):
         row = self.rows.setdefault(key, {"kind": key[0], "mesh": key[1], "bytes": 0, "count": 0})
         row["bytes"] += sum(t.numel() * t.element_size() for t in flat)
         row["count"] += 1
+
+
+def _fake_backend_legal(func, args):
+    """The fake backend refuses an all-to-all that sends nothing but receives something (legal on gloo and
+    NCCL: sharded Muon's exchange when this rank owns blocks but sends none); it moves no data anyway,
+    so it gets one dummy row per peer instead (the log above counted the real, empty input)."""
+    if func is not torch.ops.c10d.alltoall_base_.default or args[1].numel() or not args[0].numel():
+        return args
+    peers = dist.ProcessGroup.unbox(args[2]).size()
+    dummy = args[1].new_zeros((peers, *args[1].shape[1:]))
+    return (args[0], dummy, args[2], args[3], [1] * peers, *args[5:])
 
 
 def all_groups() -> dict[str, int]:

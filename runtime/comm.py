@@ -75,8 +75,10 @@ def init_process_group(config: CommConfig, backend: str, store, rank: int, world
     """The default group with `init_timeout_s`; the flight recorder on (environment, before any group)."""
     if config.trace_entries:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(config.trace_entries))
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(run_dir, TRACES, "rank_"))
+        if backend == "nccl":  # NCCL's watchdog dumps its own traces there on a timeout
+            os.makedirs(os.path.join(run_dir, TRACES), exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(run_dir, TRACES, "rank_"))
     device_id = device if device.type == "cuda" else None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=_seconds(config.init_timeout_s), device_id=device_id)
