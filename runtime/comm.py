@@ -112,15 +112,24 @@ class CommWatch:
         self.exempt = {g.group_name for g in exempt if g is not None}  # keep their own timeout (checkpoints)
         self.step, self.phase, self.trained = None, "start-up", False
 
+    def begin(self) -> None:
+        """Once every group exists (meshes, optimizer): all training groups get `init_timeout_s` (groups made
+        after init_process_group start with torch's default, 30 min gloo / 10 min NCCL)."""
+        self._set_timeouts(self.config.init_timeout_s)
+
+    def _set_timeouts(self, seconds: float) -> None:
+        if dist.is_initialized():
+            for group in list(c10d._world.pg_names):
+                if group.group_name not in self.exempt:
+                    c10d._set_pg_timeout(_seconds(seconds), group)
+
     def at(self, step: int | None, phase: str) -> None:
         self.step, self.phase = step, phase
 
     def step_done(self, step: int, step_time_s: float) -> None:
         """After a step: the short timeout from now on (first time), and the heartbeat."""
-        if not self.trained and dist.is_initialized():
-            for group in list(c10d._world.pg_names):
-                if group.group_name not in self.exempt:
-                    c10d._set_pg_timeout(_seconds(self.config.train_timeout_s), group)
+        if not self.trained:
+            self._set_timeouts(self.config.train_timeout_s)
         self.trained = True
         if self.config.heartbeat:
             self._beat(step, step_time_s)

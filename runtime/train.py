@@ -329,6 +329,7 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
     loader = build_loader(config, meshes, layout)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
+    watch.begin()  # every group exists now: comm.init_timeout_s until the first step is done
     watch.at(None, "resume")
     start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True), group=checkpointer.group)
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,

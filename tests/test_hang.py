@@ -86,7 +86,7 @@ def _timeouts(rank, world_size, run_dir):
     from runtime.config import load_config
 
     meshes = build_meshes(load_config([]).layout(world_size), "cpu")
-    config = CommConfig(train_timeout_s=7, checkpoint_timeout_s=77)
+    config = CommConfig(init_timeout_s=700, train_timeout_s=7, checkpoint_timeout_s=77)
     group = checkpoint_group(config)
     watch = CommWatch(config, run_dir, rank, meshes, exempt=[group])
 
@@ -94,6 +94,7 @@ def _timeouts(rank, world_size, run_dir):
         return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                 for g, name in c10d._world.pg_names.items()}
 
+    watch.begin()
     before = timeouts()
     watch.step_done(0, 0.1)
     return before, timeouts(), group.group_name, json.load(open(os.path.join(run_dir, "heartbeat", f"rank_{rank}")))
@@ -102,5 +103,6 @@ def _timeouts(rank, world_size, run_dir):
 def test_after_the_first_step_training_groups_get_the_short_timeout_and_checkpoints_keep_theirs(tmp_path):
     for before, after, checkpoint, beat in run_ranks(_timeouts, 2, str(tmp_path), timeout=120):
         assert before[checkpoint] == after[checkpoint] == 77  # a gloo group of its own (issue 36 item 5)
+        assert all(t == 700 for name, t in before.items() if name != checkpoint), before
         assert len(after) >= 4 and all(t == 7 for name, t in after.items() if name != checkpoint), after
         assert beat["step"] == 0 and beat["step_time_s"] == 0.1
