@@ -3,8 +3,9 @@
 load config -> check the layout and data (every rank, before any process group) -> init the process
 group -> lock the run dir -> build meshes -> train -> tear down in `finally`.
 
-Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 143 preempted (checkpoint saved).
-Every stop prints one line, from rank 0 only (runtime/errors.py).
+Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 4 a collective timed out or a peer died
+(runtime/comm.py); 143 preempted (checkpoint saved). Every stop prints one line, from rank 0 only, except
+4: one line per rank (runtime/errors.py).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import one_line  # noqa: E402
+from runtime.comm import init_process_group  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
 from parallel.ep_fp8 import check_fp8_device  # noqa: E402
 from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
@@ -76,10 +78,11 @@ def rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def stop(rank: int, message: str, code: int) -> int:
-    """Rank 0 prints the one line; under torchrun the other ranks wait a moment before exiting, since
-    torchrun ends every worker as soon as one exits and would otherwise often cut rank 0 off."""
-    if rank == 0:
+def stop(rank: int, message: str, code: int, every_rank: bool = False) -> int:
+    """Rank 0 (or, `every_rank`, each rank) prints the one line; under torchrun the other ranks wait a
+    moment before exiting, since torchrun ends every worker as soon as one exits and would otherwise
+    often cut rank 0 off."""
+    if rank == 0 or every_rank:
         print(one_line(message), file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         time.sleep(2)
@@ -116,7 +119,7 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         torch.cuda.set_device(device)
     backend = "nccl" if device_type == "cuda" else "gloo"
     store = rendezvous_store(rank, world_size) if "MASTER_ADDR" in os.environ else dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    init_process_group(config.comm, backend, store, rank, world_size, device, config.run.dir)
     try:
         with run_lock(config.run.dir, rank):
             meshes = build_meshes(layout, device_type)
@@ -124,8 +127,13 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
                 print(f"outputs: {os.path.abspath(config.run.dir)} (run.dir: metrics.jsonl, checkpoints/)", flush=True)
                 print(describe(layout, config.model), flush=True)
             train(config, layout, meshes, device, build_objective)
-    except RunError as e:  # raised identically on every rank
-        return stop(rank, str(e), e.exit_code)
+    except RunError as e:  # raised identically on every rank (a CommFailure: each rank its own line)
+        code = stop(rank, str(e), e.exit_code, every_rank=getattr(e, "every_rank", False))
+        if getattr(e, "abandoned_write", False):  # a checkpoint thread stuck in a collective: exit without it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     finally:
         dist.destroy_process_group()
     return 0

@@ -29,6 +29,7 @@ import re
 import shutil
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -51,10 +52,30 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 class CheckpointConfig:
     interval: int = 100  # save every N optimizer steps; the last step and a SIGTERM always save (0 = only those)
     keep: int = 2  # complete checkpoints to keep, newest first; older ones are deleted (0 = keep all)
+    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this (0 = none; a multiple of interval, needs keep > 0)
+    mode: Literal["sync", "async"] = "async"  # async: copy the state to host memory (pinned on CUDA), write it in the background while training continues (runtime/checkpointer.py)
 
     def __post_init__(self):
         if self.interval < 0 or self.keep < 0:
             raise ValueError(f"checkpoint.interval={self.interval} and checkpoint.keep={self.keep} must be >= 0")
+        if self.keep_every < 0:
+            raise ValueError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"checkpoint.mode={self.mode!r} must be 'sync' or 'async'")
+        if self.keep_every and self.keep == 0:
+            raise ValueError(f"checkpoint.keep_every={self.keep_every} has no effect with checkpoint.keep=0 "
+                             f"(every checkpoint is kept)")
+        if self.keep_every and (self.interval == 0 or self.keep_every % self.interval):
+            raise ValueError(f"checkpoint.keep_every={self.keep_every} must be a multiple of checkpoint.interval="
+                             f"{self.interval}, or those steps are never saved")
+
+    def kept(self, steps: list[int]) -> set[int]:
+        """Of the complete checkpoints' `steps`, the ones retention keeps: the `keep` newest and the
+        multiples of `keep_every` (keep=0: all)."""
+        if self.keep == 0:
+            return set(steps)
+        newest = set(sorted(steps)[-self.keep:])
+        return newest | {s for s in steps if self.keep_every and s % self.keep_every == 0}
 
     def due(self, step: int) -> bool:
         """Whether to save after `step` optimizer steps are done."""
@@ -125,9 +146,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 @contextlib.contextmanager
@@ -159,45 +180,65 @@ def _publish(tmp: str, final: str, step: int, meta: dict) -> None:
     _fsync_dir(os.path.dirname(final))
 
 
-def _prune(directory: str, keep: int) -> None:
-    """Rank 0: delete all but the newest `keep` complete checkpoints (keep=0 keeps all)."""
-    if keep > 0:
-        for path in complete_checkpoints(directory)[:-keep]:
-            shutil.rmtree(path)
+def prune(directory: str, retention: CheckpointConfig) -> None:
+    """Rank 0: delete the complete checkpoints that `retention.kept` does not keep."""
+    found = {checkpoint_step(path): path for path in complete_checkpoints(directory)}
+    for step in set(found) - retention.kept(list(found)):
+        shutil.rmtree(found[step])
 
 
-def save(step: int, directory: str, app_state: dict, *, keep: int = 0, meta: dict | None = None) -> str:
+def save(step: int, directory: str, app_state: dict, *, retention: CheckpointConfig | None = None,
+         meta: dict | None = None, group=None) -> str:
     """Save `app_state` (name -> Stateful or state dict) as `<directory>/step_<step>`; collective.
 
-    Every rank of the default process group must call it. Returns the checkpoint's path. `meta` (JSON)
-    goes into the marker (see `read_meta`). If writing fails on any rank, every rank raises RunError
-    (DCP reports a failure on one rank to all), the `.tmp` is removed and older checkpoints stay.
+    Every rank of `group` (default: the default process group) must call it; DCP's coordination and the
+    barriers run on `group` (runtime/comm.py gives a gloo group with the checkpoint timeout). Returns the
+    checkpoint's path. `meta` (JSON) goes into the marker (see `read_meta`); `retention` prunes older
+    checkpoints (None keeps all). If writing fails on any rank, every rank raises RunError (DCP reports a
+    failure on one rank to all), the `.tmp` is removed and older checkpoints stay.
     """
-    final = os.path.join(directory, f"step_{step}")
-    tmp = final + ".tmp"
+    tmp = prepare(step, directory, group)
+    try:
+        with _single_process_ok():
+            dcp.save(app_state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks
+        _barrier(group)
+        raise failed(e, step, directory) from None
+    _barrier(group)  # every rank's shards are on disk
+    final = finish(step, directory, retention, meta)
+    _barrier(group)  # nobody looks for the checkpoint before it is published
+    return final
+
+
+def prepare(step: int, directory: str, group=None) -> str:
+    """Collective: rank 0 removes leftovers of saves that crashed; returns the `.tmp` path to write into."""
     if _rank() == 0:
         os.makedirs(directory, exist_ok=True)
         for name in os.listdir(directory):  # leftovers of saves that crashed (the run-dir lock excludes other runs)
             if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]):
                 shutil.rmtree(os.path.join(directory, name))
-    _barrier()  # nobody writes into tmp before the leftovers are gone
-    try:
-        with _single_process_ok():
-            dcp.save(app_state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks
-        full = _disk_full(e, directory)
-        _barrier()
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        what = "no space left on device" if full else f"{failure_reason(e)}"
-        raise RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
-                       f"kept (newest: {latest_checkpoint(directory) or 'none'})") from None
-    _barrier()  # every rank's shards are on disk
+    _barrier(group)  # nobody writes into tmp before the leftovers are gone
+    return os.path.join(directory, f"step_{step}.tmp")
+
+
+def finish(step: int, directory: str, retention: CheckpointConfig | None, meta: dict | None) -> str:
+    """After every rank's write finished: rank 0 publishes `step_<step>` and prunes; returns its path."""
+    final = os.path.join(directory, f"step_{step}")
     if _rank() == 0:
-        _publish(tmp, final, step, meta or {})
-        _prune(directory, keep)
-    _barrier()  # nobody looks for the checkpoint before it is published
+        _publish(final + ".tmp", final, step, meta or {})
+        if retention is not None:
+            prune(directory, retention)
     return final
+
+
+def failed(error: BaseException, step: int, directory: str) -> RunError:
+    """The one-line RunError of a save that failed (every rank); rank 0 removes the `.tmp`, older ones stay."""
+    full = _disk_full(error, directory)
+    if _rank() == 0:
+        shutil.rmtree(os.path.join(directory, f"step_{step}.tmp"), ignore_errors=True)
+    what = "no space left on device" if full else f"{failure_reason(error)}"
+    return RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
+                    f"kept (newest: {latest_checkpoint(directory) or 'none'})")
 
 
 def _disk_full(error: BaseException, directory: str) -> bool:
@@ -226,8 +267,9 @@ def failure_reason(error: BaseException) -> str:
     return (f"{type(root).__name__}: {text}" if text else type(root).__name__)[:200]
 
 
-def load(path: str, app_state: dict) -> None:
-    """Load a checkpoint written by `save` into `app_state` in place (Stateful objects get load_state_dict).
+def load(path: str, app_state: dict, group=None) -> None:
+    """Load a checkpoint written by `save` into `app_state` in place (Stateful objects get load_state_dict);
+    DCP coordinates on `group` (default: the default process group).
 
     Raises Unloadable (one line, on every rank) if it does not load: a missing, truncated or garbled file."""
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -235,7 +277,7 @@ def load(path: str, app_state: dict) -> None:
     _check_expert_layout(path)
     try:
         with _single_process_ok():
-            dcp.load(app_state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(app_state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
     except (Exception, dcp.CheckpointException) as e:  # DCP raises every rank's failure on all ranks (a BaseException)
         raise Unloadable(failure_reason(e)) from None
 

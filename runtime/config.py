@@ -6,7 +6,7 @@ Sections and where each one's dataclass lives (next to the component it configur
   [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
   [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
   [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
-                                                   [posttrain]   PosttrainConfig   runtime/posttrain.py
+  [comm]       CommConfig       runtime/comm.py    [posttrain]   PosttrainConfig   runtime/posttrain.py
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -36,6 +36,7 @@ from optim.config import OptimConfig
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
+from runtime.comm import CommConfig
 from runtime.data import DataConfig, check_split
 from runtime.data_keys import unused_keys
 from runtime.evaluate import EvalConfig
@@ -137,6 +138,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     posttrain: PosttrainConfig = field(default_factory=PosttrainConfig)  # launch/posttrain.py only
+    comm: CommConfig = field(default_factory=CommConfig)  # timeouts, flight recorder, heartbeat (runtime/comm.py)
 
     def __post_init__(self):
         if self.profile.enabled and self.profile.steps[-1] >= self.training.steps:
@@ -215,7 +217,7 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
 def _sections() -> dict[str, type]:
     return {"run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
             "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig,
-            "metrics": MetricsConfig, "profile": ProfileConfig, "posttrain": PosttrainConfig}
+            "metrics": MetricsConfig, "profile": ProfileConfig, "posttrain": PosttrainConfig, "comm": CommConfig}
 
 
 def _key_types(section: str, cls: type) -> dict[str, object]:

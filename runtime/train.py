@@ -35,7 +35,8 @@ from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.parallelize import parallelize
-from runtime import checkpoint
+from runtime import checkpoint, comm
+from runtime.checkpointer import Checkpointer
 from runtime.config import JobConfig
 from runtime.data import Loader, startup_line
 from runtime.mixture import mixture_eval_loss
@@ -254,18 +255,18 @@ def _schedule_change(saved: dict, config: JobConfig, step: int) -> str | None:
             f"at step {step} is {lr(new):.3e} instead of {lr({**new, **old}):.3e}")
 
 
-def resume(config: JobConfig, app_state: dict, say) -> int:
+def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
     """Load the newest checkpoint under the run dir that loads; returns the step to start at.
 
     A checkpoint that fails to load (truncated, missing or garbled files) is reported in one line and
     the next older one is tried; if checkpoints exist but none loads, RunError: a run dir with
-    checkpoints never silently starts from scratch. Collective (DCP), identical decisions on every rank."""
+    checkpoints never silently starts from scratch. Collective (DCP, on `group`), identical decisions on every rank."""
     directory = checkpoint.checkpoint_dir(config.run.dir)
     found = checkpoint.complete_checkpoints(directory)
     for path in reversed(found):
         try:
             saved = _check_resumable(path, config)
-            checkpoint.load(path, app_state)
+            checkpoint.load(path, app_state, group)
         except checkpoint.Unloadable as e:
             say(f"checkpoint {path} does not load ({e}); trying an older one")
             continue
@@ -282,23 +283,26 @@ def resume(config: JobConfig, app_state: dict, say) -> int:
     return 0
 
 
-def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsLogger) -> None:
-    """Save `step_<step>` unless the model or optimizer state is not finite (then older checkpoints stay)."""
+def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsLogger,
+                    checkpointer: Checkpointer) -> None:
+    """Save `step_<step>` unless the model or optimizer state is not finite (then older checkpoints stay);
+    async mode returns once the state is staged (runtime/checkpointer.py)."""
     train_state = app_state["train"]
     if not checkpoint.all_finite(train_state.model, train_state.optimizers):
         log.info(f"step {step}: the model or optimizer state is not finite; checkpoint step_{step} not written")
         return
-    checkpoint.save(step, checkpoint.checkpoint_dir(config.run.dir), app_state, keep=config.checkpoint.keep,
-                    meta=run_meta(config))
+    checkpointer.save(step, app_state, run_meta(config))
 
 
 def checkpoint_or_stop(done: int, skipped: bool, preempted: bool, config: JobConfig, app_state: dict,
-                       log: MetricsLogger) -> None:
+                       log: MetricsLogger, checkpointer: Checkpointer) -> None:
     """After `done` steps: save when due (not right after a skipped step, which would rotate out a good
-    checkpoint during a divergence), after the last step, and on preemption, which then stops the run."""
+    checkpoint during a divergence), after the last step, and on preemption, which then waits for the
+    write and stops the run."""
     if preempted or done == config.training.steps or (config.checkpoint.due(done) and not skipped):
-        save_checkpoint(done, config, app_state, log)
+        save_checkpoint(done, config, app_state, log, checkpointer)
     if preempted:
+        checkpointer.wait()
         raise Preempted(f"preempted (SIGTERM) after step {done - 1}: checkpoint step_{done} saved; relaunch the "
                         f"same command to continue")
 
@@ -312,8 +316,32 @@ def describe_optimizer(optimizer: ShardedMuon, config: JobConfig) -> str:
 
 
 def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective=None) -> None:
-    """Train until `training.steps`; raises RunError (Diverged, Preempted, ...) to stop early.
-    `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken)."""
+    """Train until `training.steps`; raises RunError (Diverged, Preempted, CommFailure, ...) to stop early.
+    `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken).
+    A failed collective becomes a one-line CommFailure per rank (runtime/comm.py); every other stop waits
+    for the in-flight checkpoint write."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    group = comm.checkpoint_group(config.comm)
+    watch = comm.CommWatch(config.comm, config.run.dir, rank, meshes, exempt=[group])
+    checkpointer = Checkpointer(config.checkpoint, checkpoint.checkpoint_dir(config.run.dir), group=group,
+                                pin_memory=device.type == "cuda")
+    try:
+        _train(config, layout, meshes, device, build_objective, checkpointer, watch)
+    except (RunError, KeyboardInterrupt):
+        checkpointer.close(wait=True)
+        raise
+    except Exception as e:
+        abandoned = checkpointer.close(wait=False)
+        failure = watch.failure(e)
+        if failure is not None:
+            failure.abandoned_write = abandoned  # the entry point must then exit without joining its thread
+            raise failure from None
+        raise
+    checkpointer.close(wait=True)  # the last step's save
+
+
+def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective,
+           checkpointer: Checkpointer, watch: comm.CommWatch) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
     model = build_model(config, meshes, layout, device)
@@ -325,7 +353,9 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True))
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
-    start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True))
+    watch.begin()  # every group exists now: comm.init_timeout_s until the first step is done
+    watch.at(None, "resume")
+    start = resume(config, app_state, say=lambda line: rank == 0 and print(line, flush=True), group=checkpointer.group)
     if start >= config.training.steps:  # a finished run relaunched: no step, no new checkpoint, metrics kept
         if rank == 0:
             print(f"nothing to do: step {start} of {config.training.steps} done ({config.run.dir}); raise "
@@ -356,16 +386,20 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
             Preemption() as preemption:
         try:
             for step in range(start, config.training.steps):
+                watch.at(step, "training step")
                 with profiler.count_syncs():
                     stats = train_step(model, optimizer, scheduler, loader, config, device, objective, preemption)
                 preempted = stats.pop("preempted")
                 if config.data.sources:
                     stats["tokens_by_source"] = loader.tokens_by_source(step)
                 if eval_loaders and config.eval.due(step + 1, config.training.steps):
+                    watch.at(step, "held-out eval")
                     stats.update(eval_losses())
                 log.log(step, **stats)
                 profiler.step()
                 divergence.record(step, finite=not stats["skipped"], last=step + 1 == config.training.steps)
-                checkpoint_or_stop(step + 1, stats["skipped"], preempted, config, app_state, log)
+                watch.at(step, "checkpoint")
+                checkpoint_or_stop(step + 1, stats["skipped"], preempted, config, app_state, log, checkpointer)
+                watch.step_done(step, stats["step_time_s"])
         finally:
             log.close()

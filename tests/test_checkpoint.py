@@ -153,7 +153,7 @@ def test_keep_prunes_the_oldest_complete_checkpoints(tmp_path):
     model, optimizer, scheduler, loader = _fresh(seed=0)
     for step in range(1, 5):
         loader.next_step()
-        save(step, str(tmp_path), {"data": loader}, keep=2)
+        save(step, str(tmp_path), {"data": loader}, retention=CheckpointConfig(interval=1, keep=2))
     assert [checkpoint_step(p) for p in complete_checkpoints(str(tmp_path))] == [3, 4]
     assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
     fresh = Loader(DataConfig(seq_len=8, batch_size=2), seed=0)

@@ -1,0 +1,287 @@
+"""Dry run of one rank of a W-rank job on this machine: no peers, no GPU (torch's `fake` backend).
+
+    python launch/dry_run.py --config configs/kimi_k2_256gpu.toml [--world 256] [--ranks 0,128,255]
+                             [--layers 1] [--seq 64] --json OUT [--section.key=value ...]
+
+For each rank of `--ranks` (default 0), one process plays that rank of a `--world`-rank job through the
+fake process-group backend (parallel/fake_backend.py; collectives move no data) and builds what the real
+launch builds, with the real code: the layout (the same one-line config error as launch/pretrain.py,
+exit 2), the meshes and every process group, the whole model parallelized on the meta device (all
+layers, no memory), the sharded Muon optimizer and its plan (timed: `planner_s`), the data loader
+(synthetic tokens when the config's token file is not on this machine) and the checkpoint's state dict.
+It then materializes the model's last `--layers` blocks (plus embedding, final norm and head) at full
+width on the CPU and runs one forward/backward/optimizer step of them at a short sequence (`--seq`
+tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
+tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
+alive at once: benchmarks/counters.py's live-storage count; the process's max RSS is reported too).
+
+What the fake backend cannot give, and what the dry run assumes instead: received values are whatever
+the output buffers held. The only received values that steer control flow are the expert-parallel
+token counts (they size the dispatch all-to-all); the dry run assumes symmetric traffic (every ep peer
+sends this rank as many tokens per expert as this rank sends it; what balanced routing gives on
+average), so nothing allocates from garbage. Losses, norms and updates are meaningless; shapes, groups and bytes are real.
+
+JSON: world, rank, groups (name -> size), states_bytes ({dense, expert} x {params, grads, optimizer}
+of the WHOLE model on this rank, from the parallelized model's local shards and the optimizer's state
+tensors), planner_s, collectives ([{kind, mesh, bytes, count}] of the materialized step), peak_memory_bytes,
+estimate (launch/estimate_memory.py for the same rank: states by the same keys, and its whole estimate),
+build_s / step_s. Exit status 2 with one line on a config or argument error.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from benchmarks.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
+from launch import estimate_memory  # noqa: E402
+from models import Transformer  # noqa: E402
+from models.experts import GroupedExperts  # noqa: E402
+from parallel import expert_parallel  # noqa: E402
+from parallel.fake_backend import register_fake_backend  # noqa: E402
+from parallel.meshes import build_meshes  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
+from runtime import checkpoint, comm  # noqa: E402
+from runtime.config import load_config  # noqa: E402
+from runtime.paths import check_output_file  # noqa: E402
+from runtime import train  # noqa: E402
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description="Dry run of ranks of a W-rank job (fake process group).")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world", type=int, default=None, help="world size (default: the config's dense degrees)")
+    ap.add_argument("--ranks", default="0", help="comma-separated ranks to play, e.g. 0,128,255")
+    ap.add_argument("--layers", type=int, default=1, help="blocks materialized at full width for the step (the last ones)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence of the step")
+    ap.add_argument("--json", default=None)
+    return ap.parse_known_args(argv)
+
+
+def job_config(args, overrides):
+    """(config for the run on CPU, world, ranks, note on data); ValueError naming the flag or key."""
+    config = load_config(["--config", args.config, *overrides])
+    p = config.parallel
+    world = args.world if args.world is not None else math.prod((p.dp_replicate, p.dp_shard, p.cp))
+    if world < 1:
+        raise ValueError(f"--world {world}: must be >= 1 (the config infers a degree: give --world)")
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise ValueError(f"--ranks {args.ranks}: expected comma-separated integers") from None
+    if bad := [r for r in ranks if not 0 <= r < world]:
+        raise ValueError(f"--ranks {args.ranks}: {bad} not in 0..{world - 1} for a world of {world}")
+    if not 1 <= args.layers <= config.model.n_layers:
+        raise ValueError(f"--layers {args.layers}: must be in 1..{config.model.n_layers} (model.n_layers)")
+    if args.json:
+        check_output_file("--json", args.json, "dry_run.json")
+    config.layout(world)  # ConfigError: the one line launch/pretrain.py prints
+    note = "the config's token file"
+    if config.data.source == "bin" and not os.path.exists(config.data.path):
+        note = f"synthetic tokens ({config.data.path} is not on this machine)"
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, source="synthetic", path=""))
+    step_data = dataclasses.replace(config.data, seq_len=args.seq)
+    step = dataclasses.replace(config, training=dataclasses.replace(config.training, device="cpu"), data=step_data)
+    return config, step, world, ranks, note
+
+
+def last_blocks(model_config, n: int):
+    """The model config of the last `n` blocks (MoE ones for DeepSeek-V3 shapes), full width."""
+    dense = max(0, model_config.n_dense_layers - (model_config.n_layers - n))
+    return dataclasses.replace(model_config, n_layers=n, n_dense_layers=dense)
+
+
+def symmetric_counts(model) -> None:
+    """EP under the fake backend: received token counts := sent ones (every ep peer sends this rank as
+    many tokens for each local expert as this rank sends it: symmetric traffic), so the dispatch sizes
+    are real numbers, not uninitialized memory."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and hasattr(module, "ep_group"):
+            def exchange(self, counts_E):
+                out = expert_parallel.expert_parallel_exchange_counts(self, counts_E)
+                if isinstance(out, expert_parallel.ExchangedCounts):
+                    out.recv_counts_PL.copy_(out.send_counts_PL)
+                    out.splits_2P = torch.stack([out.send_counts_PL.sum(1), out.recv_counts_PL.sum(1)])
+                return out
+            module.exchange_counts = exchange.__get__(module)
+
+
+def states_bytes(model, optimizer) -> dict:
+    """{dense|expert: {params, grads, optimizer}} bytes of this rank's shards: fp32 masters, fp32 grads of
+    the same shape, and every tensor in the optimizer's state but AdamW's "step" counters, which live
+    in host memory whatever the device (optim/adamw.py, as torch keeps them): `host_bytes` apart."""
+    out = {mesh: {"params": 0, "grads": 0, "optimizer": 0} for mesh in ("dense", "expert")}
+    out["host_bytes"] = 0
+    expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        mesh = out["expert" if id(p) in expert_params else "dense"]
+        mesh["params"] += local.numel() * local.element_size()
+        mesh["grads"] += local.numel() * local.element_size()
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                value = value.to_local() if isinstance(value, DTensor) else value
+                if key == "step":
+                    out["host_bytes"] += value.numel() * value.element_size()
+                else:
+                    mesh["optimizer"] += value.numel() * value.element_size()
+    return out
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every c10d / functional collective dispatched: (kind, mesh axes of its group) -> bytes, count.
+    Bytes: the tensors this rank passes in (its shard for an all-gather, its full input otherwise)."""
+
+    def __init__(self, names: dict):
+        super().__init__()
+        self.names, self.rows, self.memory = names, {}, LiveMemory()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
+            self._add(func.namespace, name, args)
+            args = _fake_backend_legal(func, args)
+        out = func(*args, **(kwargs or {}))
+        self.memory.track(args, out)
+        return out
+
+    def _add(self, namespace, name, args):
+        if namespace == "c10d":
+            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
+            group = dist.ProcessGroup.unbox(boxed[0]).group_name if boxed else "?"
+            inputs = args[1] if name.startswith(("allgather", "_allgather")) and len(args) > 1 else args[0]
+        else:
+            group, inputs = args[-1], args[0]
+        tensors = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+        flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
+        key = (name.rstrip("_"), self.names.get(group, f"group {group}"))
+        row = self.rows.setdefault(key, {"kind": key[0], "mesh": key[1], "bytes": 0, "count": 0})
+        row["bytes"] += sum(t.numel() * t.element_size() for t in flat)
+        row["count"] += 1
+
+
+def _fake_backend_legal(func, args):
+    """The fake backend refuses an all-to-all that sends nothing but receives something (legal on gloo and
+    NCCL: sharded Muon's exchange when this rank owns blocks but sends none); it moves no data anyway,
+    so it gets one dummy row per peer instead (the log above counted the real, empty input)."""
+    if func is not torch.ops.c10d.alltoall_base_.default or args[1].numel() or not args[0].numel():
+        return args
+    peers = dist.ProcessGroup.unbox(args[2]).size()
+    dummy = args[1].new_zeros((peers, *args[1].shape[1:]))
+    return (args[0], dummy, args[2], args[3], [1] * peers, *args[5:])
+
+
+def all_groups() -> dict[str, int]:
+    """{group name (with its mesh axes where known): size} of every process group this rank is in."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return {name: dist.get_world_size(group) for group, name in c10d._world.pg_names.items()}
+
+
+def play_rank(config, step_config, world: int, rank: int, layers: int, note: str) -> dict:
+    """Everything for one rank; the fake process group lives only inside."""
+    layout = config.layout(world)
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    try:
+        start = time.perf_counter()
+        meshes = build_meshes(layout, "cpu")
+        names = comm.group_names(meshes)
+        with torch.device("meta"):
+            model = Transformer(config.model)
+        t = config.training
+        parallelize(model, meshes, layout, param_dtype=train.DTYPES[t.param_dtype],
+                    reduce_dtype=train.DTYPES[t.reduce_dtype], activation_checkpoint=t.activation_checkpoint)
+        planner_start = time.perf_counter()
+        optimizer = train.build_optimizer(model, config)
+        planner_s = time.perf_counter() - planner_start
+        states = states_bytes(model, optimizer)
+        loader = train.build_loader(config, meshes, layout)
+        app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "data": loader}
+        checkpoint_entries = len(app_state["train"].state_dict()["model"])
+        del model, optimizer, app_state
+        build_s = time.perf_counter() - start
+        step = materialized_step(step_config, layout, meshes, layers, names)
+        groups = {names.get(name, name): size for name, size in all_groups().items()}
+        estimate = estimate_memory.estimate(estimate_memory.Job(config, layout, rank, "h200"))
+        state = estimate_memory.sharded_state(estimate_memory.Job(config, layout, rank, "h200"))
+        return {"world": world, "rank": rank, "groups": groups, "states_bytes": states,
+                "states_total_bytes": sum(sum(states[m].values()) for m in ("dense", "expert")), "planner_s": planner_s,
+                "checkpoint_model_entries": checkpoint_entries, "data": note, **step, "build_s": build_s,
+                "estimate": {"states_bytes": state, "states_total_bytes": sum(state.values()), **estimate}}
+    finally:
+        dist.destroy_process_group()
+
+
+def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
+    """One forward/backward/optimizer step of the last `layers` blocks at full width (real init).
+    Peak memory: this rank's shards of the materialized model and its optimizer state, plus the most
+    bytes the step's ops allocate alive at once (gathered weights, activations, gradients, buckets)."""
+    small = dataclasses.replace(config, model=last_blocks(config.model, layers))
+    model = train.build_model(small, meshes, layout, torch.device("cpu"), init=lambda m: m.init_weights(seed=0))
+    symmetric_counts(model)
+    optimizer = train.build_optimizer(model, small)
+    scheduler = train.build_scheduler(optimizer, small.training)
+    loader = train.build_loader(small, meshes, layout)
+    resident = sum(sum(m.values()) - m["grads"] for m in _by_mesh(states_bytes(model, optimizer)))
+    log = CollectiveLog(names)
+    start = time.perf_counter()
+    with log:
+        train.train_step(model, optimizer, scheduler, loader, small, torch.device("cpu"))
+    return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": time.perf_counter() - start,
+            "collectives": sorted(log.rows.values(), key=lambda r: (r["mesh"], r["kind"])),
+            "peak_memory_bytes": resident + log.memory.peak, "step_peak_extra_bytes": log.memory.peak,
+            "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _by_mesh(states: dict) -> list[dict]:
+    return [states["dense"], states["expert"]]
+
+
+def main(argv=None) -> list[dict]:
+    args, overrides = parse(argv if argv is not None else sys.argv[1:])
+    try:
+        config, step_config, world, ranks, note = job_config(args, overrides)
+    except ValueError as e:  # ConfigError is one: it names the dotted key
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    results = []
+    for rank in ranks:
+        started = time.perf_counter()
+        result = play_rank(config, step_config, world, rank, args.layers, note)
+        result["wall_s"] = time.perf_counter() - started
+        print(summary(result), flush=True)
+        results.append(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if len(results) == 1 else results, f, indent=1)
+    return results
+
+
+def summary(r: dict) -> str:
+    gib = 2**30
+    ok = "equal" if r["states_total_bytes"] == r["estimate"]["states_total_bytes"] else "DIFFERENT"
+    lines = [f"rank {r['rank']} of {r['world']}: {len(r['groups'])} process groups; states "
+             f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to estimate_memory.py's); planner {r['planner_s']:.1f} s; "
+             f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
+             f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
+    lines += [f"  {c['kind']:<28} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / 2**20:10.1f} MiB"
+              for c in r["collectives"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()
