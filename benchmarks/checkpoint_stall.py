@@ -36,6 +36,8 @@ from torch import nn  # noqa: E402
 
 from runtime.checkpoint import CheckpointConfig, ModelOptimState  # noqa: E402
 from runtime.checkpointer import Checkpointer  # noqa: E402
+from runtime.cli import user_errors  # noqa: E402
+from runtime.paths import check_outputs  # noqa: E402
 
 WIDTH = 2048
 
@@ -82,6 +84,7 @@ def run(mode: str | None, model, optimizer, steps: int, interval: int, directory
     return {"step_s": step_times, "save_call_s": calls, "final_wait_s": time.perf_counter() - t}
 
 
+@user_errors
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params-m", type=float, default=50.0)
@@ -92,6 +95,7 @@ def main(argv=None) -> dict:
                         help="> 0: each step is the host waiting this long (a GPU step's host view) instead of CPU compute")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    check_outputs([("--json", args.json)])
     model, optimizer = build(args.params_m)
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.saves * args.interval

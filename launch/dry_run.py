@@ -55,7 +55,8 @@ from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime import checkpoint, comm  # noqa: E402
 from runtime.config import load_config  # noqa: E402
-from runtime.paths import check_output_file  # noqa: E402
+from runtime.cli import fail  # noqa: E402
+from runtime.paths import check_output_file, config_inputs  # noqa: E402
 from runtime import train  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def job_config(args, overrides):
     if not 1 <= args.layers <= config.model.n_layers:
         raise ValueError(f"--layers {args.layers}: must be in 1..{config.model.n_layers} (model.n_layers)")
     if args.json:
-        check_output_file("--json", args.json, "dry_run.json")
+        check_output_file("--json", args.json, "dry_run.json", config_inputs(args.config, config))
     config.layout(world)  # ConfigError: the one line launch/pretrain.py prints
     note = "the config's token file"
     if config.data.source == "bin" and not os.path.exists(config.data.path):
@@ -255,8 +256,7 @@ def main(argv=None) -> list[dict]:
     try:
         config, step_config, world, ranks, note = job_config(args, overrides)
     except ValueError as e:  # ConfigError is one: it names the dotted key
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(e, prefix="config error")
     results = []
     for rank in ranks:
         started = time.perf_counter()
