@@ -15,6 +15,8 @@ Shape letters: N rows sent, M rows received, D model dim, B = D + 4 bytes per pa
 import torch
 import torch.distributed as dist
 
+from parallel.expert_parallel import _AllToAll
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4
 
@@ -48,7 +50,9 @@ def fp8_all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[in
     return _Fp8AllToAll.apply(x_ND, out_splits, in_splits, group)
 
 
-class _Fp8AllToAll(torch.autograd.Function):
+class _Fp8AllToAll(_AllToAll):
+    """The forward sends FP8 rows; the backward is _AllToAll's (the gradient crosses in x's dtype)."""
+
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
@@ -56,10 +60,3 @@ class _Fp8AllToAll(torch.autograd.Function):
         out_MB = packed_NB.new_empty((sum(out_splits), packed_NB.shape[1]))
         dist.all_to_all_single(out_MB, packed_NB, out_splits, in_splits, group=group)  # communication: FP8 rows
         return decode(out_MB, x_ND.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_MD):
-        out_splits, in_splits = ctx.splits
-        grad_ND = grad_MD.new_empty((sum(in_splits), *grad_MD.shape[1:]))
-        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_ND, None, None, None
