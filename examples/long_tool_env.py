@@ -43,6 +43,7 @@ import random
 from dataclasses import dataclass, field
 
 from examples.tool_env import GOALS, NOT_FOUND, OK, WRONG, Episode, play as play_rounds
+from examples.tool_env import answer_line as tool_env_answer_line, step as tool_env_step
 
 N_GOALS = 19
 SLACK = 10  # spare assistant turns for wrong calls
@@ -82,24 +83,14 @@ def new_episode(rng: random.Random, n_goals: int = N_GOALS) -> LongEpisode:
 
 
 def answer_line(answer: str, complete: bool = True) -> str:
-    return f"{'' if complete else chr(10)}T: {answer:<{WIDTH}}\n"
+    """tool_env's tool turn with the answer padded to one width (equal-behaving episodes stay one batch)."""
+    return tool_env_answer_line(f"{answer:<{WIDTH}}", complete)
 
 
 def step(episode: LongEpisode, line: str) -> None:
     """Apply one assistant line (exactly as generated) and the environment's answer (see the rules).
-    A line without its newline (cut at the token limit) is a bad call."""
-    episode.turns.append(("assistant", line))
-    complete, words = line.endswith("\n"), line.split()
-    if complete and words == ["A:", "done"]:
-        episode.done, episode.success = True, episode.reached == len(episode.goals)
-        return
-    if complete and len(words) == 3 and words[:2] == ["A:", "call"]:
-        answer = _answer(episode, words[2], len(episode.turns) - 1)
-    else:
-        answer = "bad call"
-    episode.turns.append(("tool", answer_line(answer, complete)))
-    if episode.assistant_turns() >= MAX_ASSISTANT_TURNS:
-        episode.done = True
+    A line without its newline (cut at the token limit) is a bad call. The protocol is tool_env's."""
+    tool_env_step(episode, line, answer_fn=_answer, format_answer=answer_line, max_turns=MAX_ASSISTANT_TURNS)
 
 
 def _answer(episode: LongEpisode, tool: str, turn: int) -> str:

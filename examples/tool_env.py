@@ -91,21 +91,28 @@ def new_episode(rng: random.Random, n_goals: int = N_GOALS) -> Episode:
     return episode
 
 
-def step(episode: Episode, line: str) -> None:
+def answer_line(answer: str, complete: bool = True) -> str:
+    """The tool turn; after a line cut at the token limit it starts with the newline the line lacks."""
+    return f"{'' if complete else chr(10)}T: {answer}\n"
+
+
+def step(episode: Episode, line: str, *, answer_fn=None, format_answer=answer_line,
+         max_turns: int = MAX_ASSISTANT_TURNS) -> None:
     """Apply one assistant line (exactly as generated) and the environment's answer. A line without its
     newline (cut at the token limit) is a bad call; the tool turn then starts with the newline, so the
-    assistant turn holds only generated tokens."""
+    assistant turn holds only generated tokens. `answer_fn`, `format_answer`, `max_turns`: another
+    environment's rules on the same protocol (examples/long_tool_env.py)."""
     episode.turns.append(("assistant", line))
     complete, words = line.endswith("\n"), line.split()
     if complete and words == ["A:", "done"]:
         episode.done, episode.success = True, episode.reached == len(episode.goals)
         return
     if complete and len(words) == 3 and words[:2] == ["A:", "call"]:
-        answer = _answer(episode, words[2], len(episode.turns) - 1)
+        answer = (answer_fn or _answer)(episode, words[2], len(episode.turns) - 1)
     else:
         answer = "bad call"
-    episode.turns.append(("tool", f"{'' if complete else chr(10)}T: {answer}\n"))
-    if episode.assistant_turns() >= MAX_ASSISTANT_TURNS:
+    episode.turns.append(("tool", format_answer(answer, complete)))
+    if episode.assistant_turns() >= max_turns:
         episode.done = True
 
 
