@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from launch.model_source import load_model  # noqa: E402
+from launch.model_source import add_model_flags, load_model  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.data import DataConfig, Loader  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -42,8 +42,7 @@ def held_out_loss(model, data: DataConfig, *, steps: int, holdout: float, seed: 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="run dir, checkpoint dir or Hugging Face dir")
-    parser.add_argument("--step", type=int, default=None, help="with a run dir: this checkpoint step (default: newest)")
+    add_model_flags(parser)
     parser.add_argument("--data", required=True, help="token file (.bin; dtype from its .json sidecar or --dtype)")
     parser.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto", help="token dtype")
     parser.add_argument("--holdout", type=float, default=0.0,

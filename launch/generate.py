@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from launch.model_source import load_model  # noqa: E402
+from launch.model_source import add_model_flags, load_model  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -51,8 +51,7 @@ def complete(model, tokenizer, prompt: str, sampling: SamplingConfig, seed: int,
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="run dir, checkpoint dir or Hugging Face dir")
-    parser.add_argument("--step", type=int, default=None, help="with a run dir: this checkpoint step (default: newest)")
+    add_model_flags(parser)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model's)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the tokenizer directory's own code (Kimi K2.5's tokenization_kimi.py)")

@@ -9,7 +9,6 @@ the model config its COMPLETE marker records; a Hugging Face directory through m
 (no such directory, no complete checkpoint, a damaged file) is a ValueError or RunError of one line.
 """
 
-import os
 import warnings
 
 import torch
@@ -18,21 +17,19 @@ import torch.distributed.checkpoint as dcp
 from launch.export_hf import PREFIX, checkpoint_model_config, checkpoint_path, dcp_fetch
 from models.hf import load_pretrained
 from models.model import Transformer
-from runtime import checkpoint
+from runtime import checkpoint, init_source
 
 
 def kind(path: str) -> str:
-    """"hf" (config.json), "checkpoint" (a COMPLETE marker) or "run" (a checkpoints/ directory); ValueError else."""
-    if not os.path.isdir(path):
-        raise ValueError(f"--model {path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return "hf"
-    if os.path.isfile(os.path.join(path, checkpoint.MARKER)):
-        return "checkpoint"
-    if os.path.isdir(checkpoint.checkpoint_dir(path)):
-        return "run"
-    raise ValueError(f"--model {path}: neither a run directory (no checkpoints/), a checkpoint (no "
-                     f"{checkpoint.MARKER} marker) nor a Hugging Face directory (no config.json)")
+    """"hf" (config.json), "checkpoint" (a COMPLETE marker) or "run" (a complete checkpoint under
+    checkpoints/); ValueError naming --model else (runtime/init_source.py, as posttrain.init_from)."""
+    return init_source.kind(path, where=f"--model {path}")
+
+
+def add_model_flags(parser) -> None:
+    """--model and --step, as every tool that loads a model from any of the three places takes them."""
+    parser.add_argument("--model", required=True, help="run dir, checkpoint dir or Hugging Face dir")
+    parser.add_argument("--step", type=int, default=None, help="with a run dir: this checkpoint step (default: newest)")
 
 
 def load_model(path: str, step: int | None = None) -> tuple[Transformer, str]:

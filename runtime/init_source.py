@@ -22,9 +22,10 @@ from runtime import checkpoint
 TRAINING_KEYS = ("aux_loss_alpha", "bias_update_speed", "init_std")
 
 
-def kind(path: str) -> str:
-    """"hf", "checkpoint" or "run"; ValueError (one line, naming posttrain.init_from) otherwise."""
-    where = f"posttrain.init_from={path}"
+def kind(path: str, where: str | None = None) -> str:
+    """"hf", "checkpoint" or "run"; ValueError (one line starting with `where`, default
+    "posttrain.init_from=PATH") otherwise. launch/model_source.py asks the same for --model."""
+    where = where or f"posttrain.init_from={path}"
     if not os.path.isdir(path):
         raise ValueError(f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
     if os.path.isfile(os.path.join(path, "config.json")):
