@@ -77,19 +77,25 @@ def main(argv: list[str]) -> int:
         make(args.make)
         return 0
     check_outputs([("--out", args.out)], [("a file of the --dir checkpoint", args.dir)])
+    load_and_report(args.dir, args.out)
+    return 0
+
+
+def load_and_report(directory: str, out: str, **fields) -> None:
+    """`measure` on this torchrun job's ranks; rank 0 prints the result (with `fields` and the checkpoint's
+    bytes) and appends it as one JSON line to `out` when given."""
     dist.init_process_group("gloo")
     try:
-        result = measure(args.dir)
+        result = measure(directory)
     finally:
         dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
-        size = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir) if n.endswith(".safetensors"))
-        result["checkpoint_bytes"] = size
+        result.update(fields, checkpoint_bytes=sum(os.path.getsize(os.path.join(directory, n))
+                                                   for n in os.listdir(directory) if n.endswith(".safetensors")))
         print(json.dumps(result, indent=1))
-        if args.out:
-            with open(args.out, "a") as f:
+        if out:
+            with open(out, "a") as f:
                 f.write(json.dumps(result) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from benchmarks.hf_load import measure  # noqa: E402
+from benchmarks.hf_load import load_and_report  # noqa: E402
 from models import Transformer, int4, preset  # noqa: E402
 from models.hf import _is_linear, save_pretrained  # noqa: E402
 from models.hf_files import INDEX, TensorRecord, write_shards  # noqa: E402
@@ -132,19 +131,7 @@ def main(argv: list[str]) -> int:
     if args.make:
         make(args.make)
         return 0
-    dist.init_process_group("gloo")
-    try:
-        result = measure(args.dir)
-    finally:
-        dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        result["checkpoint"] = os.path.basename(os.path.normpath(args.dir))
-        result["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(args.dir, n)) for n in os.listdir(args.dir)
-                                         if n.endswith(".safetensors"))
-        print(json.dumps(result))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    load_and_report(args.dir, args.out, checkpoint=os.path.basename(os.path.normpath(args.dir)))
     return 0
 
 
