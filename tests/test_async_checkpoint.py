@@ -5,7 +5,6 @@ newest loadable one, and retention (keep + keep_every)."""
 
 import json
 import os
-import shutil
 import signal
 
 import pytest

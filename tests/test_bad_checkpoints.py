@@ -7,7 +7,6 @@ import os
 import struct
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from launch.pretrain import main
