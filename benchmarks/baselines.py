@@ -16,7 +16,7 @@ the single-process reference.
                   as balanced as the parameter sizes allow.
   Single          one process (rank 0) runs the reference Muon on full tensors; other ranks idle.
 
-Parameters are DTensors whose shards are boxes of the global tensor (`optim.sharded_boxes`); the
+Parameters are DTensors whose shards are boxes of the global tensor (`models.boxes`); the
 baselines need no replication (every rank holds a different shard), which the benchmark's layouts
 guarantee.
 """
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from models.boxes import all_boxes
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon, apply_update, momentum_update, orthogonalize_blocks
 from optim.newton_schulz import lr_scale
-from optim.sharded_boxes import all_boxes
 
 
 def box_of_rank(p: DTensor) -> list[tuple[slice, ...]]:

@@ -60,10 +60,10 @@ import torch
 
 from benchmarks.device_model import DEVICES, device_model, lower_bound, project
 from models import preset
+from models.boxes import all_boxes, placement_kind
 from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan import REPLICA_SPLIT, PlanOptions, make_plan
-from optim.sharded_boxes import all_boxes, placement_kind
 from optim.sharded_muon import plan_options
 from optim.sharded_specs import model_specs
 from parallel.layout import ParallelConfig

@@ -4,7 +4,7 @@
                                      [--rank 0] [--json PATH]
 
 What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards):
-  params        fp32 master shards (placements of parallel/fsdp.py, boxes of optim/sharded_boxes.py)
+  params        fp32 master shards (placements of parallel/fsdp.py, boxes of models/boxes.py)
   grads         fp32 gradient shards
   optimizer     Muon momentum (1 x fp32) for declared matrices, AdamW exp_avg + exp_avg_sq (2 x fp32) for the rest
   fsdp_buffers  unsharded FSDP units in param_dtype while a unit runs its backward: the unit and the
@@ -49,12 +49,12 @@ from torch.distributed.tensor import Replicate, Shard
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from models import Transformer, TransformerBlock  # noqa: E402
+from models.boxes import local_box  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from models.moe import Router  # noqa: E402
 from models.splits import muon_splits  # noqa: E402
 from optim.plan import make_plan  # noqa: E402
 from optim.sharded_muon import plan_options  # noqa: E402
-from optim.sharded_boxes import local_box  # noqa: E402
 from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
 from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402

@@ -6,7 +6,7 @@
     load_state(model, path) -> bytes read         fill any (sharded) model in place, shard by shard
 
 Sharded loading: after `parallelize` + `to_empty`, every parameter is a DTensor and each rank holds one
-box of it (parallel/boxes.py). `load_state` reads exactly that box from the safetensors files through
+box of it (models/boxes.py). `load_state` reads exactly that box from the safetensors files through
 lazy slices: for stacked experts only the experts of the box, and of each only the rows/columns of
 the box; for FP8 weights the enclosing whole blocks and their scales; for compressed-tensors INT4
 weights (Kimi K2-Thinking / K2.5 routed experts) the enclosing 32-value groups of the packed int32
@@ -23,13 +23,13 @@ import re
 import torch
 from torch.distributed.tensor import DTensor
 
+from models.boxes import dtensor_box
 from models.config import ModelConfig
 from models import int4
 from models.hf_config import MULTIMODAL_PREFIXES, CheckpointFormat, hf_config_dict, read_hf_config
 from models.hf_files import CheckpointFiles, TensorRecord, write_shards
 from models.hf_keys import NOT_LOADED, Source, checkpoint_rows, hf_sources, our_rows
 from models.model import Transformer
-from parallel.boxes import dtensor_box
 
 SHARD_BYTES = 4 * 2**30  # exported shard size: a few GB, like the published checkpoints
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -18,7 +18,7 @@ import hashlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from parallel.boxes import dtensor_box
+from models.boxes import dtensor_box
 
 ROW_BLOCK_ELEMS = 2**16  # elements per generator key (rounded down to whole rows, at least one row)
 

@@ -6,7 +6,7 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
 
 1. Geometry. Mesh axes with Replicate placements are replica axes (R replicas); the others shard
    (S shard positions). A replica's "communication group" is its S ranks. Each shard position holds a
-   box of the parameter (see `optim/sharded_boxes.py`); a block's pieces are its intersections with
+   box of the parameter (see `models/boxes.py`); a block's pieces are its intersections with
    the boxes. Parameters of equal shape, split, mesh shape and placements share one piece template.
 2. Shape groups: blocks with equal (short side, long side, NS dtype), across parameters and layers,
    are orthogonalized in one batched call per bucket; tall blocks join transposed (Newton-Schulz
@@ -67,10 +67,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from models.boxes import all_boxes, placement_kind
 from models.splits import MatrixSplit
 from optim.newton_schulz import NS_METHODS, ns_flops
 from optim.plan_owners import assign
-from optim.sharded_boxes import all_boxes, placement_kind
 from optim.sharded_plan_stats import PlanStats, describe, plan_stats
 
 REPLICA_SPLIT = ("auto", "on", "off")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel.boxes import dtensor_box
+from models.boxes import dtensor_box
 
 
 def clip_factors(max_logit_H: torch.Tensor, tau: float) -> torch.Tensor:

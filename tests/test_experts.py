@@ -194,8 +194,8 @@ ODD = dict(dim=48, moe_inter_dim=24, n_routed_experts=4)
 
 def _odd_layout_weights(rank, world, hf_dir):
     """(seeded init, loaded from hf_dir) boxes of every expert weight on this rank, with the boxes."""
+    from models.boxes import dtensor_box
     from models.hf import load_state
-    from parallel.boxes import dtensor_box
     from parallel.layout import ParallelConfig
     from parallel.meshes import build_meshes
     from parallel.parallelize import parallelize

@@ -20,8 +20,8 @@ import test_sharded_muon as sm
 from entry_point import run_ok
 from models import Transformer, preset
 from multirank import run_ranks
+from models.boxes import dtensor_box
 from optim.sharded_muon import ShardedMuon
-from parallel.boxes import dtensor_box
 from parallel.parallelize import parallelize
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
 from parallel.meshes import build_meshes, coordinates, group_ranks, rank_mesh

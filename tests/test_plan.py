@@ -12,10 +12,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from models import preset
+from models.boxes import all_boxes, local_box, strided_shard
 from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
 from optim import plan_owners, plan_runs
 from optim.plan import ParamSpec, PlanOptions, make_plan
-from optim.sharded_boxes import all_boxes, local_box, strided_shard
 from optim.sharded_schedule import group_keys, rank_schedule
 from optim.sharded_specs import EXPERT_NAMES, model_specs
 from parallel.layout import ParallelConfig

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from models.splits import PER_EXPERT, PER_EXPERT_GATED, WHOLE, per_head_cols, per_head_rows
 from multirank import run_ranks
+from models.boxes import local_box, placement_kind, strided_shard
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
-from optim.sharded_boxes import local_box, placement_kind, strided_shard
 from optim.sharded_muon import ShardedMuon
 
 WORLD, STEPS = 8, 3

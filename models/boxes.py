@@ -4,8 +4,8 @@ FSDP2 and DTensor cut a tensor dim with `torch.chunk` semantics: n parts of ceil
 trailing parts shorter or empty. When several mesh axes shard the same tensor dim the cuts nest: each
 axis chunks the piece the previous axis left. So every rank holds one contiguous [start, stop) range
 per tensor dim (a box). The sharded optimizer plans with boxes alone; the seeded init and the
-checkpoint loader fill and read exactly this rank's box. Imports only torch and numpy, so models/,
-optim/ and parallel/ can all use it (models never imports optim).
+checkpoint loader fill and read exactly this rank's box. Imports only torch and numpy; it sits in
+models/, the bottom layer, so models/, parallel/ and optim/ all use it without an upward import.
 
 Order of the nested cuts: plain `Shard` placements in mesh-axis order (left to right), then
 `_StridedShard` placements. `_StridedShard(d, split_factor=k)` is FSDP2's mark for "this axis shards
