@@ -43,7 +43,7 @@ import numpy as np
 # and copy back: 8 on mixed groups), the return gather (2 + 2), the update (4 + 2 + 4).
 # tests/test_benchmarks.py re-measures it. A fused kernel would need about 24 (read grad, momentum
 # and weight once, write momentum and weight once, the direction once in bf16, read the result).
-# Pieces moved by index maps instead of runs (optim/sharded_index.py) cost 32 more: 9% of Kimi K2's
+# Pieces moved by index maps instead of runs (optim/sharded/index.py) cost 32 more: 9% of Kimi K2's
 # elements at W = 256 (narrow), about +3 bytes not counted here.
 ELEMENTWISE_BYTES = 64
 

@@ -52,9 +52,9 @@ def build_method(name: str, param_set: ParamSet, config: OptimConfig, bucket_mb:
 
 def _sharded(name, params, splits, config, bucket_mb):
     try:
-        from optim.sharded_muon import ShardedMuon
+        from optim.sharded.muon import ShardedMuon
     except ImportError as err:
-        return Skipped(f"optim.sharded_muon not importable: {err}")
+        return Skipped(f"optim.sharded.muon not importable: {err}")
     opt = ShardedMuon(list(params.items()), splits, config, bucket_mb=bucket_mb, overlap=(name == "sharded"))
     note = "" if name == "sharded" else "overlap=False"
     return Method(name, opt.step, params, note=note, ns_dtype=config.ns_torch_dtype(),

@@ -7,8 +7,8 @@
 `--time-planning N` only plans: each (expert layout, NS method, W) N times, printing the median wall
 and CPU seconds of `plan_world` (specs and `make_plan`, with "auto" every candidate plan).
 
-No process group. For each world size W the sharded Muon's own planner (`optim.plan.make_plan`, fed by
-`optim.sharded_specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
+No process group. For each world size W the sharded Muon's own planner (`optim.planner.plan.make_plan`, fed by
+`optim.planner.specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
 buckets; its per-rank NS FLOPs and intra-/inter-node bytes go through the device model
 (`benchmarks/device_model.py`: step = max(compute, comm) + first/last bucket + elementwise).
 
@@ -63,9 +63,9 @@ from models import preset
 from models.boxes import all_boxes, placement_kind
 from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS, ns_flops
-from optim.plan import REPLICA_SPLIT, PlanOptions, make_plan
-from optim.sharded_muon import plan_options
-from optim.sharded_specs import model_specs
+from optim.planner.plan import REPLICA_SPLIT, PlanOptions, make_plan
+from optim.planner.specs import model_specs
+from optim.sharded.muon import plan_options
 from parallel.layout import ParallelConfig
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
@@ -101,7 +101,7 @@ def total_ns_flops(specs, method: str = "standard") -> int:
 
 
 def gpu_plan_options(device, *, bucket_mb=256.0, replica_split="auto", ns_method="standard") -> PlanOptions:
-    """What the sharded Muon plans with on a GPU (`optim.sharded_muon.plan_options`: NS in bf16, holders
+    """What the sharded Muon plans with on a GPU (`optim.sharded.muon.plan_options`: NS in bf16, holders
     first), with the device model's rates for the cost model."""
     options = plan_options(OptimConfig(ns_method=ns_method), torch.device("cuda"), bucket_mb=bucket_mb,
                            replica_split=replica_split, ranks_per_node=GPUS_PER_NODE)

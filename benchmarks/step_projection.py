@@ -365,8 +365,8 @@ def optimizer_step_s(model_config, layout, device) -> float:
     """The sharded Muon step of this layout: the optimizer projection's planner and device model."""
     from benchmarks.device_model import project
     from benchmarks.projection import gpu_plan_options, local_elements
-    from optim.plan import make_plan
-    from optim.sharded_specs import model_specs
+    from optim.planner.plan import make_plan
+    from optim.planner.specs import model_specs
 
     specs = model_specs(model_config, layout, dtype=torch.float32)  # expert ranks follow parallel.expert_inner
     options = gpu_plan_options(device)

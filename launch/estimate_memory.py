@@ -24,7 +24,7 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
                 log-softmax, gradient; parallel/gradients.py)
   muon_step     the optimizer step's transients: STEP_BUCKETS x this rank's largest bucket of blocks
-                (next in flight, received and orthogonalized, returning; optim/sharded_pipeline.py)
+                (next in flight, received and orthogonalized, returning; optim/sharded/pipeline.py)
   runtime       CUDA context, NCCL and allocator reserve (an assumption, 0 on cpu)
 Peak = params + grads + optimizer + runtime + max(forward/backward peak, muon_step), where the
 forward/backward peak is the largest moment of the backward timeline: the head's backward (every
@@ -53,9 +53,9 @@ from models.boxes import local_box  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from models.moe import Router  # noqa: E402
 from models.splits import muon_splits  # noqa: E402
-from optim.plan import make_plan  # noqa: E402
-from optim.sharded_muon import plan_options  # noqa: E402
-from optim.sharded_specs import _expert_placements, model_specs  # noqa: E402
+from optim.planner.plan import make_plan  # noqa: E402
+from optim.planner.specs import _expert_placements, model_specs  # noqa: E402
+from optim.sharded.muon import plan_options  # noqa: E402
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions  # noqa: E402
 from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
@@ -286,7 +286,7 @@ STEP_BUCKETS = {True: 6.6, False: 4.8}
 
 def muon_step(job: Job) -> int:
     """Peak transient bytes of the optimizer step on `job.rank`: STEP_BUCKETS x its largest bucket,
-    planned as the runtime plans it (optim/sharded_muon.py)."""
+    planned as the runtime plans it (optim/sharded/muon.py)."""
     if job.config.optim.name != "muon":
         return 0
     o = job.config.optim

@@ -2,7 +2,7 @@
 
 Muon hyperparameters follow Moonlight (arXiv 2502.16982): one learning rate and weight decay for
 both the Muon and the AdamW parameter groups, made compatible by the "rms" per-block lr adjustment.
-The last four fields are the sharded Muon's distributed options (optim/sharded_muon.py).
+The last four fields are the sharded Muon's distributed options (optim/sharded/muon.py).
 """
 
 import math

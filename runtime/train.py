@@ -28,7 +28,7 @@ from torch import nn
 from models import Transformer
 from models.splits import muon_splits
 from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
-from optim.sharded_muon import ShardedMuon
+from optim.sharded.muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.ep_capacity import read_drop_counts
 from parallel.layout import Layout

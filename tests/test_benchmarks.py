@@ -168,7 +168,7 @@ def test_counters_count_memory_bytes_of_each_op_by_hand():
 
 def _elementwise_bytes(rank, world_size):
     """Memory bytes per local Muon element of one sharded-Muon step on kimi_slice, bf16 NS."""
-    from optim.sharded_muon import ShardedMuon
+    from optim.sharded.muon import ShardedMuon
 
     param_set = build_param_set("kimi_slice", world_size)
     params = {fqn: torch.nn.Parameter(p.to_local().clone()) for fqn, p in param_set.params.items()}

@@ -98,7 +98,7 @@ def _muon_step_ratio(rank, world_size):
     from benchmarks.param_sets import build_param_set, clone_params
     from launch.estimate_memory import largest_bucket
     from optim.config import OptimConfig
-    from optim.sharded_muon import ShardedMuon
+    from optim.sharded.muon import ShardedMuon
 
     param_set = build_param_set("kimi_slice", world_size)
     out = {}

@@ -21,7 +21,7 @@ from entry_point import run_ok
 from models import Transformer, preset
 from multirank import run_ranks
 from models.boxes import dtensor_box
-from optim.sharded_muon import ShardedMuon
+from optim.sharded.muon import ShardedMuon
 from parallel.parallelize import parallelize
 from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
 from parallel.meshes import build_meshes, coordinates, group_ranks, rank_mesh

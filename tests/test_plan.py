@@ -14,10 +14,10 @@ from torch.distributed.tensor import Replicate, Shard
 from models import preset
 from models.boxes import all_boxes, local_box, strided_shard
 from models.splits import PER_EXPERT, WHOLE, per_head_cols, per_head_rows
-from optim import plan_owners, plan_runs
-from optim.plan import ParamSpec, PlanOptions, make_plan
-from optim.sharded_schedule import group_keys, rank_schedule
-from optim.sharded_specs import EXPERT_NAMES, model_specs
+from optim.planner import owners as plan_owners, runs as plan_runs
+from optim.planner.plan import ParamSpec, PlanOptions, make_plan
+from optim.planner.specs import EXPERT_NAMES, model_specs
+from optim.sharded.schedule import group_keys, rank_schedule
 from parallel.layout import ParallelConfig
 
 R, S0 = Replicate(), Shard(0)
@@ -346,7 +346,7 @@ def test_fast_paths_pick_what_place_block_picks(monkeypatch, replica_split, pref
 def test_place_rows_is_place_block_one_block_at_a_time():
     """`_place_rows` (every replica row of a block at once) against `_place_block` block after
     block, on unequal rows whose holders sit exactly on the cap, one FLOP above it or anywhere below."""
-    from optim.plan import _layouts
+    from optim.planner.plan import _layouts
 
     params, _ = _layouts(narrow_debug_specs(), PlanOptions(ranks_per_node=4))
     groups = next(p.groups for p in params if p.groups.shape[0] > 1 and (p.pieces.whole_on >= 0).any())
@@ -507,7 +507,7 @@ def test_lpt_first_picks_what_the_plain_sequence_picks(monkeypatch):
     largest block may go to is loaded when its turn comes). Against the plain sequence, in each of
     its outcomes: the first order stopped (LPT wins), the first order within the bound (it wins),
     LPT short of the largest block (both run whole, the lower wins)."""
-    from optim.plan import _layouts
+    from optim.planner.plan import _layouts
 
     small = [spec(f"a{i}", (4, 8), WHOLE, (4, 2), (R, S0)) for i in range(4)]  # 2 candidates, 4 replicas
     big, after = spec("b", (64, 64), WHOLE, (1, 8), (R, S0)), spec("c", (8, 64), WHOLE, (1, 8), (R, S0))

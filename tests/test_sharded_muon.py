@@ -24,7 +24,7 @@ from multirank import run_ranks
 from models.boxes import local_box, placement_kind, strided_shard
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
-from optim.sharded_muon import ShardedMuon
+from optim.sharded.muon import ShardedMuon
 
 WORLD, STEPS = 8, 3
 CONFIG = OptimConfig(lr=0.02, weight_decay=0.1, momentum=0.9)
@@ -375,7 +375,7 @@ def test_box_runs_are_the_boxes_elements_in_order():
     # the index maps' building block against numpy's own indexing of an arange
     import numpy as np
 
-    from optim.sharded_index import _local_runs
+    from optim.sharded.index import _local_runs
 
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -1,8 +1,8 @@
-"""Runs of equal blocks for the owner assignment (optim/plan_owners.py): per piece template, which
+"""Runs of equal blocks for the owner assignment (optim/planner/owners.py): per piece template, which
 rank positions hold each block's pieces (`_info`), and the loops that place a run of blocks held in
 pieces with equal shares one after the other (`_fill_row`; a level of equal loads at a time:
 `_fill_by_level`, and `_fill_holders` under the holders' cap), picking exactly what
-`plan_owners._place_block` would. Pure numpy, no process group.
+`planner.owners._place_block` would. Pure numpy, no process group.
 """
 
 import heapq
@@ -91,12 +91,12 @@ def _fill_row(heaps, key, ranks, flops, blocks, loads, cap=None) -> list[int]:
     """Positions in `ranks` of equal blocks placed one after the other by `_place_block`'s rule,
     `blocks` giving each one's holders (bool array, positions as a set, mask key) and equal share:
     argmin of load - 1e-9 * flops * held, first position on ties; with `cap`, first the least
-    loaded holder while under it (`plan_owners._holder_under_cap`). Adds the FLOPs to `loads`.
+    loaded holder while under it (`planner.owners._holder_under_cap`). Adds the FLOPs to `loads`.
 
-    The rule of `plan_owners._least_loaded_equal`, inlined over a list copy of the loads: the least loaded of
+    The rule of `planner.owners._least_loaded_equal`, inlined over a list copy of the loads: the least loaded of
     the row, unless it is no holder and the least loaded holder, less its bonus, is below it (loads
     are integers, so below 2**51 the bonus changes nothing among holders: the loop stops at a load
-    of 2**51, leaving the rest of the blocks to the caller). Heaps as `plan_owners._heap_top`'s (the keys of
+    of 2**51, leaving the rest of the blocks to the caller). Heaps as `planner.owners._heap_top`'s (the keys of
     the per-block paths): lazy, a stale entry refreshed when it comes on top."""
     picks = (_fill_by_level(ranks, flops, blocks, loads) if cap is None
              else _fill_holders(ranks, flops, blocks, loads, cap))

@@ -6,8 +6,8 @@ tests/test_sharded_muon.py). Parameters are DTensors (FSDP2 on the dense or the 
 Replicate / Shard / _StridedShard placements) or, for a single process, plain tensors; nothing is
 configured per parameter.
 
-Construction plans once (optim/plan.py, pure) and derives this rank's buckets
-(optim/sharded_schedule.py). State is created eagerly and rank-symmetric: "momentum_buffer" for
+Construction plans once (optim/planner/plan.py, pure) and derives this rank's buckets
+(optim/sharded/schedule.py). State is created eagerly and rank-symmetric: "momentum_buffer" for
 every Muon parameter, "step"/"exp_avg"/"exp_avg_sq" for every AdamW parameter, as DTensors in the
 parameter's own layout, so `torch.distributed.checkpoint` saves and loads it and an expert that got
 no tokens still has state. A parameter whose grad is None is skipped (torch semantics), but its
@@ -25,10 +25,10 @@ from optim.adamw import adamw_multi_tensor, init_adamw_state
 from optim.config import OptimConfig
 from optim.muon_reference import param_groups, partition_params, step_groups
 from optim.newton_schulz import lr_scale
-from optim.plan import PlanOptions, make_plan
-from optim.sharded_pipeline import BucketPipeline
-from optim.sharded_schedule import collectives, group_keys, rank_schedule
-from optim.sharded_specs import param_spec
+from optim.planner.plan import PlanOptions, make_plan
+from optim.planner.specs import param_spec
+from optim.sharded.pipeline import BucketPipeline
+from optim.sharded.schedule import collectives, group_keys, rank_schedule
 
 
 def plan_options(config: OptimConfig, device, *, bucket_mb: float, replica_split: str, ranks_per_node: int,
@@ -105,7 +105,7 @@ class ShardedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step. Flow (communication only in b and d; see optim/sharded_pipeline.py):
+        """One step. Flow (communication only in b and d; see optim/sharded/pipeline.py):
         a. momentum on local shards: buf = mu buf + g; p *= 1 - lr wd (multi-tensor ops);
         b. per bucket: u = g + mu buf (Nesterov) at the bucket's local pieces, written in the NS
            dtype straight into the bucket's send buffer (u is never materialized whole: the step's

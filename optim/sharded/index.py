@@ -1,6 +1,6 @@
 """Index maps of one rank's buckets: every piece of a bucket moves with a few whole-bucket ops.
 
-Built once at optimizer construction from a bucket of `rank_schedule` (optim/sharded_schedule.py),
+Built once at optimizer construction from a bucket of `rank_schedule` (optim/sharded/schedule.py),
 so a step's op count scales with buckets, shape groups and parameters, not with pieces. Three flat
 buffers per bucket, each a concatenation of pieces in a fixed order:
 
@@ -50,7 +50,7 @@ class ParamMap:
 
 @dataclass
 class GatherMap:
-    """Replica all-gather of one group (sharded_schedule.Gather): my segment (rows of back) goes into
+    """Replica all-gather of one group (sharded.schedule.Gather): my segment (rows of back) goes into
     the chunks by an all-to-all, the chunks are all-gathered into one buffer of every segment."""
 
     send_rows: torch.Tensor
@@ -78,7 +78,7 @@ class BucketIndex:
 
 
 def bucket_index(plan, bucket, local_shapes, device) -> BucketIndex:
-    """The maps of `bucket` (a sharded_schedule.Bucket) for this rank's local shard shapes."""
+    """The maps of `bucket` (a sharded.schedule.Bucket) for this rank's local shard shapes."""
     held, owned = bucket.held, bucket.owned
     stage_order = [h for ex in bucket.exchanges for h in ex.sends] + [h for h, _ in bucket.copies]
     incoming_order = [o for ex in bucket.exchanges for o in ex.recvs] + [o for _, o in bucket.copies]

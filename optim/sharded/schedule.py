@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from optim.sharded_plan_stats import instances_by_param, param_pieces
+from optim.planner.stats import instances_by_param, param_pieces
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from models.boxes import strided_shard
 from models.splits import MatrixSplit, muon_splits
-from optim.plan import ParamSpec
+from optim.planner.plan import ParamSpec
 
 DENSE_NAMES = ("dp_replicate", "dp_shard_cp")
 EXPERT_NAMES = ("edp_replicate", "edp_shard", "ep")

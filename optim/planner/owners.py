@@ -1,4 +1,4 @@
-"""Owner assignment of the sharded Muon plan (optim/plan.py, step 3): which rank orthogonalizes each
+"""Owner assignment of the sharded Muon plan (optim/planner/plan.py, step 3): which rank orthogonalizes each
 block instance, balancing estimated NS FLOPs greedily over all ranks. Pure numpy, no process group.
 `assign` is the entry point; the heaps are fast paths that pick exactly what `_place_block` would.
 """
@@ -7,7 +7,7 @@ import heapq
 
 import numpy as np
 
-from optim.plan_runs import _heap, _info, _place_run, _run, _top
+from optim.planner.runs import _heap, _info, _place_run, _run, _top
 
 
 def assign(params, world_size, prefer_holders=False):

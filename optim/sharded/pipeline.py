@@ -1,7 +1,7 @@
-"""The communication schedule of one sharded-Muon step, bucket by bucket (see optim/sharded_schedule.py
-for what each bucket holds and optim/sharded_muon.py for the step around it).
+"""The communication schedule of one sharded-Muon step, bucket by bucket (see optim/sharded/schedule.py
+for what each bucket holds and optim/sharded/muon.py for the step around it).
 
-Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, not per piece):
+Per bucket k (buffers and index maps: optim/sharded/index.py; ops per bucket, not per piece):
   launch(k)   write the held pieces of the update direction u, in the NS dtype, into the bucket's
               stage buffer (per parameter: the caller's `direction` per run, or at its rows and one
               index_copy_) and issue ONE uneven all_to_all_single per group (async): pieces travel
@@ -21,7 +21,7 @@ Per bucket k (buffers and index maps: optim/sharded_index.py; ops per bucket, no
 With overlap: launch(k+1) is issued before compute(k), and return(k) is waited only after
 compute(k+1), so while bucket k is orthogonalized bucket k+1's pieces are in flight and bucket
 k-1's results are returning. Every rank runs the same sequence of buckets and, inside each, the
-plan's collectives in the same order (`collectives` in sharded_schedule.py), issuing before
+plan's collectives in the same order (`collectives` in sharded/schedule.py), issuing before
 waiting, so no rank waits on a collective another rank has not issued.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from optim.newton_schulz import orthogonalize
-from optim.sharded_index import bucket_index
+from optim.sharded.index import bucket_index
 
 
 class BucketPipeline:

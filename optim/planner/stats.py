@@ -1,6 +1,6 @@
 """What a sharded-Muon plan costs, per rank: blocks and NS FLOPs owned, bytes sent and received
 (intra- vs inter-node), the communication-free shape groups, max/mean load, and the cost estimate
-of the module docstring of `optim/plan.py`, summed and overlapped. Pure numpy over the plan's arrays.
+of the module docstring of `optim/planner/plan.py`, summed and overlapped. Pure numpy over the plan's arrays.
 
 Traffic counted per step, both directions: a piece whose holder is not its block's owner crosses
 once to the owner (forward all-to-all) and once back (return all-to-all); for a parameter split across
@@ -249,7 +249,7 @@ def _same_node_pieces(csr, p, b, r, cls, w, size) -> np.ndarray:
 
 
 def _replica_gather(traffic, groups, computed, ranks_per_node, world):
-    """Traffic of the all-gather over the replica axis as the pipeline runs it (sharded_pipeline.py),
+    """Traffic of the all-gather over the replica axis as the pipeline runs it (sharded/pipeline.py),
     counted on the step's totals (the runtime does this per bucket). Per shard position s, the R
     members of the replica group groups[:, s], in rank order, hold segments of computed results
     (`computed` [R, S] bytes) laid end to end, T bytes in all: an all-to-all moves them into R

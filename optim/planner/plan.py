@@ -12,7 +12,7 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    are orthogonalized in one batched call per bucket; tall blocks join transposed (Newton-Schulz
    commutes with transposition and `orthogonalize` itself works on the wide orientation), so an
    expert's w2 [D, F] batches with its w1 and w3 blocks [F, D] (of the fused w13 [E, 2F, D]).
-3. Owners (optim/plan_owners.py), balancing estimated NS FLOPs (`ns_flops`) over ALL ranks at once (a rank's load counts
+3. Owners (optim/planner/owners.py), balancing estimated NS FLOPs (`ns_flops`) over ALL ranks at once (a rank's load counts
    every group it belongs to), greedily, largest first (LPT) or fewest candidate ranks first,
    whichever order ends with the lower maximum load:
    a. a block one rank holds whole stays there (no communication) while that rank's load stays
@@ -23,7 +23,7 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    A parameter not split across replicas (`ParamLayout.split` False) has every replica repeat this
    for its own copy; for a split one each block is computed by one replica and its result
    all-gathered over the replica axis: per replica group, an all-to-all moves every member's results
-   into R equal chunks, then an all-gather of the chunks (a ring on NCCL; optim/sharded_schedule.py).
+   into R equal chunks, then an all-gather of the chunks (a ring on NCCL; optim/sharded/schedule.py).
    Each member then sends and receives about (R - 1) / R of its shard position's results, whichever
    replica computed them, so the (replica, owner) of a split block is chosen by FLOPs alone, among
    every replica's ranks (rules a and b with the replica groups as one candidate row).
@@ -31,9 +31,9 @@ its DTensor mesh, its placements). Every rank computes the same plan from the sa
    sequential, but the common blocks skip numpy: whole blocks of one-replica groups take their rank
    from lazy heaps; a run of consecutive blocks with the same groups, split and FLOPs, held in
    pieces with equal shares (experts split on a matrix dim, whatever their holders), is placed by
-   one loop over a list of the loads and lazy heaps (`plan_runs._fill_row`); a block repeated in
+   one loop over a list of the loads and lazy heaps (`planner.runs._fill_row`); a block repeated in
    replicas whose rows hold equal loads is placed in row 0 for all, and in all rows at once by
-   numpy when the rows differ (`plan_owners._place_rows`: the per-head attention blocks after a
+   numpy when the rows differ (`planner.owners._place_rows`: the per-head attention blocks after a
    mixed replica split); each picks exactly what
    `_place_block` would (tests pin plans made before these fast paths and compare them with
    `_place_block` and a plain argmin loop); "auto" buckets only the plan it keeps.
@@ -56,7 +56,7 @@ Cost model (for replica_split="auto" and `describe`): a rank's step time is
   NS FLOPs / flops_per_s + max(sent, received) intra-node bytes / intra_node_bytes_per_s
                          + max(sent, received) inter-node bytes / inter_node_bytes_per_s,
 nothing overlapped, with the replica all-gather's bytes as the ring and the all-to-all into its
-chunks move them (`sharded_plan_stats._replica_gather`); the plan's estimate is the maximum over
+chunks move them (`planner.stats._replica_gather`); the plan's estimate is the maximum over
 ranks (`est_overlapped`: the same with the three terms overlapped, the max of them instead of the
 sum). The bucket pipeline overlaps between the two, so "auto" plans "off", "on" and the mixed split, and keeps a later one only when
 it is cheaper than the one kept under both.
@@ -70,8 +70,8 @@ import torch
 from models.boxes import all_boxes, placement_kind
 from models.splits import MatrixSplit
 from optim.newton_schulz import NS_METHODS, ns_flops
-from optim.plan_owners import assign
-from optim.sharded_plan_stats import PlanStats, describe, plan_stats
+from optim.planner.owners import assign
+from optim.planner.stats import PlanStats, describe, plan_stats
 
 REPLICA_SPLIT = ("auto", "on", "off")
 
