@@ -9,7 +9,7 @@ Variants, fp32, B = 1, H heads of width E (MLA-like widths are similar per FLOP)
                 visible key range with a boolean [B, 1, Q, K'] mask)
   one_document  document_attention with the whole row one document: its worst case (every key range long)
   dense_mask    one SDPA call with the whole boolean [B, 1, S, S] mask (what the blocks avoid)
-Peak memory is measured by benchmarks/memory_peak.py (torch's MemTracker: every tensor storage created,
+Peak memory is measured by benchmarks/lib/memory_peak.py (torch's MemTracker: every tensor storage created,
 inputs and their gradients included), not modelled. A CPU proxy: on CUDA the plan is FlexAttention.
 """
 
@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from benchmarks.memory_peak import track_peak
+from benchmarks.lib.memory_peak import track_peak
 from models.document_attention import document_attention
 from runtime.cli import user_errors
 from runtime.paths import check_outputs

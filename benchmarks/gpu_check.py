@@ -26,7 +26,7 @@ the time budget (--budget-s) is recorded as skipped:
                parallelism's chunked flash attention against fp32, grouped matmuls with empty expert
                groups, training steps with activation checkpointing and with QK-clip
   calibration  the keys the projections read: "kimi_blocks_gflops" {dtype: GFLOP/s} (what
-               benchmarks/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
+               benchmarks/lib/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
                matmul, attention, MFU: benchmarks/step_projection.py --calibration)
 Timing: CUDA events around `iters` back-to-back calls after warm-up (per-call mean); on the CPU,
 perf_counter. FLOPs are counted from the shapes (2 m n k per matmul), not from the kernels.
@@ -118,7 +118,7 @@ def section_matmul(ctx) -> dict:
 def ns_block_families(small: bool) -> dict:
     """{(rows, cols): number of blocks} of every Muon block family of Kimi K2 (debug preset with
     --small), from one dense and one MoE layer: the planner's own splits (models/splits.py)."""
-    from benchmarks.matmul_rate import block_shape_counts
+    from benchmarks.lib.matmul_rate import block_shape_counts
     from models import Transformer, preset
     from models.splits import muon_splits
 

@@ -5,7 +5,7 @@
 For each case (preset x world size x activation checkpointing) ranks are forked (gloo), each builds
 the job exactly as the runtime does (runtime/train.py: meta model, parallelize, seeded init, sharded
 Muon) and runs one training step (forward/backward, clipping, optimizer step) under torch's
-MemTracker (benchmarks/memory_peak.py): the peak of all live tensors on rank 0 (parameters,
+MemTracker (benchmarks/lib/memory_peak.py): the peak of all live tensors on rank 0 (parameters,
 gradients, optimizer state, FSDP buffers, activations, temporaries). Prints estimate, measured and
 their ratio per case.
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once before forking)
 
-from benchmarks.memory_peak import track_peak  # noqa: E402
+from benchmarks.lib.memory_peak import track_peak  # noqa: E402
 from launch.estimate_memory import Job, estimate  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402

@@ -16,7 +16,7 @@ own matmul FLOPs (`ns_flops`) / time; polar_err = max over the first POLAR_SAMPL
 ||NS(X) - U V^T||_F / ||U V^T||_F, U V^T the exact polar factor (SVD, float64) of random Gaussian X.
 Sets:
   debug           the `debug` preset's blocks;
-  kimi_slice      Kimi K2 shapes scaled 16x down (benchmarks/param_sets.py), 2 MoE layers;
+  kimi_slice      Kimi K2 shapes scaled 16x down (benchmarks/lib/param_sets.py), 2 MoE layers;
   momentum        (--momentum-checkpoint) the saved momentum buffers of a `debug` run, polar_err only;
   kimi_k2_scaled  Kimi K2's block kinds with every side scaled 8x down (2048 x 7168 experts -> 256 x 896),
                   in a small batch per kind (KIMI_K2_SCALED: block counts chosen to run in seconds).
@@ -52,8 +52,8 @@ def set_blocks(name: str) -> dict[tuple[int, int], int]:
     """(rows, cols) -> number of blocks of that shape in the set."""
     if name == "kimi_k2_scaled":
         return dict(KIMI_K2_SCALED)
-    from benchmarks.matmul_rate import block_shape_counts
-    from benchmarks.param_sets import model_config
+    from benchmarks.lib.matmul_rate import block_shape_counts
+    from benchmarks.lib.param_sets import model_config
     from models import Transformer
     from models.splits import muon_splits
 
@@ -117,7 +117,7 @@ def momentum_rows(checkpoint: str, dtypes: list[str]) -> list[dict]:
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from benchmarks.param_sets import model_config
+    from benchmarks.lib.param_sets import model_config
     from models import Transformer
     from models.splits import muon_splits
 

@@ -4,8 +4,8 @@
         [--steps K] [--warmup K] [--shapes debug|kimi_slice|both] [--methods a,b,...]
 
 CPU (gloo, one thread per rank) or GPU (nccl, one GPU per rank). For each shape set
-(`benchmarks/param_sets.py`: real models sharded by `parallel.parallelize`, fixed seeded
-gradients) and each method (`benchmarks/methods.py`), in ONE process group:
+(`benchmarks/lib/param_sets.py`: real models sharded by `parallel.parallelize`, fixed seeded
+gradients) and each method (`benchmarks/lib/methods.py`), in ONE process group:
   1. build every method on its own copy of the parameters;
   2. check: `--check-steps` steps of each, parameter changes compared with the single-process
      reference Muon (a method that fails is reported as FAILED, its time is not a result);
@@ -18,7 +18,7 @@ gradients) and each method (`benchmarks/methods.py`), in ONE process group:
   5. measure this machine's NS rate on the same block shapes (`matmul_rate.ns_rate`, all ranks
      at once, like the step), and report each method's NS GFLOP/s on its busiest rank against it.
 Rank 0 prints a table per shape set; `--json PATH` and `--plot PATH` write the results
-(`benchmarks/report.py`). `main(argv)` is also the entry point the tests call on forked ranks.
+(`benchmarks/lib/report.py`). `main(argv)` is also the entry point the tests call on forked ranks.
 """
 
 import argparse
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from benchmarks import harness, report
-from benchmarks.matmul_rate import block_shape_counts, ns_rate
-from benchmarks.methods import METHODS, Method, Skipped, build_method
-from benchmarks.param_sets import SHAPE_SETS, build_param_set
+from benchmarks.lib import harness, report
+from benchmarks.lib.matmul_rate import block_shape_counts, ns_rate
+from benchmarks.lib.methods import METHODS, Method, Skipped, build_method
+from benchmarks.lib.param_sets import SHAPE_SETS, build_param_set
 from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS
 from runtime.cli import user_errors

@@ -10,7 +10,7 @@ and CPU seconds of `plan_world` (specs and `make_plan`, with "auto" every candid
 No process group. For each world size W the sharded Muon's own planner (`optim.planner.plan.make_plan`, fed by
 `optim.planner.specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
 buckets; its per-rank NS FLOPs and intra-/inter-node bytes go through the device model
-(`benchmarks/device_model.py`: step = max(compute, comm) + first/last bucket + elementwise).
+(`benchmarks/lib/device_model.py`: step = max(compute, comm) + first/last bucket + elementwise).
 
 Layout per W (8 GPUs per node):
   dense   dp_shard = 8 (inside a node: FSDP traffic on NVLink), dp_replicate = W / 8.
@@ -58,7 +58,7 @@ if __package__ in (None, ""):  # `python benchmarks/projection.py`: make the rep
 import numpy as np
 import torch
 
-from benchmarks.device_model import DEVICES, device_model, lower_bound, project
+from benchmarks.lib.device_model import DEVICES, device_model, lower_bound, project
 from models import preset
 from models.boxes import all_boxes, placement_kind
 from optim.config import OptimConfig

@@ -34,14 +34,14 @@ token loads are assumed uniform):
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
               (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py, measured by
               benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
-Bytes follow benchmarks/counters.py's convention (what leaves a rank, self excluded: all-gather
+Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
 peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
 Groups follow the runtime's rank numbering (parallel/meshes.py): the dense mesh numbers cp innermost,
 the expert mesh numbers `parallel.expert_inner` innermost, ep (the default: expert FSDP groups stride
 across nodes) or edp_shard (expert FSDP inside a node, ep across nodes); --compare projects both.
 
-Time (device model: benchmarks/device_model.py links; compute rates below, or measured with
+Time (device model: benchmarks/lib/device_model.py links; compute rates below, or measured with
 --calibration from benchmarks/gpu_check.py):
     step = max(compute + ep + cp, all bytes over NVLink, all bytes over the network) + optimizer
            + host_syncs x SYNC_S
@@ -72,8 +72,8 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
-from benchmarks import ep_projection
-from benchmarks.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
+from benchmarks.lib import ep_projection
+from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from runtime.cli import user_errors
 from runtime.paths import check_outputs, config_inputs
 
@@ -201,7 +201,7 @@ def ep_placement(config, layout):
 def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes: int,
                activation_checkpoint: str = "none") -> tuple[dict, float]:
     """({all-to-all stage: Link of the bytes one rank sends per step}, distinct nodes per token):
-    benchmarks/ep_projection.py."""
+    benchmarks/lib/ep_projection.py."""
     if layout.ep == 1:
         return {}, 1.0
     by_stage, nodes = ep_projection.ep_bytes(config, layout, ep_placement(config, layout), local_tokens,
@@ -363,7 +363,7 @@ def _link_seconds(link: Link, device) -> tuple[float, float]:
 @functools.lru_cache(maxsize=None)  # the same layout recurs across dtypes and what-ifs; planning K2 takes seconds
 def optimizer_step_s(model_config, layout, device) -> float:
     """The sharded Muon step of this layout: the optimizer projection's planner and device model."""
-    from benchmarks.device_model import project
+    from benchmarks.lib.device_model import project
     from benchmarks.projection import gpu_plan_options, local_elements
     from optim.planner.plan import make_plan
     from optim.planner.specs import model_specs
@@ -483,7 +483,7 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="a job TOML (configs/*.toml): model, batch, micro-batches, layout")
     p.add_argument("--world", type=int, help="GPUs (default: the config layout's own world size)")
     p.add_argument("--json", help="write {'rows': [...]} here")
-    p.add_argument("--device", default="h200", help="h100 | h200 (benchmarks/device_model.py)")
+    p.add_argument("--device", default="h200", help="h100 | h200 (benchmarks/lib/device_model.py)")
     p.add_argument("--calibration", help="JSON written by benchmarks/gpu_check.py (measured rates)")
     p.add_argument("--act-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="dtype of activations, dispatched tokens and gathered K/V (default: training.param_dtype, "
@@ -517,7 +517,7 @@ def config_world(job) -> int:
 
 @user_errors
 def main(argv=None) -> dict:
-    from benchmarks.device_model import device_model
+    from benchmarks.lib.device_model import device_model
     from runtime.config import load_config
 
     args = parse_args(argv)

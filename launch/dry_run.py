@@ -13,7 +13,7 @@ It then materializes the model's last `--layers` blocks (plus embedding, final n
 width on the CPU and runs one forward/backward/optimizer step of them at a short sequence (`--seq`
 tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
 tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
-alive at once: benchmarks/counters.py's live-storage count; the process's max RSS is reported too).
+alive at once: benchmarks/lib/counters.py's live-storage count; the process's max RSS is reported too).
 
 What the fake backend cannot give, and what the dry run assumes instead: received values are whatever
 the output buffers held. The only received values that steer control flow are the expert-parallel
@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from benchmarks.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
+from benchmarks.lib.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
 from launch import estimate_memory  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402

@@ -278,7 +278,7 @@ def logits(job: Job) -> int:
 # The sharded Muon step's transients as a multiple of this rank's largest bucket (NS-dtype bytes of
 # the blocks it owns in one bucket): with overlap, bucket k+1's send and receive buffers in flight,
 # bucket k's blocks and Newton-Schulz working set, bucket k-1's results returning; without, one
-# bucket at a time. Measured (benchmarks/counters.py, peak extra memory of one step / largest bucket,
+# bucket at a time. Measured (benchmarks/lib/counters.py, peak extra memory of one step / largest bucket,
 # 2 ranks, debug and kimi_slice, fp32 and bf16, 1 and 4 MiB buckets): at most 6.57 and 4.77;
 # tests/test_memory.py re-measures it. The update direction is never materialized whole.
 STEP_BUCKETS = {True: 6.6, False: 4.8}

@@ -30,7 +30,7 @@ as `.item()` are still counted; on a GPU the tolist is a device-to-host copy and
 every run misses `torch.tensor(x, device=...)` there.
 
 Private torch API (checked on torch 2.13.0): `torch.utils._python_dispatch.TorchDispatchMode`, the
-documented way to intercept dispatcher calls (no public alias), as in benchmarks/counters.py.
+documented way to intercept dispatcher calls (no public alias), as in benchmarks/lib/counters.py.
 """
 
 import collections

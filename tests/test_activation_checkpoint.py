@@ -10,7 +10,7 @@ tensor memory of one forward/backward (measured by torch's MemTracker) drops.
 import pytest
 import torch
 
-from benchmarks.memory_peak import track_peak
+from benchmarks.lib.memory_peak import track_peak
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.activation_checkpoint import MODES, apply_activation_checkpoint

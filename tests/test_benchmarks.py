@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 
-from benchmarks import harness, projection
-from benchmarks.counters import count_step
-from benchmarks.device_model import DEVICES
-from benchmarks.methods import Method, build_method
-from benchmarks.param_sets import build_param_set
+from benchmarks import projection
+from benchmarks.lib import harness
+from benchmarks.lib.counters import count_step
+from benchmarks.lib.device_model import DEVICES
+from benchmarks.lib.methods import Method, build_method
+from benchmarks.lib.param_sets import build_param_set
 from models import preset
 from multirank import run_ranks
 from optim.config import OptimConfig
@@ -183,7 +184,7 @@ def _elementwise_bytes(rank, world_size):
 def test_projection_elementwise_bytes_are_the_steps_own():
     """The device model's ELEMENTWISE_BYTES is what the sharded step moves per element (counted on
     one process; the busiest of 2 ranks measured the same 64.3): it must move with the code."""
-    from benchmarks.device_model import ELEMENTWISE_BYTES
+    from benchmarks.lib.device_model import ELEMENTWISE_BYTES
 
     [(per_element, ns_bytes)] = run_ranks(_elementwise_bytes, 1, timeout=180)
     assert abs(per_element - ELEMENTWISE_BYTES) < 0.5, per_element

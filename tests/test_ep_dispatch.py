@@ -1,6 +1,6 @@
 """EP dispatch at scale: the dispatch plan (parallel/ep_plan.py) against plain loops, and the runtime's
 dispatch variants on 8 gloo ranks in two simulated nodes (parallel.ranks_per_node=4) against the
-single-process step, with every all-to-all byte counted (benchmarks/ep_traffic.py) and compared with
+single-process step, with every all-to-all byte counted (benchmarks/lib/ep_traffic.py) and compared with
 the plan.
 
 Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.ep_traffic import count_all_to_all, split_by_node
+from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
@@ -193,9 +193,9 @@ def test_step_matches_single_process(results, name):
 
 def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
     """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
-    (benchmarks/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
+    (benchmarks/lib/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
     routing, summed over the MoE layers."""
-    from benchmarks.ep_projection import layer_stages
+    from benchmarks.lib.ep_projection import layer_stages
 
     config, out = preset("debug"), {}
     layout = CASES[name].resolve(WORLD)
@@ -412,7 +412,7 @@ def test_large_configs_set_the_recommended_dispatch(model):
     import json
     import os
 
-    from benchmarks.ep_projection import dispatch_knobs
+    from benchmarks.lib.ep_projection import dispatch_knobs
     from benchmarks.step_projection import describe
     from runtime.config import load_config
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from benchmarks.device_model import DEVICES, calibrate
 from benchmarks.gpu_check import main, parse_args, run, train_argv
+from benchmarks.lib.device_model import DEVICES, calibrate
 from multirank import run_ranks
 
 

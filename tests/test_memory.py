@@ -94,8 +94,8 @@ def test_estimate_mistakes_exit_2_in_one_line_before_estimating(tmp_path, capsys
 
 def _muon_step_ratio(rank, world_size):
     """Peak extra memory of one sharded-Muon step / this rank's largest bucket, overlap on and off."""
-    from benchmarks.counters import count_step
-    from benchmarks.param_sets import build_param_set, clone_params
+    from benchmarks.lib.counters import count_step
+    from benchmarks.lib.param_sets import build_param_set, clone_params
     from launch.estimate_memory import largest_bucket
     from optim.config import OptimConfig
     from optim.sharded.muon import ShardedMuon

@@ -14,7 +14,7 @@ import collections
 import pytest
 import torch
 
-from benchmarks import counters
+from benchmarks.lib import counters
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from parallel.overlap import fsdp_units_in_forward_order

@@ -357,7 +357,7 @@ def test_ops_per_step_do_not_grow_with_pieces():
     # one process, plain tensors: every block is a piece held and owned here. Per-head rows of a
     # [512, 128] parameter: 64 heads of [8, 128] or 8 heads of [64, 128]; the step issues the same ops
     # (per parameter, shape group and bucket), where a per-piece schedule would issue 8x more.
-    from benchmarks.counters import count_step
+    from benchmarks.lib.counters import count_step
 
     ops = {}
     for heads in (8, 64):

@@ -1,7 +1,7 @@
 """The whole-step projection's bytes against bytes counted on real 8-rank CPU runs.
 
 Each case runs the runtime's forward/backward (runtime/train.py: FSDP2 on both meshes, EP
-all-to-alls, CP all-gathers) under benchmarks/counters.py's collective counter, bucketed by
+all-to-alls, CP all-gathers) under benchmarks/lib/counters.py's collective counter, bucketed by
 collective, and compares each rank's bytes with benchmarks/step_projection.py for the same job and
 layout. FSDP and CP bytes depend only on shapes and should match to the byte; EP bytes depend on
 where the router sends tokens (the projection assumes uniform routing), hence the 10% tolerance
@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from benchmarks import counters, step_projection
-from benchmarks.device_model import device_model
+from benchmarks import step_projection
+from benchmarks.lib import counters
+from benchmarks.lib.device_model import device_model
 from benchmarks.step_projection import compute_rates, parse_args, peers, project_layout
 from multirank import run_ranks
 from parallel.meshes import build_meshes

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 # Bytes the sharded Muon step reads + writes per local Muon element outside Newton-Schulz (fp32
-# master weights and momentum, bf16 NS): MEASURED, not assumed. `benchmarks/counters.py` counts every
+# master weights and momentum, bf16 NS): MEASURED, not assumed. `benchmarks/lib/counters.py` counts every
 # memory-bound op of the step; Kimi K2's shapes scaled down (`kimi_slice`, bf16 NS) give 64.3 on 1
 # process and 64.3 on the busiest of 2 ranks (`optimizer_step.py --ns-dtype bfloat16`), debug 65.5.
 # Per element: momentum mul + add (8 + 12), weight decay (8), the Nesterov direction written in bf16
@@ -58,7 +58,7 @@ class DeviceModel:
     hbm_gbs: float
     latency_us: float = 50.0
     gpus_per_node: int = 8
-    source: str = "datasheet + assumptions (benchmarks/device_model.py)"
+    source: str = "datasheet + assumptions (benchmarks/lib/device_model.py)"
 
 
 DEVICES = {

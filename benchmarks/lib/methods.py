@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks import baselines, torchtitan_muon
-from benchmarks.param_sets import ParamSet, clone_params
+from benchmarks.lib import baselines, torchtitan_muon
+from benchmarks.lib.param_sets import ParamSet, clone_params
 from optim.config import OptimConfig
 
 METHODS = ("sharded", "sharded_sync", "gather_all", "owner_allgather", "torchtitan", "single")

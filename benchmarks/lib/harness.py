@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from benchmarks.counters import count_step
+from benchmarks.lib.counters import count_step
 
 # fp32 NS: the baselines run the reference's own pieces on the same blocks and are bitwise equal on
 # this CPU; the sharded Muon is within ~1e-6 (measured); on GPU batched kernels may round

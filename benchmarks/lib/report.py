@@ -12,7 +12,7 @@ speedup_vs[name] = step_ms[name] / step_ms["sharded"] for every method that pass
 
 import json
 
-from benchmarks.harness import median
+from benchmarks.lib.harness import median
 
 COLUMNS = ("method", "step ms", "min ms", "NS GF/rank max", "mean", "MB/rank max", "NS GF/s", "of machine", "check")
 
