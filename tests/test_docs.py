@@ -209,6 +209,22 @@ def test_every_command_flag_path_and_link_in_the_docs_exists():
     assert problems == [], "\n".join(problems)
 
 
+def test_the_benchmarks_reference_lists_every_script_with_flags_its_help_lists():
+    """docs/benchmarks.md has a table row per benchmarks/ script with a `main`; its flags column names only
+    flags of that script's --help (a script without --help, host_syncs.py, is exempt)."""
+    with open(os.path.join(REPO, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        rows = [line.split(" | ") for line in f if re.match(r"\| `\w+\.py`", line)]
+    problems, listed = [], set()
+    for cells in rows:
+        script = "benchmarks/" + re.match(r"\| `(\w+\.py)`", cells[0]).group(1)
+        listed.add(script)
+        known = help_flags(script)
+        flags = re.findall(r"--[A-Za-z0-9][\w.\-]*", cells[2].replace("\\|", " "))
+        problems += [f"{script}: {flag}" for flag in flags if known is not None and flag not in known]
+    scripts = {s for s in _helps() if s.startswith("benchmarks/")}
+    assert problems == [] and sorted(scripts - listed) == [], (problems, sorted(scripts - listed))
+
+
 def test_the_readme_is_a_landing_page_that_reaches_every_doc():
     """<= 200 lines, and every docs/ page is linked from the README or from a page the README links."""
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
