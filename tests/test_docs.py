@@ -95,11 +95,13 @@ for path in sys.argv[1:]:
         module = importlib.import_module(path[:-3].replace("/", "."))
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
             module.main(["--help"])
+        error = None
     except SystemExit:
-        pass
-    except Exception:
-        pass
+        error = None
+    except Exception as e:
+        error = repr(e)[:300]
     out[path] = buf.getvalue() or None
+    out[path + " error"] = error
 print(json.dumps(out))
 """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
@@ -193,7 +195,8 @@ def reference_problems(doc: str, text: str, root: str = REPO) -> list[str]:
     for path, flags, line in uses:
         known = help_flags(path)
         if known is None:
-            problems.append(f"{doc}: `{line}`: {path} --help prints nothing, so its flags cannot be checked")
+            why = _helps().get(path + " error") or "no output"
+            problems.append(f"{doc}: `{line}`: {path} --help prints nothing ({why}), so its flags cannot be checked")
             continue
         problems += [f"{doc}: `{line}`: {path} --help does not list {f}" for f in flags if f not in known]
     problems += [f"{doc}: no file {p}" for p in repo_paths(text) if p not in named and not _exists(p, root)]
@@ -221,7 +224,7 @@ def test_the_benchmarks_reference_lists_every_script_with_flags_its_help_lists()
         known = help_flags(script)
         flags = re.findall(r"--[A-Za-z0-9][\w.\-]*", cells[2].replace("\\|", " "))
         problems += [f"{script}: {flag}" for flag in flags if known is not None and flag not in known]
-    scripts = {s for s in _helps() if s.startswith("benchmarks/")}
+    scripts = {s for s in _helps() if s.startswith("benchmarks/") and s.endswith(".py")}
     assert problems == [] and sorted(scripts - listed) == [], (problems, sorted(scripts - listed))
 
 
