@@ -20,6 +20,11 @@ FILE_EXT = (".py", ".toml", ".md", ".json", ".jsonl", ".png")
 CHECKED_FLAGS = ("launch/", "benchmarks/")
 
 
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def doc_files() -> list[str]:
     """README.md and every docs/**.md, relative to the repository root."""
     docs = glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True)
@@ -28,8 +33,8 @@ def doc_files() -> list[str]:
 
 def _split_code(text: str) -> tuple[list[str], list[str], str]:
     """(fenced block bodies, inline code spans, the prose with both blanked out)."""
-    blocks = re.findall(r"^\s*```[^\n]*\n(.*?)^\s*```", text, flags=re.S | re.M)
-    prose = re.sub(r"^\s*```[^\n]*\n.*?^\s*```", "", text, flags=re.S | re.M)
+    blocks = re.findall(r"^\s*```[^\n]*\n(.*?)^\s*```", text, flags=re.DOTALL | re.MULTILINE)
+    prose = re.sub(r"^\s*```[^\n]*\n.*?^\s*```", "", text, flags=re.DOTALL | re.MULTILINE)
     spans = re.findall(r"`([^`\n]+)`", prose)
     return blocks, spans, re.sub(r"`[^`\n]+`", "", prose)
 
@@ -85,7 +90,7 @@ def _helps() -> dict:
     benchmarks/ script with a `main`, in one subprocess, once per test session."""
     scripts = [os.path.relpath(p, REPO) for folder in CHECKED_FLAGS
                for p in sorted(glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True))
-               if "\ndef main(" in open(p, encoding="utf-8").read()]
+               if "\ndef main(" in _read(p)]
     code = """
 import contextlib, importlib, io, json, sys
 out = {}
@@ -106,7 +111,7 @@ print(json.dumps(out))
 """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     result = subprocess.run([sys.executable, "-c", code, *scripts], capture_output=True, text=True,
-                            cwd=REPO, env=env, timeout=300)
+                            cwd=REPO, env=env, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -153,8 +158,8 @@ def slug(heading: str) -> str:
 def anchors(text: str) -> set[str]:
     _, _, prose = _split_code(text)
     seen, out = {}, set()
-    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*$", re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M),
-                              flags=re.M):
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*$", re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.DOTALL | re.MULTILINE),
+                              flags=re.MULTILINE):
         base = slug(heading)
         n = seen.get(base, 0)
         out.add(base if n == 0 else f"{base}-{n}")
@@ -173,7 +178,7 @@ def link_problems(doc: str, text: str, root: str = REPO) -> list[str]:
         full = os.path.normpath(os.path.join(root, os.path.dirname(doc), path)) if path else os.path.join(root, doc)
         if not os.path.exists(full):
             problems.append(f"{doc}: link {target}: no such file")
-        elif anchor and full.endswith(".md") and anchor not in anchors(open(full, encoding="utf-8").read()):
+        elif anchor and full.endswith(".md") and anchor not in anchors(_read(full)):
             problems.append(f"{doc}: link {target}: no heading #{anchor}")
     return problems
 
@@ -237,7 +242,7 @@ def test_the_readme_is_a_landing_page_that_reaches_every_doc():
     while todo:
         doc = todo.pop()
         reached.add(doc)
-        _, _, prose = _split_code(open(os.path.join(REPO, doc), encoding="utf-8").read())
+        _, _, prose = _split_code(_read(os.path.join(REPO, doc)))
         for target in re.findall(r"\]\(([^)#\s]+\.md)", prose):
             path = os.path.relpath(os.path.normpath(os.path.join(REPO, os.path.dirname(doc), target)), REPO)
             if path not in reached and os.path.exists(os.path.join(REPO, path)):
