@@ -61,7 +61,8 @@ from runtime import train  # noqa: E402
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description="Dry run of ranks of a W-rank job (fake process group).")
+    ap = argparse.ArgumentParser(description="Dry run of ranks of a W-rank job (fake process group).",
+                                 epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None, help="world size (default: the config's dense degrees)")
     ap.add_argument("--ranks", default="0", help="comma-separated ranks to play, e.g. 0,128,255")

@@ -17,7 +17,7 @@ numbers them with `expert_inner` innermost (consecutive ranks, inside a node) an
 outermost. "ep" (the default) keeps the all-to-all inside a node (ep <= 8) and strides the expert
 FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-scatters inside a node
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
-both (docs/benchmarks.md, "Whole-step projection").
+both (docs/performance.md, "Whole-step projection").
 
 `ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
 dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement.

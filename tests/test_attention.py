@@ -216,7 +216,7 @@ def test_context_parallel_equals_the_plain_single_process_loop(cp_results, name)
 
 
 def test_benchmark_small_runs_and_sees_the_kernels():
-    """benchmarks/attention_kernels.py --small: the same code path as the table in docs/benchmarks.md, so it cannot rot."""
+    """benchmarks/attention_kernels.py --small: the same code path as the table in docs/performance.md, so it cannot rot."""
     from benchmarks.attention_kernels import main
 
     rows = main(["--small", "--repeats", "1", "--dtypes", "float32"])["rows"]

@@ -158,7 +158,7 @@ def test_large_configs_load_and_fit_their_world_size(name, world_sizes, experts)
 @pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
 def test_large_configs_follow_the_whole_step_projection(model):
     """The configs' layout is the one benchmarks/step_projection.py recommends at 256 GPUs for the
-    runtime's bf16 data path (its committed JSON, rerun with the command in docs/benchmarks.md), and it fits."""
+    runtime's bf16 data path (its committed JSON, rerun with the command in docs/performance.md), and it fits."""
     import json
 
     from benchmarks.step_projection import describe

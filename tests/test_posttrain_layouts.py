@@ -85,7 +85,7 @@ def test_8_ranks_match_1_process(tmp_path, rollouts, layout):
 
 
 def test_readme_example_config_runs(tmp_path, capsys):
-    """The README's command (configs/posttrain_example.toml on the bundled rollouts), 2 ranks, 2 steps."""
+    """The command of docs/posttraining.md (configs/posttrain_example.toml on the bundled rollouts), 2 ranks, 2 steps."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cwd = os.getcwd()
     os.chdir(repo)  # the config names examples/rollouts.jsonl relative to the repository root
