@@ -43,10 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from benchmarks.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
-from launch import estimate_memory  # noqa: E402
+from launch import dry_run_bytes, estimate_memory  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from parallel import expert_parallel  # noqa: E402
@@ -141,38 +139,6 @@ def states_bytes(model, optimizer) -> dict:
     return out
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Every c10d / functional collective dispatched: (kind, mesh axes of its group) -> bytes, count.
-    Bytes: the tensors this rank passes in (its shard for an all-gather, its full input otherwise)."""
-
-    def __init__(self, names: dict):
-        super().__init__()
-        self.names, self.rows, self.memory = names, {}, LiveMemory()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
-            self._add(func.namespace, name, args)
-            args = _fake_backend_legal(func, args)
-        out = func(*args, **(kwargs or {}))
-        self.memory.track(args, out)
-        return out
-
-    def _add(self, namespace, name, args):
-        if namespace == "c10d":
-            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-            group = dist.ProcessGroup.unbox(boxed[0]).group_name if boxed else "?"
-            inputs = args[1] if name.startswith(("allgather", "_allgather")) and len(args) > 1 else args[0]
-        else:
-            group, inputs = args[-1], args[0]
-        tensors = inputs if isinstance(inputs, (list, tuple)) else [inputs]
-        flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
-        key = (name.rstrip("_"), self.names.get(group, f"group {group}"))
-        row = self.rows.setdefault(key, {"kind": key[0], "mesh": key[1], "bytes": 0, "count": 0})
-        row["bytes"] += sum(t.numel() * t.element_size() for t in flat)
-        row["count"] += 1
-
-
 def _fake_backend_legal(func, args):
     """The fake backend refuses an all-to-all that sends nothing but receives something (legal on gloo and
     NCCL: sharded Muon's exchange when this rank owns blocks but sends none); it moves no data anyway,
@@ -231,20 +197,34 @@ def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
     Peak memory: this rank's shards of the materialized model and its optimizer state, plus the most
     bytes the step's ops allocate alive at once (gathered weights, activations, gradients, buckets)."""
     small = dataclasses.replace(config, model=last_blocks(config.model, layers))
+    layout, dispatch = step_dispatch(layout)
     model = train.build_model(small, meshes, layout, torch.device("cpu"), init=lambda m: m.init_weights(seed=0))
     symmetric_counts(model)
+    routing = dry_run_bytes.RoutingLog(model)
     optimizer = train.build_optimizer(model, small)
     scheduler = train.build_scheduler(optimizer, small.training)
     loader = train.build_loader(small, meshes, layout)
     resident = sum(sum(m.values()) - m["grads"] for m in _by_mesh(states_bytes(model, optimizer)))
-    log = CollectiveLog(names)
+    log = dry_run_bytes.CollectiveLog(names, layout.ranks_per_node, _fake_backend_legal)
     start = time.perf_counter()
     with log:
         train.train_step(model, optimizer, scheduler, loader, small, torch.device("cpu"))
-    return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": time.perf_counter() - start,
-            "collectives": sorted(log.rows.values(), key=lambda r: (r["mesh"], r["kind"])),
+    step_s = time.perf_counter() - start
+    rows = log.table()
+    projected = dry_run_bytes.projected_terms(small, layout, meshes, names, routing.routings)
+    return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": step_s, "step_dispatch": dispatch,
+            "collectives": rows, "projection_comparison": dry_run_bytes.compare(rows, projected),
             "peak_memory_bytes": resident + log.memory.peak, "step_peak_extra_bytes": log.memory.peak,
             "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def step_dispatch(layout):
+    """(the layout the step runs with, a note): the node-deduplicated dispatch forwards what its gateways
+    received from peers (expert ids, pair counts), which the fake backend does not deliver, so the step
+    runs the direct dispatch of the same routing (every other EP knob as configured)."""
+    if not layout.ep_dedup or layout.ep == 1:
+        return layout, "as configured"
+    return dataclasses.replace(layout, ep_dedup=False), "direct (parallel.ep_dedup needs peers' data: not dry-runnable)"
 
 
 def _by_mesh(states: dict) -> list[dict]:
@@ -277,8 +257,12 @@ def summary(r: dict) -> str:
              f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to estimate_memory.py's); planner {r['planner_s']:.1f} s; "
              f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
              f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
-    lines += [f"  {c['kind']:<28} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / 2**20:10.1f} MiB"
-              for c in r["collectives"]]
+    lines += [f"  {c['kind']:<15} {c['source']:<10} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / 2**20:10.1f} MiB "
+              f"passed in, on the wire {c['wire_intra_bytes'] / 2**20:10.1f} MiB in-node {c['wire_inter_bytes'] / 2**20:10.1f}"
+              f" MiB across" for c in r["collectives"]]
+    lines += [f"  projection ({c['source']} {c['kind']} on {c['mesh']}): in-node {c['projected'][0] / 2**20:.3f} / "
+              f"across {c['projected'][1] / 2**20:.3f} MiB, counted {c['counted'][0] / 2**20:.3f} / "
+              f"{c['counted'][1] / 2**20:.3f}: {'equal' if c['equal'] else 'DIFFERENT'}" for c in r["projection_comparison"]]
     return "\n".join(lines)
 
 
