@@ -14,16 +14,26 @@ width on the CPU and runs one forward/backward/optimizer step of them at a short
 tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
 tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
 alive at once: benchmarks/counters.py's live-storage count; the process's max RSS is reported too).
+The counted bytes are converted to bytes on the wire (in-node / across nodes) by the conversion the
+whole-step projection uses, and compared with the projection's FSDP and per-layer EP terms for the same
+materialized model and the step's own routing (launch/dry_run_bytes.py).
 
 What the fake backend cannot give, and what the dry run assumes instead: received values are whatever
 the output buffers held. The only received values that steer control flow are the expert-parallel
 token counts (they size the dispatch all-to-all); the dry run assumes symmetric traffic (every ep peer
 sends this rank as many tokens per expert as this rank sends it; what balanced routing gives on
-average), so nothing allocates from garbage. Losses, norms and updates are meaningless; shapes, groups and bytes are real.
+average), so nothing allocates from garbage. The node-deduplicated dispatch (parallel.ep_dedup) also
+forwards what its gateways received (expert ids), so under it the step runs the direct dispatch of the
+same routing (`step_dispatch` says so). Losses, norms and updates are meaningless; shapes, groups and
+bytes are real.
 
 JSON: world, rank, groups (name -> size), states_bytes ({dense, expert} x {params, grads, optimizer}
 of the WHOLE model on this rank, from the parallelized model's local shards and the optimizer's state
-tensors), planner_s, collectives ([{kind, mesh, bytes, count}] of the materialized step), peak_memory_bytes,
+tensors), planner_s, collectives ([{kind, op, mesh, source, bytes, count, wire_intra_bytes, wire_inter_bytes}]
+of the materialized step: kind all_gather | reduce_scatter | all_reduce | all_to_all, source fsdp | ep |
+optimizer | other, bytes passed in, bytes sent to peers on this rank's node and on others),
+projection_comparison ([{kind, mesh, source, counted, projected, equal}]: [in-node, across] bytes of each
+FSDP and EP term against benchmarks/step_projection.py / ep_projection.py), step_dispatch, peak_memory_bytes,
 estimate (launch/estimate_memory.py for the same rank: states by the same keys, and its whole estimate),
 build_s / step_s. Exit status 2 with one line on a config or argument error.
 """
@@ -257,12 +267,14 @@ def summary(r: dict) -> str:
              f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to estimate_memory.py's); planner {r['planner_s']:.1f} s; "
              f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
              f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
-    lines += [f"  {c['kind']:<15} {c['source']:<10} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / 2**20:10.1f} MiB "
-              f"passed in, on the wire {c['wire_intra_bytes'] / 2**20:10.1f} MiB in-node {c['wire_inter_bytes'] / 2**20:10.1f}"
-              f" MiB across" for c in r["collectives"]]
-    lines += [f"  projection ({c['source']} {c['kind']} on {c['mesh']}): in-node {c['projected'][0] / 2**20:.3f} / "
-              f"across {c['projected'][1] / 2**20:.3f} MiB, counted {c['counted'][0] / 2**20:.3f} / "
-              f"{c['counted'][1] / 2**20:.3f}: {'equal' if c['equal'] else 'DIFFERENT'}" for c in r["projection_comparison"]]
+    mib = 2**20
+    lines += [f"  {c['kind']:<15} {c['source']:<10} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / mib:10.1f} MiB "
+              f"passed in, on the wire {c['wire_intra_bytes'] / mib:10.1f} MiB in-node "
+              f"{c['wire_inter_bytes'] / mib:10.1f} MiB across" for c in r["collectives"]]
+    lines += [f"  projection ({c['source']} {c['kind']} on {c['mesh']}): in-node {c['projected'][0] / mib:.3f} / "
+              f"across {c['projected'][1] / mib:.3f} MiB, counted {c['counted'][0] / mib:.3f} / "
+              f"{c['counted'][1] / mib:.3f}: {'equal' if c['equal'] else 'DIFFERENT'}"
+              for c in r["projection_comparison"]]
     return "\n".join(lines)
 
 

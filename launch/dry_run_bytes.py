@@ -134,8 +134,8 @@ def symmetric_routing(experts_TK: torch.Tensor, me: int, n_ranks: int, local: in
     out = []
     for p in range(n_ranks):
         shift = (p - me) * local
-        swapped = torch.where(rank_TK == me, experts_TK + shift, torch.where(rank_TK == p, experts_TK - shift, experts_TK))
-        out.append(swapped)
+        others_TK = torch.where(rank_TK == p, experts_TK - shift, experts_TK)
+        out.append(torch.where(rank_TK == me, experts_TK + shift, others_TK))
     return out
 
 
