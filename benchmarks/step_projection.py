@@ -74,6 +74,7 @@ import torch
 
 from benchmarks.lib import ep_projection
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
+from benchmarks.lib.wire_bytes import wire_bytes
 from runtime.cli import user_errors
 from runtime.paths import check_outputs, config_inputs
 
@@ -115,14 +116,19 @@ def peers(size: int, stride: int, gpus_per_node: int | None = None) -> tuple[int
     return same, size - 1 - same
 
 
+def on_wire(kind: str, passed_bytes: float, size: int, stride: int) -> Link:
+    """Bytes rank 0 sends for one collective of `kind` in its group of `size` ranks `stride` apart,
+    passing `passed_bytes` in: benchmarks/lib/wire_bytes.py, the conversion the dry run applies to the
+    collectives it counts (launch/dry_run.py)."""
+    return Link(*wire_bytes(kind, passed_bytes, [i * stride for i in range(size)], 0, GPUS_PER_NODE))
+
+
 def all_gather(shard_bytes: float, size: int, stride: int) -> Link:
-    same, other = peers(size, stride)
-    return Link(shard_bytes * same, shard_bytes * other)
+    return on_wire("all_gather", shard_bytes, size, stride)
 
 
 def all_reduce(nbytes: float, size: int, stride: int) -> Link:
-    same, other = peers(size, stride)
-    return Link(2 * nbytes * same / size, 2 * nbytes * other / size)
+    return on_wire("all_reduce", nbytes, size, stride)
 
 
 # -- the layout's groups: (size, stride) of rank 0's group, in the runtime's numbering (parallel/meshes.py)
@@ -185,7 +191,7 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
         shard = unit_shard_numel(mesh, shapes, layout, config.n_routed_experts)
         size, stride = shard_axis[mesh]
         per_mb = {"all_gather": all_gather(shard * param_bytes, size, stride).scale(2),  # forward + backward
-                  "reduce_scatter": all_gather(shard * grad_bytes, size, stride),
+                  "reduce_scatter": on_wire("reduce_scatter", shard * size * grad_bytes, size, stride),
                   "all_reduce": all_reduce(shard * grad_bytes, *replicate_axis[mesh])}
         for k, v in per_mb.items():
             out[mesh][k] = out[mesh][k] + v.scale(times[k])

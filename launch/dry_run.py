@@ -14,16 +14,26 @@ width on the CPU and runs one forward/backward/optimizer step of them at a short
 tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
 tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
 alive at once: benchmarks/lib/counters.py's live-storage count; the process's max RSS is reported too).
+The counted bytes are converted to bytes on the wire (in-node / across nodes) by the conversion the
+whole-step projection uses, and compared with the projection's FSDP and per-layer EP terms for the same
+materialized model and the step's own routing (launch/dry_run_bytes.py).
 
 What the fake backend cannot give, and what the dry run assumes instead: received values are whatever
 the output buffers held. The only received values that steer control flow are the expert-parallel
 token counts (they size the dispatch all-to-all); the dry run assumes symmetric traffic (every ep peer
 sends this rank as many tokens per expert as this rank sends it; what balanced routing gives on
-average), so nothing allocates from garbage. Losses, norms and updates are meaningless; shapes, groups and bytes are real.
+average), so nothing allocates from garbage. The node-deduplicated dispatch (parallel.ep_dedup) also
+forwards what its gateways received (expert ids), so under it the step runs the direct dispatch of the
+same routing (`step_dispatch` says so). Losses, norms and updates are meaningless; shapes, groups and
+bytes are real.
 
 JSON: world, rank, groups (name -> size), states_bytes ({dense, expert} x {params, grads, optimizer}
 of the WHOLE model on this rank, from the parallelized model's local shards and the optimizer's state
-tensors), planner_s, collectives ([{kind, mesh, bytes, count}] of the materialized step), peak_memory_bytes,
+tensors), planner_s, collectives ([{kind, op, mesh, source, bytes, count, wire_intra_bytes, wire_inter_bytes}]
+of the materialized step: kind all_gather | reduce_scatter | all_reduce | all_to_all, source fsdp | ep |
+optimizer | other, bytes passed in, bytes sent to peers on this rank's node and on others),
+projection_comparison ([{kind, mesh, source, counted, projected, equal}]: [in-node, across] bytes of each
+FSDP and EP term against benchmarks/step_projection.py / ep_projection.py), step_dispatch, peak_memory_bytes,
 estimate (launch/estimate_memory.py for the same rank: states by the same keys, and its whole estimate),
 build_s / step_s. Exit status 2 with one line on a config or argument error.
 """
@@ -43,10 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from benchmarks.lib.counters import _LiveMemory as LiveMemory  # noqa: E402  (live storages of dispatched ops)
-from launch import estimate_memory  # noqa: E402
+from launch import dry_run_bytes, estimate_memory  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from parallel import expert_parallel  # noqa: E402
@@ -142,38 +150,6 @@ def states_bytes(model, optimizer) -> dict:
     return out
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Every c10d / functional collective dispatched: (kind, mesh axes of its group) -> bytes, count.
-    Bytes: the tensors this rank passes in (its shard for an all-gather, its full input otherwise)."""
-
-    def __init__(self, names: dict):
-        super().__init__()
-        self.names, self.rows, self.memory = names, {}, LiveMemory()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
-            self._add(func.namespace, name, args)
-            args = _fake_backend_legal(func, args)
-        out = func(*args, **(kwargs or {}))
-        self.memory.track(args, out)
-        return out
-
-    def _add(self, namespace, name, args):
-        if namespace == "c10d":
-            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-            group = dist.ProcessGroup.unbox(boxed[0]).group_name if boxed else "?"
-            inputs = args[1] if name.startswith(("allgather", "_allgather")) and len(args) > 1 else args[0]
-        else:
-            group, inputs = args[-1], args[0]
-        tensors = inputs if isinstance(inputs, (list, tuple)) else [inputs]
-        flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor)]
-        key = (name.rstrip("_"), self.names.get(group, f"group {group}"))
-        row = self.rows.setdefault(key, {"kind": key[0], "mesh": key[1], "bytes": 0, "count": 0})
-        row["bytes"] += sum(t.numel() * t.element_size() for t in flat)
-        row["count"] += 1
-
-
 def _fake_backend_legal(func, args):
     """The fake backend refuses an all-to-all that sends nothing but receives something (legal on gloo and
     NCCL: sharded Muon's exchange when this rank owns blocks but sends none); it moves no data anyway,
@@ -232,20 +208,34 @@ def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
     Peak memory: this rank's shards of the materialized model and its optimizer state, plus the most
     bytes the step's ops allocate alive at once (gathered weights, activations, gradients, buckets)."""
     small = dataclasses.replace(config, model=last_blocks(config.model, layers))
+    layout, dispatch = step_dispatch(layout)
     model = train.build_model(small, meshes, layout, torch.device("cpu"), init=lambda m: m.init_weights(seed=0))
     symmetric_counts(model)
+    routing = dry_run_bytes.RoutingLog(model)
     optimizer = train.build_optimizer(model, small)
     scheduler = train.build_scheduler(optimizer, small.training)
     loader = train.build_loader(small, meshes, layout)
     resident = sum(sum(m.values()) - m["grads"] for m in _by_mesh(states_bytes(model, optimizer)))
-    log = CollectiveLog(names)
+    log = dry_run_bytes.CollectiveLog(names, layout.ranks_per_node, _fake_backend_legal)
     start = time.perf_counter()
     with log:
         train.train_step(model, optimizer, scheduler, loader, small, torch.device("cpu"))
-    return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": time.perf_counter() - start,
-            "collectives": sorted(log.rows.values(), key=lambda r: (r["mesh"], r["kind"])),
+    step_s = time.perf_counter() - start
+    rows = log.table()
+    projected = dry_run_bytes.projected_terms(small, layout, meshes, names, routing.routings)
+    return {"step_layers": layers, "step_seq_len": config.data.seq_len, "step_s": step_s, "step_dispatch": dispatch,
+            "collectives": rows, "projection_comparison": dry_run_bytes.compare(rows, projected),
             "peak_memory_bytes": resident + log.memory.peak, "step_peak_extra_bytes": log.memory.peak,
             "process_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def step_dispatch(layout):
+    """(the layout the step runs with, a note): the node-deduplicated dispatch forwards what its gateways
+    received from peers (expert ids, pair counts), which the fake backend does not deliver, so the step
+    runs the direct dispatch of the same routing (every other EP knob as configured)."""
+    if not layout.ep_dedup or layout.ep == 1:
+        return layout, "as configured"
+    return dataclasses.replace(layout, ep_dedup=False), "direct (parallel.ep_dedup needs peers' data: not dry-runnable)"
 
 
 def _by_mesh(states: dict) -> list[dict]:
@@ -278,8 +268,14 @@ def summary(r: dict) -> str:
              f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to estimate_memory.py's); planner {r['planner_s']:.1f} s; "
              f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
              f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
-    lines += [f"  {c['kind']:<28} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / 2**20:10.1f} MiB"
-              for c in r["collectives"]]
+    mib = 2**20
+    lines += [f"  {c['kind']:<15} {c['source']:<10} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / mib:10.1f} MiB "
+              f"passed in, on the wire {c['wire_intra_bytes'] / mib:10.1f} MiB in-node "
+              f"{c['wire_inter_bytes'] / mib:10.1f} MiB across" for c in r["collectives"]]
+    lines += [f"  projection ({c['source']} {c['kind']} on {c['mesh']}): in-node {c['projected'][0] / mib:.3f} / "
+              f"across {c['projected'][1] / mib:.3f} MiB, counted {c['counted'][0] / mib:.3f} / "
+              f"{c['counted'][1] / mib:.3f}: {'equal' if c['equal'] else 'DIFFERENT'}"
+              for c in r["projection_comparison"]]
     return "\n".join(lines)
 
 

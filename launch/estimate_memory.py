@@ -157,8 +157,10 @@ def fsdp_buffers(job: Job) -> list[int]:
 
 def _build_block(model_config, layer_id: int, n_experts: int, dtype: torch.dtype) -> nn.Module:
     """Block `layer_id` at the real widths with `n_experts` routed experts, on the CPU, weights in
-    `dtype` (routers fp32, as under the mixed-precision policy). Values only need to be finite."""
-    c = dataclasses.replace(model_config, n_routed_experts=n_experts)
+    `dtype` (routers fp32, as under the mixed-precision policy). Values only need to be finite. The probe's
+    few experts form one routing group (group-limited routing, DeepSeek-V3's 8 groups, needs >= 2 experts
+    per group; its [T, groups] scores are not what the fit measures)."""
+    c = dataclasses.replace(model_config, n_routed_experts=n_experts, n_expert_groups=1, n_limited_groups=1)
     with torch.device("meta"):
         block = TransformerBlock(c, layer_id)
     block.to_empty(device="cpu").to(dtype)

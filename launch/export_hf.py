@@ -104,6 +104,26 @@ def checkpoint_model_config(path: str) -> ModelConfig:
         raise ValueError(f"{path}: the recorded model config does not build: {e}") from None
 
 
+def check_shapes(path: str, config: ModelConfig) -> None:
+    """ValueError (one line) when a weight of the marker's model config has another shape in the checkpoint
+    (a hand-edited or swapped marker): before anything is written."""
+    from models import Transformer
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: dcp_fetch reports it, naming the checkpoint
+        return
+    with torch.device("meta"):
+        model = Transformer(config)
+    for name, param in model.named_parameters():
+        meta = metadata.get(PREFIX + name)
+        if meta is not None and tuple(meta.size) != tuple(param.shape):
+            raise ValueError(f"{path}: {name} is {list(meta.size)} in the checkpoint but {list(param.shape)} by the "
+                             f"model config its {checkpoint.MARKER} marker records (model.dim={config.dim}, "
+                             f"model.n_heads={config.n_heads}, model.vocab_size={config.vocab_size}): the marker does "
+                             f"not belong to these tensors")
+
+
 def dcp_fetch(path: str):
     """fetch(our_name) -> the full fp32 tensor from the DCP checkpoint at `path` (one tensor per call).
 
@@ -148,6 +168,7 @@ def export(run_dir: str, out: str, step: int | None = None, dtype: str = "bfloat
                          f"tokenizer files of {like} with its layout")
     path = checkpoint_path(run_dir, step)
     config = checkpoint_model_config(path)
+    check_shapes(path, config)
     unknown = {"bos_token_id": None, "eos_token_id": None}  # not transformers' defaults 0 and 1
     ids = tokenizer_files.export_ids(tokenizer, config.vocab_size, trust_remote_code) if tokenizer else unknown
     inputs = {"--run-dir": run_dir, "--tokenizer": tokenizer, "--like": like}

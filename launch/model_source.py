@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launch.export_hf import PREFIX, checkpoint_model_config, checkpoint_path, dcp_fetch
+from launch.export_hf import PREFIX, check_shapes, checkpoint_model_config, checkpoint_path, dcp_fetch
 from models.hf import load_pretrained
 from models.model import Transformer
 from runtime import checkpoint, init_source
@@ -49,7 +49,9 @@ def load_checkpoint(path: str) -> Transformer:
     """The model of the DCP checkpoint `path`, whole, fp32, CPU, eval mode: one DCP read of every tensor
     in place; a checkpoint it does not fit (routed experts' w1 and w3 stored apart, from before they were
     fused) or a damaged one goes tensor by tensor through export_hf's reader, which says what is wrong."""
-    model = Transformer(checkpoint_model_config(path))
+    config = checkpoint_model_config(path)
+    check_shapes(path, config)  # a marker that does not belong to the tensors: one line, not a copy_ error
+    model = Transformer(config)
     state = model.state_dict()
     try:
         with warnings.catch_warnings():  # DCP warns that no process group exists: one process is intended

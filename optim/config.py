@@ -50,7 +50,7 @@ class OptimConfig:
         # `not (lo <= x)` instead of `x < lo` so that NaN is rejected too; isfinite because inf passes `0 <= x`
         finite = {k: math.isfinite(getattr(self, k)) for k in ("lr", "weight_decay", "adam_eps", "bucket_mb",
                                                                "qk_clip_tau")}
-        checks = {"lr": finite["lr"] and 0 <= self.lr,
+        checks = {"lr": finite["lr"] and 0 < self.lr,  # 0 would train nothing
                   "weight_decay": finite["weight_decay"] and 0 <= self.weight_decay,
                   "momentum": 0 <= self.momentum < 1, "ns_steps": self.ns_steps >= 1,
                   "adam_beta1": 0 <= self.adam_beta1 < 1, "adam_beta2": 0 <= self.adam_beta2 < 1,
@@ -58,7 +58,7 @@ class OptimConfig:
                   "bucket_mb": finite["bucket_mb"] and self.bucket_mb > 0,
                   "qk_clip_tau": finite["qk_clip_tau"] and self.qk_clip_tau >= 0,
                   "qk_clip_alpha": 0 <= self.qk_clip_alpha <= 1}
-        ranges = {"lr": "finite and >= 0", "weight_decay": "finite and >= 0", "momentum": "in [0, 1)",
+        ranges = {"lr": "finite and > 0 (0 trains nothing)", "weight_decay": "finite and >= 0", "momentum": "in [0, 1)",
                   "ns_steps": ">= 1", "adam_beta1": "in [0, 1)", "adam_beta2": "in [0, 1)",
                   "adam_eps": "finite and > 0", "bucket_mb": "finite and > 0",
                   "qk_clip_tau": "finite and >= 0", "qk_clip_alpha": "in [0, 1]"}

@@ -146,6 +146,9 @@ class JobConfig:
                               f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
         if unused := unused_keys(self.data, self.eval):
             raise ConfigError("; ".join(unused))
+        if self.metrics.max_logit and self.optim.qk_clip_tau > 0:
+            raise ConfigError(f"metrics.max_logit=true has no effect with optim.qk_clip_tau={self.optim.qk_clip_tau}: "
+                              f"QK-clip records max_logit already")
 
     def token_splits(self) -> dict[str, tuple[DataConfig, float, str]]:
         """{split: (data config, holdout, the key naming its file)} of the token batches the run reads

@@ -25,6 +25,7 @@ FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "opt
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
     tensorboard: bool = False  # also write TensorBoard event files under run.dir/tb (needs the tensorboard extra)
+    max_logit: bool = False  # record the step's largest attention logit (max_logit) without QK-clip (docs/metrics.md)
 
     def __post_init__(self):
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:

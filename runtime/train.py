@@ -73,8 +73,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
         model.init_weights(seed=config.training.seed)
     for router in model.routers():  # each forward's sequences are this share of the step's (cp == 1)
         router.aux_loss_weight = 1.0 / (layout.dp * config.training.grad_accum)
-    if config.optim.qk_clip_tau > 0:
-        enable_recording(model)  # attention keeps each head's max logit for QK-clip
+    if config.optim.qk_clip_tau > 0 or config.metrics.max_logit:
+        enable_recording(model)  # attention keeps each head's max logit for QK-clip / the max_logit metric
     return model
 
 
@@ -188,20 +188,22 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
     optimizer_start = time.perf_counter()
     tau = config.optim.qk_clip_tau
     values = [loss, grad_norm.float(), sigterms, *dropped]
-    if tau > 0:
+    if tau > 0 or config.metrics.max_logit:
         max_LH = step_max_logits(model)  # MAX all-reduce; QK-clip's metrics join the readback below
         reset_recording(model)
-        values += list(clip_metrics(max_LH, tau))
+        values += list(clip_metrics(max_LH, tau))[: 2 if tau > 0 else 1]  # without QK-clip: max_logit alone
     loss_value, norm_value, sigterm_count, *rest = torch.stack(values).tolist()  # one host sync
     ep = {"ep_dropped_fraction": rest.pop(0) / _world()} if dropped else {}  # every rank routes the same copies
     qk_values = rest
     skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
-    qk = {"max_logit": qk_values[0], "clipped_heads": int(qk_values[1])} if qk_values and not skipped else {}
+    qk = {} if skipped else dict(zip(("max_logit", "clipped_heads"), qk_values))
+    if "clipped_heads" in qk:
+        qk["clipped_heads"] = int(qk["clipped_heads"])
     if skipped:
         reset_expert_counts(model)  # the step's routing statistics are discarded with its gradients
     else:
         optimizer.step()
-        if qk and qk["clipped_heads"] > 0:
+        if qk.get("clipped_heads", 0) > 0:
             qk_clip_(model, max_LH, tau, config.optim.qk_clip_alpha)  # on device, no host sync
         update_expert_bias(model)
         objective.after_step(model)

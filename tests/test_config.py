@@ -85,8 +85,14 @@ def test_binary_toml_names_the_file(tmp_path):
 
 
 def test_optim_config_rejects_inf_when_built_directly():
-    with pytest.raises(ValueError, match="optim.lr=inf: must be finite and >= 0"):
+    with pytest.raises(ValueError, match=r"optim.lr=inf: must be finite and > 0"):
         OptimConfig(lr=math.inf)
+
+
+def test_zero_lr_is_refused_in_one_line():
+    """lr 0 trains nothing (every step leaves the weights as they are): refused like a negative lr."""
+    with pytest.raises(ConfigError, match=r"^optim.lr=0.0: must be finite and > 0 \(0 trains nothing\)$"):
+        load_config(["--optim.lr=0"])
 
 
 @pytest.mark.parametrize("argv, world_size, message", [

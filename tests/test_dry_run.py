@@ -14,6 +14,8 @@ from multirank import run_ranks
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "debug.toml")
 ARGS = ["--config", CONFIG, "--world", "64", "--layers", "2", "--seq", "32", "--data.batch_size=64"]
+# ep groups across nodes (ep every 8th rank) and FP8 dispatch rows: every term has in-node and cross-node bytes
+STEP = ["--parallel.expert_inner=edp_shard", "--parallel.ep_dispatch_dtype=float8_e4m3"]
 
 
 def _dry_run(rank, world_size, argv):
@@ -31,7 +33,7 @@ def _pretrain(rank, world_size, argv, world):
 @pytest.fixture(scope="module")
 def ranks_0_and_63(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry") / "dry.json"
-    run_ranks(_dry_run, 1, [*ARGS, "--ranks", "0,63", "--json", str(out)], timeout=300, as_torchrun=True)
+    run_ranks(_dry_run, 1, [*ARGS, *STEP, "--ranks", "0,63", "--json", str(out)], timeout=300, as_torchrun=True)
     return json.load(open(out))
 
 
@@ -51,11 +53,51 @@ def test_groups_and_states_equal_the_estimate_to_the_byte(ranks_0_and_63):
 
 
 def test_the_step_counts_collectives_on_their_meshes(ranks_0_and_63):
-    rows = {(c["kind"], c["mesh"].split(" = ")[0]): c for c in ranks_0_and_63[0]["collectives"]}
-    assert rows[("alltoall_base", "expert.ep")]["bytes"] > 0  # EP dispatch/combine, symmetric counts
-    assert rows[("_allgather_base", "dense.dp_shard")]["count"] > 0  # FSDP, dense mesh
-    assert rows[("_allgather_base", "expert.edp_shard")]["count"] > 0  # FSDP, expert mesh
-    assert rows[("_reduce_scatter_base", "expert.edp_shard")]["bytes"] > 0
+    rows = {(c["kind"], c["mesh"].split(" = ")[0], c["source"]): c for c in ranks_0_and_63[0]["collectives"]}
+    assert rows[("all_to_all", "expert.ep", "ep")]["bytes"] > 0  # EP dispatch/combine, symmetric counts
+    assert rows[("all_gather", "dense.dp_shard", "fsdp")]["count"] > 0  # FSDP, dense mesh
+    assert rows[("all_gather", "expert.edp_shard", "fsdp")]["count"] > 0  # FSDP, expert mesh
+    assert rows[("reduce_scatter", "expert.edp_shard", "fsdp")]["bytes"] > 0
+    assert rows[("all_to_all", "dense.dp_shard", "optimizer")]["count"] > 0  # sharded Muon's exchange
+
+
+def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
+    """The FSDP terms (benchmarks/step_projection.py fsdp_traffic) and the per-layer EP term
+    (benchmarks/ep_projection.py layer_link_bytes on the step's routing) equal the bytes the step's
+    collectives put on the wire, in-node and across nodes, to the byte."""
+    for r in ranks_0_and_63:
+        terms = {(c["source"], c["kind"], c["mesh"].split(" = ")[0]): c for c in r["projection_comparison"]}
+        for key in [("fsdp", "all_gather", "dense.dp_shard"), ("fsdp", "reduce_scatter", "dense.dp_shard"),
+                    ("fsdp", "all_gather", "expert.edp_shard"), ("fsdp", "reduce_scatter", "expert.edp_shard"),
+                    ("ep", "all_to_all", "expert.ep")]:
+            term = terms[key]
+            assert term["counted"] == term["projected"] and term["equal"], (r["rank"], key, term)
+            assert sum(term["counted"]) > 0, key
+        assert terms[("ep", "all_to_all", "expert.ep")]["counted"][1] > 0  # the ep group spans nodes
+        assert terms[("fsdp", "all_gather", "expert.edp_shard")]["counted"][0] > 0  # edp_shard inside a node
+        assert all(c["equal"] for c in r["projection_comparison"])
+
+
+def test_wire_bytes_follow_the_counters_convention():
+    """benchmarks/lib/wire_bytes.py against benchmarks/counters.py's independent per-kind formulas (bytes sent,
+    self excluded), on a 4-rank group split over two nodes of 2."""
+    import torch
+
+    from benchmarks import counters
+    from benchmarks.lib.wire_bytes import wire_bytes
+
+    shard, full, splits = torch.zeros(6), torch.zeros(4, 6), [3, 0, 2, 5]
+    rows = torch.zeros(sum(splits), 6)
+    expected = {"all_gather": counters._c10d_bytes("_allgather_base_", (None, shard), 4, 1)[0],
+                "reduce_scatter": counters._c10d_bytes("_reduce_scatter_base_", (None, full), 4, 1)[0],
+                "all_reduce": counters._c10d_bytes("allreduce_", (full,), 4, 1)[0],
+                "all_to_all": counters._c10d_bytes("alltoall_base_", (rows, rows, None, splits, splits), 4, 1)[0]}
+    passed = {"all_gather": 24, "reduce_scatter": 96, "all_reduce": 96, "all_to_all": rows.numel() * 4}
+    for kind, sent in expected.items():
+        split_bytes = [s * 24 for s in splits] if kind == "all_to_all" else None
+        intra, inter = wire_bytes(kind, passed[kind], [0, 1, 2, 3], 1, 2, split_bytes)
+        assert intra + inter == sent, kind
+        assert intra == {"all_gather": 24, "reduce_scatter": 24, "all_reduce": 48, "all_to_all": 72}[kind], kind
 
 
 def test_a_broken_layout_fails_with_the_launchs_line(tmp_path, capfd):

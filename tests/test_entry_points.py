@@ -66,3 +66,23 @@ def test_torchrun_wrapper_status_when_the_launcher_is_signalled(monkeypatch):
     monkeypatch.setattr(logger, "level", logger.level)  # main() quiets it for the process: undone after the test
     monkeypatch.setattr(wrapper, "run", preempted)
     assert wrapper.main(["--nproc_per_node=1", "launch/pretrain.py"]) == 143
+
+
+def test_torchrun_wrapper_prints_one_line_per_failed_rank_for_a_crash(monkeypatch, capsys):
+    """A crash (status 1) or a signal is not the project's one-line stop: the wrapper names each failed rank
+    in one line (the worker's traceback is above it) instead of torchrun's ChildFailedError block."""
+    import logging
+
+    import launch.torchrun as wrapper
+
+    def crashed(args):
+        raise ChildFailedError("pretrain.py", {3: _failure(3, 1), 5: _failure(5, -9), 0: _failure(0, -15)})
+
+    logger = logging.getLogger("torch.distributed.elastic")
+    monkeypatch.setattr(logger, "level", logger.level)
+    monkeypatch.setattr(wrapper, "run", crashed)
+    assert wrapper.main(["--nproc_per_node=8", "launch/pretrain.py"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "torchrun: rank 0 (local rank 0, pid 1000) failed with signal SIGTERM",
+        "torchrun: rank 3 (local rank 3, pid 1003) failed with exit status 1",
+        "torchrun: rank 5 (local rank 5, pid 1005) failed with signal SIGKILL"]

@@ -203,6 +203,12 @@ def _damage(step_dir, how):
         meta["model"]["n_layers"] += 1
         with open(os.path.join(step_dir, "COMPLETE"), "w") as f:
             json.dump(meta, f)
+    elif how == "marker_other_width":  # a hand-edited model.dim: every weight has another shape (was an AssertionError)
+        with open(os.path.join(step_dir, "COMPLETE")) as f:
+            meta = json.load(f)
+        meta["model"]["dim"] += 16
+        with open(os.path.join(step_dir, "COMPLETE"), "w") as f:
+            json.dump(meta, f)
 
 
 def _word_level(directory) -> None:
@@ -241,6 +247,8 @@ EXPORT_MISTAKES = {
     "missing_shard": ([], "delete_shard", "does not load, a shard file is missing or damaged (FileNotFoundError: "),
     "missing_metadata": ([], "delete_metadata", "step_1: unreadable DCP metadata (FileNotFoundError: "),
     "marker_config_not_the_weights": ([], "marker_adds_a_layer", "holds no layers.3.attention_norm.weight, a weight"),
+    "marker_other_width": ([], "marker_other_width", "tok_embeddings.weight is [256, 64] in the checkpoint but "
+                           "[256, 80] by the model config its COMPLETE marker records (model.dim=80"),
 }
 
 

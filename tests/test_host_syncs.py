@@ -68,6 +68,7 @@ def _measure(rank, world_size, argvs):
 
 LARGER = ["--model.n_layers=5", "--training.grad_accum=2"]
 QK_CLIP = ["--optim.qk_clip_tau=0.05"]  # below the debug model's max logits (0.06-0.08): heads are clipped
+MAX_LOGIT = ["--metrics.max_logit=true"]  # recorded without QK-clip
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,8 @@ def counts():
     "qk" is the debug preset with QK-clip on."""
     out = {}
     for world in (1, 8):
-        per_rank = run_ranks(_measure, world, [[], LARGER, QK_CLIP], timeout=300)
-        for i, larger in enumerate((False, True, "qk")):
+        per_rank = run_ranks(_measure, world, [[], LARGER, QK_CLIP, MAX_LOGIT], timeout=300)
+        for i, larger in enumerate((False, True, "qk", "max_logit")):
             out[world, larger] = [results[i] for results in per_rank]
     return out
 
@@ -88,6 +89,8 @@ def test_qk_clip_adds_no_host_sync(counts):
         for plain, clipped in zip(counts[world, False], counts[world, "qk"]):
             assert clipped["per_step"] == plain["per_step"], clipped["by_site"]
             assert not any("qk_clip" in site for site in clipped["by_site"]), clipped["by_site"]
+        for plain, watched in zip(counts[world, False], counts[world, "max_logit"]):  # [metrics] max_logit
+            assert watched["per_step"] == plain["per_step"], watched["by_site"]
 
 
 def test_one_sync_per_step_without_expert_parallelism(counts):

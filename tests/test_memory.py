@@ -55,6 +55,15 @@ def test_cli_writes_the_documented_json(tmp_path, capsys):
     assert "peak" in capsys.readouterr().out
 
 
+def test_group_limited_routing_estimates(tmp_path):
+    """A model with group-limited routing (DeepSeek-V3: 8 groups) is estimated: the activation probes' few
+    experts form one group (they raised ModelConfig's 'n_expert_groups must be at most n_routed_experts/2')."""
+    path = tmp_path / "estimate.json"
+    main(["--config", "configs/debug.toml", "--world", "2", "--model.n_expert_groups=4",
+          "--model.n_limited_groups=2", "--json", str(path)])
+    assert json.loads(path.read_text())["per_rank_gib"]["activations"] > 0
+
+
 # (arguments, with {tmp} the test's tmp_path; the message's key phrase). debug.toml infers its degrees (-1).
 ESTIMATE_MISTAKES = {
     "config_missing": (["--config", "{tmp}/nope.toml"], "--config: cannot read {tmp}/nope.toml: No such file"),

@@ -183,3 +183,23 @@ def test_a_recompute_records_nothing_and_the_maxima_stay(monkeypatch, mode):
     assert len(calls) == len(model.layers), f"{len(calls)} score computations for {len(model.layers)} layers"
     assert all(a.sdpa.record_max_logits for a in (b.attention for b in model.layers))  # restored after the recompute
     assert torch.equal(step_max_logits(model), expected_LH)
+
+
+def test_metrics_max_logit_records_it_without_qk_clip(tmp_path):
+    """`[metrics] max_logit = true` (QK-clip off) records the same max_logit as QK-clip with a tau no head
+    reaches (which clips nothing, so the weights are the same), bitwise, and no clipped_heads; off by default.
+    The value joins the step's one readback: tests/test_host_syncs.py counts no sync of its own."""
+    watched = _run(tmp_path / "watched", 1, "--optim.qk_clip_tau=0", "--metrics.max_logit=true")
+    reference = _run(tmp_path / "reference", 1, "--optim.qk_clip_tau=1e9")
+    assert [r["max_logit"] for r in watched] == [r["max_logit"] for r in reference]
+    assert [r["loss"] for r in watched] == [r["loss"] for r in reference]
+    assert all(r["max_logit"] > 0 and "clipped_heads" not in r for r in watched)
+    assert all(r["clipped_heads"] == 0 for r in reference)
+    assert all("max_logit" not in r for r in _run(tmp_path / "plain", 1, "--optim.qk_clip_tau=0"))
+
+
+def test_metrics_max_logit_with_qk_clip_on_is_refused():
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^metrics.max_logit=true has no effect with optim.qk_clip_tau=100.0: "):
+        load_config(["--optim.qk_clip_tau=100", "--metrics.max_logit=true"])

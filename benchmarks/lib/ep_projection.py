@@ -68,17 +68,39 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
 
     routing = sampled_routing(config, layout.ep)
     stages = layer_stages(config, layout, routing, act_bytes, placement)
-    reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
     for stage in stages:
         k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
-        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES)
+        forward = forward_passes(stage.name, activation_checkpoint)
         sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
         out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
                                      + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
     nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
     return out, nodes
+
+
+def forward_passes(stage_name: str, activation_checkpoint: str) -> int:
+    """How often a stage's forward all-to-all runs per MoE layer and micro-batch: once, plus what
+    activation checkpointing reruns (full: the layer's forward; selective: the experts' dispatch and
+    combine). Its backward (differentiable stages) runs once."""
+    reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
+    return 1 + reruns + (activation_checkpoint == "selective" and stage_name in EXPERT_STAGES)
+
+
+def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint: str) -> tuple[int, int]:
+    """(intra-node, inter-node) bytes ep index `index` sends in one MoE layer and micro-batch for
+    these stages (one routing): `ep_bytes`'s per-layer term for one rank, unscaled (launch/dry_run.py
+    compares it with the all-to-alls it counts)."""
+    from parallel.ep_plan import sent_bytes
+
+    out = [0, 0]
+    for stage in stages:
+        sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
+        for i, link in enumerate(("intra", "inter")):
+            out[i] += forward_passes(stage.name, activation_checkpoint) * int(sent[0][link][index]) \
+                + int(sent[1][link][index])
+    return out[0], out[1]
 
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
