@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from models.attention import CausalAttention
 from models.experts import GroupedExperts
 from models.moe import Router
+from parallel.overlap import forward_prefetch_paused
 
 MODES = ("none", "full", "selective")
 
@@ -65,12 +66,20 @@ def _checkpoint_forward(module: nn.Module) -> None:
     dropping = [m for m in module.modules() if hasattr(m, "ep_drop_counts")]  # parallel/ep_capacity.py
 
     def context_fn():
-        return contextlib.nullcontext(), _as_recompute(routers, dropping, recorders)
+        return contextlib.nullcontext(), _recompute(module, _as_recompute(routers, dropping, recorders))
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward
+
+
+@contextlib.contextmanager
+def _recompute(module: nn.Module, restoring):
+    """The recompute of `module`: `restoring` (`_as_recompute`) and no forward prefetch by the FSDP
+    units inside `module` (backward is done with the units they would prefetch; parallel/overlap.py)."""
+    with forward_prefetch_paused(module), restoring:
+        yield
 
 
 @contextlib.contextmanager

@@ -9,7 +9,11 @@ in backward order. The forward order of the units (parallel/fsdp.py) interleaves
     embedding, block 0 (dense mesh), block 0's experts (expert mesh), block 1, ..., norm + output
 so a block's dense all-gather also starts its experts' (the largest) all-gather, which then runs
 while the block's attention computes. Communication: unchanged bytes, earlier issue; memory: up
-to `depth` more units unsharded at a time.
+to `depth` more units unsharded at a time. During an activation-checkpoint recompute in backward
+(parallel/activation_checkpoint.py), the units nested in the recomputed region run their forward
+hooks again; `forward_prefetch_paused` clears their forward prefetch there, since the next unit in
+forward order has already run its backward (a prefetch would gather it again for nothing and leave
+it unsharded).
 
 Deferred reduction (`set_gradient_sync`, per micro-batch). With gradient accumulation over M
 micro-batches:
@@ -23,10 +27,15 @@ micro-batches:
 Sums are sums, so every mode gives the same gradients up to fp32 summation order.
 """
 
+import contextlib
+import weakref
+
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 GRAD_SYNC_MODES = ("every", "replicas_last", "last")
+
+_FORWARD_PREFETCH: "weakref.WeakKeyDictionary[FSDPModule, list[FSDPModule]]" = weakref.WeakKeyDictionary()
 
 
 def fsdp_units_in_forward_order(model: nn.Module) -> list[FSDPModule]:
@@ -48,8 +57,23 @@ def set_fsdp_prefetch(model: nn.Module, depth: int) -> None:
         return
     units = fsdp_units_in_forward_order(model)
     for i, unit in enumerate(units):
-        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+        _FORWARD_PREFETCH[unit] = units[i + 1:i + 1 + depth]
+        unit.set_modules_to_forward_prefetch(_FORWARD_PREFETCH[unit])
         unit.set_modules_to_backward_prefetch(units[max(0, i - depth):i][::-1])
+
+
+@contextlib.contextmanager
+def forward_prefetch_paused(region: nn.Module):
+    """Around a recompute in backward: the FSDP units inside `region` (not `region` itself, whose hooks
+    do not rerun) prefetch nothing in forward; their lists from `set_fsdp_prefetch` come back after."""
+    units = [m for m in region.modules() if m is not region and m in _FORWARD_PREFETCH]
+    for unit in units:
+        unit.set_modules_to_forward_prefetch([])
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_modules_to_forward_prefetch(_FORWARD_PREFETCH[unit])
 
 
 def set_gradient_sync(model: nn.Module, mode: str, last_micro_batch: bool) -> None:
