@@ -35,7 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 
 GRAD_SYNC_MODES = ("every", "replicas_last", "last")
 
-_FORWARD_PREFETCH: "weakref.WeakKeyDictionary[FSDPModule, list[FSDPModule]]" = weakref.WeakKeyDictionary()
+# unit -> weak references to the units it prefetches in forward (weak both ways: no model kept alive)
+_FORWARD_PREFETCH: "weakref.WeakKeyDictionary[FSDPModule, list[weakref.ref]]" = weakref.WeakKeyDictionary()
 
 
 def fsdp_units_in_forward_order(model: nn.Module) -> list[FSDPModule]:
@@ -57,8 +58,8 @@ def set_fsdp_prefetch(model: nn.Module, depth: int) -> None:
         return
     units = fsdp_units_in_forward_order(model)
     for i, unit in enumerate(units):
-        _FORWARD_PREFETCH[unit] = units[i + 1:i + 1 + depth]
-        unit.set_modules_to_forward_prefetch(_FORWARD_PREFETCH[unit])
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+        _FORWARD_PREFETCH[unit] = [weakref.ref(u) for u in units[i + 1:i + 1 + depth]]
         unit.set_modules_to_backward_prefetch(units[max(0, i - depth):i][::-1])
 
 
@@ -73,7 +74,7 @@ def forward_prefetch_paused(region: nn.Module):
         yield
     finally:
         for unit in units:
-            unit.set_modules_to_forward_prefetch(_FORWARD_PREFETCH[unit])
+            unit.set_modules_to_forward_prefetch([ref() for ref in _FORWARD_PREFETCH[unit]])
 
 
 def set_gradient_sync(model: nn.Module, mode: str, last_micro_batch: bool) -> None:
