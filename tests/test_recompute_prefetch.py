@@ -5,10 +5,13 @@ whose backward is already done: gathered again for nothing and left unsharded. T
 forward prefetch (`forward_prefetch_paused`). Counted per unit on 2 gloo ranks, debug preset, 2
 micro-batches: each unit is gathered twice per micro-batch (forward, backward), as without
 checkpointing (before the fix: the last block and norm + output 3 times); losses and gradients equal
-the one-process reference in fp32 (1e-6 relative, as tests/test_activation_checkpoint.py).
+the one-process reference in fp32 (1e-6 relative, as tests/test_activation_checkpoint.py). And the
+dry run (W = 64, tests/test_dry_run.py's step) with both knobs: its dense all-gather bytes equal the
+projection's (benchmarks/step_projection.py: forward + backward per unit), which has no re-gather term.
 """
 
 import collections
+import json
 from unittest import mock
 
 import pytest
@@ -21,6 +24,7 @@ from parallel.meshes import build_meshes
 from parallel.overlap import set_fsdp_prefetch
 from parallel.parallelize import parallelize
 from test_activation_checkpoint import _assert_same, _single
+from test_dry_run import ARGS, STEP, _dry_run
 from test_parallel_parity import BATCH, SEQ, _local_batch, _model
 
 RUNS = (("none", 1), ("full", 1), ("full", 2))  # (training.activation_checkpoint, parallel.fsdp_prefetch)
@@ -72,3 +76,16 @@ def test_recompute_gathers_nothing_more_with_prefetch():
         for (mode, depth), got in by_run.items():
             assert got["gathers"] == none, f"rank {rank}: all-gathers per unit, {mode} + prefetch {depth}: {got['gathers']} != without checkpointing {none}"
             _assert_same(dict(got, counts=[]), ref, f"rank {rank}, {mode}, fsdp_prefetch={depth}")
+
+
+def test_dry_run_dense_all_gather_equals_the_projection(tmp_path):
+    """Before the fix: 10 dense all-gathers counted instead of 8, 1,013,796 bytes on the wire against 810,936."""
+    out = tmp_path / "dry.json"
+    argv = [*ARGS, *STEP, "--training.fsdp_prefetch=1", "--training.activation_checkpoint=full", "--ranks", "0",
+            "--json", str(out)]
+    run_ranks(_dry_run, 1, argv, timeout=300, as_torchrun=True)
+    result = json.load(open(out))
+    terms = {(c["source"], c["kind"], c["mesh"].split(" = ")[0]): c for c in result["projection_comparison"]}
+    dense = terms["fsdp", "all_gather", "dense.dp_shard"]
+    assert dense["counted"] == dense["projected"] and sum(dense["counted"]) > 0, dense
+    assert all(c["equal"] for c in result["projection_comparison"]), result["projection_comparison"]
