@@ -83,7 +83,7 @@ def test_wire_bytes_follow_the_counters_convention():
     self excluded), on a 4-rank group split over two nodes of 2."""
     import torch
 
-    from benchmarks import counters
+    from benchmarks.lib import counters
     from benchmarks.lib.wire_bytes import wire_bytes
 
     shard, full, splits = torch.zeros(6), torch.zeros(4, 6), [3, 0, 2, 5]
