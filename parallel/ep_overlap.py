@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.experts import GroupedExperts, swiglu_experts
+from parallel.ep_keep import kept
 
 
 def apply_overlap(model: nn.Module, chunks: int) -> None:
@@ -51,8 +52,7 @@ def overlapped_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torc
     P = dist.get_world_size(group)
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL = _exchange(piece_counts_nPL, group)  # communication: counts of every piece
-    sizes = torch.stack([piece_counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()  # host sync: split sizes
+    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, group))  # parallel/ep_keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)
@@ -73,13 +73,15 @@ def _pieces(counts_E, P: int, L: int, n: int, N: int):
     return piece_N, flat.view(n, P, L)
 
 
-def _exchange(counts_nPL: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of the [n, L] counts bound for each peer; returns what each peer sends me, [n, P, L]."""
+def _exchange(counts_nPL: torch.Tensor, group):
+    """All-to-all of the [n, L] counts bound for each peer: (what each peer sends me [n, P, L], the split
+    sizes [[send per piece and peer], [receive per piece and peer]] read on the host: the host sync)."""
     n, P, L = counts_nPL.shape
     send_PnL = counts_nPL.transpose(0, 1).contiguous()
     recv_PnL = torch.empty_like(send_PnL)
-    dist.all_to_all_single(recv_PnL, send_PnL, group=group)
-    return recv_PnL.transpose(0, 1).contiguous()
+    dist.all_to_all_single(recv_PnL, send_PnL, group=group)  # communication: counts of every piece
+    recv_counts_nPL = recv_PnL.transpose(0, 1).contiguous()
+    return recv_counts_nPL, torch.stack([counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()
 
 
 def _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Tensor]:
@@ -134,13 +136,17 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD, out_splits, in_splits, group, box):
         ctx.box = box
-        out_RD = x_MD.new_empty((sum(out_splits), *x_MD.shape[1:]))
         box["mark"]("start")
-        box["source"] = x_MD.contiguous()  # alive until the wait
-        box["work"] = dist.all_to_all_single(out_RD, box["source"], out_splits, in_splits, group=group,
-                                             async_op=True)
+        box["source"], box["work"] = x_MD.contiguous(), None  # the source alive until the wait
+
+        def issue():
+            out_RD = x_MD.new_empty((sum(out_splits), *x_MD.shape[1:]))
+            box["work"] = dist.all_to_all_single(out_RD, box["source"], out_splits, in_splits, group=group,
+                                                 async_op=True)
+            return out_RD
+
         box["splits"], box["group"] = (out_splits, in_splits), group
-        return out_RD
+        return kept("rows", issue)  # a replayed recompute (parallel/ep_keep.py) issues nothing
 
     @staticmethod
     def backward(ctx, _grad_RD):  # the received rows' gradient, already on its way (`_Wait.backward`)
@@ -157,7 +163,8 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_RD, box):
         ctx.box = box
-        box["work"].wait()
+        if box["work"] is not None:
+            box["work"].wait()
         box["mark"]("wait")
         del box["source"]
         return out_RD.view_as(out_RD)
