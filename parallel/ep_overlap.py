@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.experts import GroupedExperts, swiglu_experts
+from parallel.ep_fp8 import decode, encode
 from parallel.ep_keep import kept
 
 
@@ -118,38 +119,44 @@ def _mark(self, event: str, piece: int) -> None:
 
 
 def _start(self, name, piece, x_MD, out_splits, in_splits, group):
-    """Start an async all-to-all; returns (out buffer, its handle box) for `_wait`."""
-    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece)}
-    out_RD = _Start.apply(x_MD, out_splits, in_splits, group, box)
-    return out_RD, box
+    """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype);
+    returns (autograd link, handle box) for `_wait`."""
+    fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
+    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8}
+    link = _Start.apply(x_MD, out_splits, in_splits, group, box)
+    return link, box
 
 
-def _wait(self, name, piece, out_RD, box):
-    return _Wait.apply(out_RD, box)
+def _wait(self, name, piece, link, box):
+    """The received rows of the all-to-all `_start` issued, in x's dtype (FP8 rows decoded)."""
+    return _Wait.apply(link, box)
 
 
 class _Start(torch.autograd.Function):
-    """Forward: issue the all-to-all (async) into a new buffer. Backward: wait for the gradient's
-    all-to-all that `_Wait.backward` issued, and return its result (the gradient autograd hands this
-    node is the received rows' one, already being sent)."""
+    """Forward: issue the all-to-all (async) into a new buffer (in the box) and return an empty link
+    tensor that ties `_Wait` to this node. Backward: wait for the gradient's all-to-all that
+    `_Wait.backward` issued, and return its result (in x's dtype: FP8 is the forward's wire format
+    only, as in parallel/ep_fp8.py)."""
 
     @staticmethod
     def forward(ctx, x_MD, out_splits, in_splits, group, box):
         ctx.box = box
         box["mark"]("start")
-        box["source"], box["work"] = x_MD.contiguous(), None  # the source alive until the wait
+        box["source"] = encode(x_MD) if box["fp8"] else x_MD.contiguous()  # alive until the wait
+        box["work"], box["dtype"] = None, x_MD.dtype
 
         def issue():
-            out_RD = x_MD.new_empty((sum(out_splits), *x_MD.shape[1:]))
-            box["work"] = dist.all_to_all_single(out_RD, box["source"], out_splits, in_splits, group=group,
+            out_RB = box["source"].new_empty((sum(out_splits), *box["source"].shape[1:]))
+            box["work"] = dist.all_to_all_single(out_RB, box["source"], out_splits, in_splits, group=group,
                                                  async_op=True)
-            return out_RD
+            return out_RB
 
         box["splits"], box["group"] = (out_splits, in_splits), group
-        return kept("rows", issue)  # a replayed recompute (parallel/ep_keep.py) issues nothing
+        box["out"] = kept("fp8_rows" if box["fp8"] else "rows", issue)  # a replayed recompute issues nothing
+        return x_MD.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _grad_RD):  # the received rows' gradient, already on its way (`_Wait.backward`)
+    def backward(ctx, _grad_link):  # the received rows' gradient is already on its way (`_Wait.backward`)
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]
@@ -157,17 +164,19 @@ class _Start(torch.autograd.Function):
 
 
 class _Wait(torch.autograd.Function):
-    """Forward: wait for the all-to-all `_Start` issued. Backward: issue the gradient's all-to-all
-    (async) back along the rows' way; `_Start.backward` waits for it."""
+    """Forward: wait for the all-to-all `_Start` issued; its rows (decoded from FP8 when they crossed so).
+    Backward: issue the gradient's all-to-all (async) back along the rows' way; `_Start.backward`
+    waits for it."""
 
     @staticmethod
-    def forward(ctx, out_RD, box):
+    def forward(ctx, link, box):
         ctx.box = box
         if box["work"] is not None:
             box["work"].wait()
         box["mark"]("wait")
         del box["source"]
-        return out_RD.view_as(out_RD)
+        out = box.pop("out")
+        return decode(out, box["dtype"]) if box["fp8"] else out
 
     @staticmethod
     def backward(ctx, grad_RD):
@@ -177,4 +186,4 @@ class _Wait(torch.autograd.Function):
         ctx.box["grad_source"] = grad_RD.contiguous()  # alive until the wait
         ctx.box["grad_work"] = dist.all_to_all_single(ctx.box["grad_in"], ctx.box["grad_source"], in_splits,
                                                       out_splits, group=ctx.box["group"], async_op=True)
-        return ctx.box["grad_source"], None  # passed through to `_Start.backward`, which returns grad_in
+        return grad_RD.new_empty(0), None  # the link's gradient: `_Start.backward` returns grad_in

@@ -110,11 +110,10 @@ def _check_ep_modes(layout: "Layout") -> None:
     if layout.ep_dedup and layout.ep_capacity_factor > 0:
         raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
                          f"not combined yet (the node hop needs host split sizes); choose one")
-    if layout.ep_overlap_chunks > 1 and (layout.ep_capacity_factor > 0 or layout.ep_dispatch_dtype != "compute"):
-        other = (f"parallel.ep_capacity_factor={layout.ep_capacity_factor}" if layout.ep_capacity_factor > 0
-                 else f"parallel.ep_dispatch_dtype={layout.ep_dispatch_dtype!r}")
-        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with {other}: not combined yet "
-                         f"(the overlap pipelines the direct dispatch); choose one")
+    if layout.ep_overlap_chunks > 1 and layout.ep_capacity_factor > 0:
+        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with parallel.ep_capacity_factor="
+                         f"{layout.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); "
+                         f"choose one")
 
 
 def check_recompute(layout, activation_checkpoint: str) -> None:

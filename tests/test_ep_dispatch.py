@@ -39,6 +39,9 @@ CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
 CASES["headline_dedup_overlap"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
 CASES["folded_dedup_overlap"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2)
 CASES["headline_fp8"] = ParallelConfig(**HEADLINE, ep_dispatch_dtype="float8_e4m3")
+CASES["headline_overlap_fp8"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, ep_dispatch_dtype="float8_e4m3")
+CASES["folded_dedup_overlap_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2,
+                                                   ep_dispatch_dtype="float8_e4m3")
 CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
 CASES["headline_direct_full_resend"] = ParallelConfig(**HEADLINE)
 CASES["headline_direct_full_keep"] = ParallelConfig(**HEADLINE, ep_recompute="keep")
@@ -48,7 +51,8 @@ CASES["folded_dedup_fp8_full_keep"] = ParallelConfig(**FOLDED, ep_dedup=True, ep
                                                      ep_recompute="keep")
 # activation checkpointing of the cases named ..._full_... / ..._selective_... (the others: none)
 CHECKPOINT = {name: mode for name in CASES for mode in ("full", "selective") if f"_{mode}_" in name}
-INEXACT = ("headline_dropping", "headline_fp8", "folded_dedup_fp8", "folded_dedup_fp8_full_keep")
+INEXACT = ("headline_dropping", "headline_fp8", "headline_overlap_fp8", "folded_dedup_fp8", "folded_dedup_overlap_fp8",
+           "folded_dedup_fp8_full_keep")
 
 
 # -- the plan against plain loops (one process)
@@ -363,6 +367,19 @@ def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
         assert t["combine_start", 0] < t["compute_start", 1]
         assert (t["combine_grad_start", 0] < t["combine_grad_wait", 1] < t["dispatch_grad_start", 1]
                 < t["combine_grad_wait", 0])
+
+
+@pytest.mark.parametrize("overlapped, plain", [("headline_overlap_fp8", "headline_fp8"),
+                                                ("folded_dedup_overlap_fp8", "folded_dedup_fp8")])
+def test_overlap_with_fp8_equals_fp8_without_overlap(results, overlapped, plain):
+    """FP8 rows are quantized per token, so cutting the copies into pieces changes no value: loss and
+    gradient norm equal the unpipelined FP8 dispatch's (fp32 tolerances: only the summation order of
+    the expert weight gradients differs)."""
+    _, per_rank = results
+    for by_case in per_rank:
+        assert by_case[overlapped]["loss"] == pytest.approx(by_case[plain]["loss"], rel=NORM_RTOL)
+        assert by_case[overlapped]["norm"] == pytest.approx(by_case[plain]["norm"], rel=NORM_RTOL)
+        assert by_case[overlapped]["loss"] != by_case["headline_direct"]["loss"]  # the FP8 path ran
 
 
 def _train_losses(rank, world, variants, steps):
