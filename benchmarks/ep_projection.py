@@ -63,17 +63,19 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     the dispatch plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep
     ranks, token-proportional stages scaled to `local_tokens` (the count exchanges not); forward,
     backward, and what activation checkpointing reruns (full: the layer's forward; selective: the
-    experts' dispatch and combine), every MoE layer and micro-batch."""
+    experts' dispatch and combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py),
+    every MoE layer and micro-batch."""
     from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
 
     routing = sampled_routing(config, layout.ep)
     stages = layer_stages(config, layout, routing, act_bytes, placement)
-    reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
+    keep = layout.ep_recompute == "keep"
+    reruns = 0 if keep else {"none": 0, "full": 1}.get(activation_checkpoint, 0)
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
     for stage in stages:
         k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
-        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES)
+        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES and not keep)
         sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
         out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
                                      + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
@@ -93,25 +95,30 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
 
 
 def dispatch_knobs(layout) -> dict:
-    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")}
+    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
+                                            "ep_recompute")}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute")
+                               ep_dispatch_dtype="compute", ep_recompute="resend")
 
 
-def dispatch_variants(layout) -> dict:
+def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
     """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others), ep > 1 only."""
+    the others), ep > 1 only; under activation checkpointing each also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
-    combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
-              "dedup": {"ep_dedup": True}, "dedup_overlap2": {"ep_dedup": True, "ep_overlap_chunks": 2}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
+    fp8, dedup, overlap = {"ep_dispatch_dtype": "float8_e4m3"}, {"ep_dedup": True}, {"ep_overlap_chunks": 2}
+    combos = {"direct": {}, "fp8": fp8, "overlap2": overlap, "overlap2_fp8": overlap | fp8,
+              "dedup": dedup, "dedup_overlap2": dedup | overlap, "dedup_fp8": dedup | fp8,
+              "dedup_overlap2_fp8": dedup | overlap | fp8,
               "capacity1.25": {"ep_capacity_factor": 1.25},
-              "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8}
+    if activation_checkpoint != "none":
+        combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
 
 
@@ -119,5 +126,6 @@ def describe_knobs(knobs: dict) -> str:
     parts = [("dedup" if knobs["ep_dedup"] else ""),
              (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
              (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
-             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else "")]
+             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
+             ("recompute keeps" if knobs.get("ep_recompute") == "keep" else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"

@@ -258,17 +258,20 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
     (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
     twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
-    reuses the split sizes)."""
+    reuses the split sizes; so does any recompute with parallel.ep_recompute = "keep")."""
     from parallel.ep_plan import host_syncs_per_layer
 
-    per_layer = host_syncs_per_layer(layout) * (2 if activation_checkpoint == "full" else 1)
+    rerun = activation_checkpoint == "full" and layout.ep_recompute == "resend"  # "keep": replayed (parallel/ep_keep.py)
+    per_layer = host_syncs_per_layer(layout) * (2 if rerun else 1)
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
-                 param_bytes: int = 4, activation_checkpoint: str = "full") -> dict:
+                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
-    activations, and with grad_sync="last" the unsharded fp32 gradients of every unit."""
+    activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
+    micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
+    gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -285,6 +288,11 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
         c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
+    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
+        from parallel.ep_keep import kept_bytes_per_layer
+
+        activations += (c.n_layers - c.n_dense_layers) * kept_bytes_per_layer(local_tokens, c, layout, act_bytes,
+                                                                             ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -329,7 +337,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
-                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"])
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -441,7 +449,8 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     """The rows of one layout: with its own dispatch knobs, then with every other combination the
     runtime implements (`dispatch_variants`), named name+variant."""
     variants = {name: layout}
-    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout).items() if lay != layout}
+    checkpointing = resolved(job, args)["activation_checkpoint"]
+    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout, checkpointing).items() if lay != layout}
     rows = []
     for row_name, lay in variants.items():
         row = project_layout(job, lay, device, rates, args)
