@@ -23,7 +23,7 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
   ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
                 receive buffers until its backward (parallel/ep_keep.kept_bytes_per_layer, the mean over
-                ranks; dedup: at most min(K, nodes of the ep group) nodes per token); at block l's
+                ranks; dedup: at most min(K, nodes of the ep group, n_limited_groups x nodes a group spans) nodes per token); at block l's
                 backward, those of blocks 0..l (the dispatch term above still counts the recompute's
                 working copies: an upper bound)
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
@@ -163,7 +163,7 @@ def fsdp_buffers(job: Job) -> list[int]:
 def _build_block(model_config, layer_id: int, n_experts: int, dtype: torch.dtype) -> nn.Module:
     """Block `layer_id` at the real widths with `n_experts` routed experts, on the CPU, weights in
     `dtype` (routers fp32, as under the mixed-precision policy). Values only need to be finite."""
-    c = dataclasses.replace(model_config, n_routed_experts=n_experts)
+    c = dataclasses.replace(model_config, n_routed_experts=n_experts, n_expert_groups=1, n_limited_groups=1)  # group-limited routing keeps the same tensors
     with torch.device("meta"):
         block = TransformerBlock(c, layer_id)
     block.to_empty(device="cpu").to(dtype)
@@ -282,9 +282,15 @@ def kept_rows(job: Job) -> float:
         return 0.0
     ep_axis = rank_mesh(layout, EXPERT_AXES).reshape(-1, layout.ep)  # ep is the last of EXPERT_AXES
     (group,) = [row for row in ep_axis if job.rank in row]
-    nodes = len({int(r) // layout.ranks_per_node for r in group})
+    node_of_expert = [int(group[e // layout.local_experts(cfg.n_routed_experts)]) // layout.ranks_per_node
+                      for e in range(cfg.n_routed_experts)]
+    nodes = min(cfg.n_activated_experts, len(set(node_of_expert)))
+    if cfg.n_expert_groups > 1:  # group-limited routing: a token reaches at most n_limited_groups groups
+        per_group = cfg.n_routed_experts // cfg.n_expert_groups
+        span = max(len(set(node_of_expert[g * per_group:(g + 1) * per_group])) for g in range(cfg.n_expert_groups))
+        nodes = min(nodes, cfg.n_limited_groups * span)
     n_seq, s_local = job.tokens
-    return kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, min(cfg.n_activated_experts, nodes))
+    return kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
 
 
 def logits(job: Job) -> int:

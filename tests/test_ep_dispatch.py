@@ -158,6 +158,7 @@ def _run_case(config, reference, checkpoint="none"):
         experts[0].ep_timeline = timeline  # the first MoE layer's pieces
     for router in model.routers():
         router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
+    tapes = _collect_tapes()
     inputs, labels = _batch(model.config.vocab_size)
     rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
@@ -165,6 +166,7 @@ def _run_case(config, reference, checkpoint="none"):
         loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
                        BATCH * SEQ)
     forward_routing = list(routing)  # the forward's (a recompute routes again)
+    kept = sum(v.numel() * v.element_size() for tape in tapes for _, v in tape.entries if isinstance(v, torch.Tensor))
     with count_all_to_all() as backward:
         loss.backward()
     grad_err = {}
@@ -176,9 +178,24 @@ def _run_case(config, reference, checkpoint="none"):
     drops = read_drop_counts(model)
     return {"timeline": timeline, "drops": None if drops is None else drops.tolist(),
             "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
-            "grad_err": grad_err, "routing": forward_routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
+            "grad_err": grad_err, "routing": forward_routing, "kept_bytes": kept, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
             "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN),
             "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
+
+
+def _collect_tapes() -> list:
+    """The tapes parallel/ep_keep.py makes from now on (this rank process only), to weigh what they keep."""
+    from parallel import ep_keep
+
+    tapes = []
+
+    class Tape(ep_keep.Tape):
+        def __init__(self):
+            super().__init__()
+            tapes.append(self)
+
+    ep_keep.Tape = Tape
+    return tapes
 
 
 def _run_all(rank, world, reference):
@@ -380,6 +397,25 @@ def test_overlap_with_fp8_equals_fp8_without_overlap(results, overlapped, plain)
         assert by_case[overlapped]["loss"] == pytest.approx(by_case[plain]["loss"], rel=NORM_RTOL)
         assert by_case[overlapped]["norm"] == pytest.approx(by_case[plain]["norm"], rel=NORM_RTOL)
         assert by_case[overlapped]["loss"] != by_case["headline_direct"]["loss"]  # the FP8 path ran
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep_recompute == "keep"])
+def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
+    """The row buffers the tapes hold after the forward, summed over the 8 ranks, equal
+    parallel/ep_keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
+    layers x ranks, with the run's mean distinct nodes per token (a plain loop over its routing)."""
+    from parallel.ep_keep import kept_bytes_per_layer
+
+    _, per_rank = results
+    c, layout = preset("debug"), CASES[name].resolve(WORLD)
+    tokens = per_rank[0][name]["routing"][0].shape[0]
+    L = c.n_routed_experts // layout.ep
+    distinct = [len({r[name]["ep_ranks"][e // L] // RPN for e in row}) for r in per_rank for t in r[name]["routing"]
+                for row in t.tolist()]
+    layers = len(per_rank[0][name]["routing"])
+    expected = WORLD * layers * kept_bytes_per_layer(tokens, c, layout, 4, sum(distinct) / len(distinct))
+    assert sum(r[name]["kept_bytes"] for r in per_rank) == pytest.approx(expected, rel=1e-12)
+    assert all(r[f"{name.split('_full')[0].split('_selective')[0]}"]["kept_bytes"] == 0 for r in per_rank)
 
 
 def _train_losses(rank, world, variants, steps):
