@@ -14,6 +14,10 @@ expert, out in the same order), so FSDP gathers the experts once per micro-batch
      its stream) and split into a start and a wait autograd node. In backward the wait node starts
      the gradient's all-to-all and the start node waits for it; autograd runs ready nodes latest
      first, so piece i+1's gradient all-to-all is in flight while piece i's matmul gradients run.
+Under parallel.ep_dispatch_dtype = "float8_e4m3" each piece's dispatch crosses as FP8 rows (parallel/ep_fp8.py:
+encoded at the start, decoded at the wait; the gradient in the compute dtype), so the start node returns
+an empty link tensor and the rows travel in the box. Under parallel.ep_recompute = "keep" a recompute
+replays the kept receive buffers and issues nothing (parallel/ep_keep.py).
 Exact: each copy's output depends on its own row only, and the weight gradients sum the same
 products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). `ep_timeline`, when a
 list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
