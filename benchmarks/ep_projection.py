@@ -17,7 +17,8 @@ import torch
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
 EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
-PIPELINED_STAGES = ("dispatch", "combine", "fan_out", "fan_in")  # what ep_overlap_chunks pipelines (not the node hop)
+PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep_overlap.py)
+NODE_HOP_STAGES = ("node_dispatch", "node_weights", "node_ids", "node_combine")  # with dedup (ep_dedup_overlap.py)
 
 
 @functools.lru_cache(maxsize=None)

@@ -212,9 +212,11 @@ def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes:
 def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
     """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
     the previous one's data), each as long as its slower link; with pieces, the pipelined stages hide
-    behind the routed experts' matmuls as `exposed_ep_s` says, the node hop does not."""
+    behind the routed experts' matmuls as `exposed_ep_s` says: the direct dispatch and combine, or with
+    dedup its node hop (parallel/ep_dedup_overlap.py: each piece's fan-out stays serial)."""
     seconds = {name: max(_link_seconds(link, device)) for name, link in stages.items()}
-    piped = sum(t for name, t in seconds.items() if name in ep_projection.PIPELINED_STAGES) if chunks > 1 else 0.0
+    pipelined = ep_projection.NODE_HOP_STAGES if "node_dispatch" in stages else ep_projection.PIPELINED_STAGES
+    piped = sum(t for name, t in seconds.items() if name in pipelined) if chunks > 1 else 0.0
     return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 

@@ -18,7 +18,8 @@ all ranks reduce the same gradients.
 
 Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
 `apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
-(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py), FP8 rows (parallel/ep_fp8.py);
+(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py; with dedup, its node hop pipelined:
+parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py), recompute without resending (parallel/ep_keep.py);
 parallel/ep_plan.py is the plan they and the projection share.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
@@ -77,7 +78,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         from parallel.ep_capacity import apply_capacity
 
         apply_capacity(model, layout.ep_capacity_factor)
-    if layout is not None and layout.ep_overlap_chunks > 1:
+    if layout is not None and layout.ep_overlap_chunks > 1 and layout.ep_dedup:
+        from parallel.ep_dedup_overlap import apply_dedup_overlap
+
+        apply_dedup_overlap(model, layout.ep_overlap_chunks)
+    elif layout is not None and layout.ep_overlap_chunks > 1:
         from parallel.ep_overlap import apply_overlap
 
         apply_overlap(model, layout.ep_overlap_chunks)

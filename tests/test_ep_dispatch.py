@@ -418,6 +418,17 @@ def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
     assert all(r[f"{name.split('_full')[0].split('_selective')[0]}"]["kept_bytes"] == 0 for r in per_rank)
 
 
+def test_dedup_overlap_keeps_a_node_hop_in_flight_while_another_piece_fans_out(results):
+    """Recorded timestamps (dedup, 2 pieces, first MoE layer, every rank): piece 1's node hop is issued
+    before piece 0's fan-out and compute and waited for after them; piece 0's node combine is issued
+    before piece 1's fan-out."""
+    _, per_rank = results
+    for by_case in per_rank:
+        t = {(event, piece): when for event, piece, when in by_case["headline_dedup_overlap"]["timeline"]}
+        assert t["dispatch_start", 1] < t["compute_start", 0] < t["compute_end", 0] < t["dispatch_wait", 1]
+        assert t["combine_start", 0] < t["compute_start", 1]
+
+
 def _train_losses(rank, world, variants, steps):
     """Per variant (param dtype, dispatch dtype): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
     out = {}
