@@ -22,7 +22,8 @@ token loads are assumed uniform):
   ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
               with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
               the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
-              backward and the recompute of activation checkpointing, per MoE layer and micro-batch;
+              backward and the recompute of activation checkpointing (none with parallel.ep_recompute =
+              "keep": its kept buffers go into the memory model instead), per MoE layer and micro-batch;
               each layout is also projected with every other dispatch combination the runtime
               implements, and the fastest row that fits is marked "recommended"
   cp          the keys' all-gather (backward: reduce-scatter) per layer and micro-batch, what
