@@ -72,16 +72,28 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     stages = layer_stages(config, layout, routing, act_bytes, placement)
     keep = layout.ep_recompute == "keep"
     reruns = 0 if keep else {"none": 0, "full": 1}.get(activation_checkpoint, 0)
+    selective = activation_checkpoint == "selective" and not keep
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
     for stage in stages:
         k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
-        forward = 1 + reruns + (activation_checkpoint == "selective" and stage.name in EXPERT_STAGES and not keep)
+        forward = 1 + reruns + (selective and stage.name in expert_call_stages(layout))
         sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
         out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
                                      + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
     nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
     return out, nodes
+
+
+def expert_call_stages(layout) -> tuple:
+    """The all-to-alls issued inside the GroupedExperts call (what `activation_checkpoint = "selective"`
+    reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
+    pieces also the count exchange (parallel/ep_overlap.py), and with dedup in pieces the whole node hop
+    (parallel/ep_dedup_overlap.py; an upper bound there: torch's checkpoint stops the recompute after the
+    last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
+    if layout.ep_overlap_chunks > 1 and layout.ep_dedup:
+        return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
+    return EXPERT_STAGES + (("counts",) if layout.ep_overlap_chunks > 1 else ())
 
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:

@@ -261,11 +261,16 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
     (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
     twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
-    reuses the split sizes; so does any recompute with parallel.ep_recompute = "keep")."""
+    reuses the split sizes read before their call, and reads again those read inside it: the pieces'
+    (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
+    parallel.ep_recompute = "keep" reads none)."""
     from parallel.ep_plan import host_syncs_per_layer
 
-    rerun = activation_checkpoint == "full" and layout.ep_recompute == "resend"  # "keep": replayed (parallel/ep_keep.py)
-    per_layer = host_syncs_per_layer(layout) * (2 if rerun else 1)
+    per_layer = host_syncs_per_layer(layout)
+    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep_keep.py)
+        per_layer *= 2
+    elif layout.ep_recompute == "resend" and activation_checkpoint == "selective" and layout.ep_overlap_chunks > 1:
+        per_layer += layout.ep_overlap_chunks if layout.ep_dedup else 1  # read inside the experts' call
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
