@@ -1,6 +1,8 @@
 """Step time of a MoE model's forward + backward with and without the chunked EP overlap, side by side.
 
     torchrun --nproc_per_node 4 benchmarks/ep_overlap.py [--chunks 2] [--steps 12] [--json PATH]
+        [--dispatch-dtype compute|float8_e4m3]   (both variants dispatch in it)
+        [--dedup]   (both variants node-deduplicated, 2 simulated nodes: the pieces pipeline the node hop)
 
 Gloo on CPU: the debug preset widened (dim 256, 16 experts, top-4) so the grouped matmuls and the
 all-to-alls both take time; ep over all ranks, FSDP over all ranks. The variants alternate step by
@@ -37,12 +39,14 @@ SHAPE = dict(dim=256, moe_inter_dim=512, n_routed_experts=16, n_activated_expert
 BATCH, SEQ = 4, 128
 
 
-def build(chunks: int) -> Transformer:
+def build(chunks: int, dispatch_dtype: str = "compute", dedup: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(preset("debug", **SHAPE))
     model.init_weights()
     world = dist.get_world_size()
-    layout = ParallelConfig(dp_shard=world, ep=world, edp_shard=1, ep_overlap_chunks=chunks).resolve(world)
+    layout = ParallelConfig(dp_shard=world, ep=world, edp_shard=1, ep_overlap_chunks=chunks,
+                            ep_dispatch_dtype=dispatch_dtype, ep_dedup=dedup,
+                            ranks_per_node=max(1, world // 2)).resolve(world)
     parallelize(model, build_meshes(layout, "cpu"), layout)
     return model
 
@@ -80,11 +84,13 @@ def main(argv=None) -> dict:
     p.add_argument("--chunks", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--json")
+    p.add_argument("--dispatch-dtype", default="compute", choices=("compute", "float8_e4m3"))
+    p.add_argument("--dedup", action="store_true")
     args = p.parse_args(argv)
     check_outputs([("--json", args.json)])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    models = {1: build(1), args.chunks: build(args.chunks)}
+    models = {c: build(c, args.dispatch_dtype, args.dedup) for c in (1, args.chunks)}
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     times = {c: [] for c in models}
     for _ in range(args.steps + 1):
@@ -94,7 +100,7 @@ def main(argv=None) -> dict:
     [m for m in models[args.chunks].modules() if hasattr(m, "ep_timeline")][0].ep_timeline = timeline
     step(models[args.chunks], tokens)
     medians = {c: statistics.median(v[1:]) for c, v in times.items()}
-    out = {"world": dist.get_world_size(), "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
+    out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
            "median_step_s": {str(c): m for c, m in medians.items()},
            "ratio_overlap_over_none": medians[args.chunks] / medians[1],
            "forward_matmul_time_covered_by_other_pieces_all_to_all": overlap_fraction(timeline)}

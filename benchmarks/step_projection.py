@@ -22,7 +22,8 @@ token loads are assumed uniform):
   ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
               with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
               the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
-              backward and the recompute of activation checkpointing, per MoE layer and micro-batch;
+              backward and the recompute of activation checkpointing (none with parallel.ep_recompute =
+              "keep": its kept buffers go into the memory model instead), per MoE layer and micro-batch;
               each layout is also projected with every other dispatch combination the runtime
               implements, and the fastest row that fits is marked "recommended"
   cp          the keys' all-gather (backward: reduce-scatter) per layer and micro-batch, what
@@ -218,9 +219,11 @@ def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes:
 def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
     """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
     the previous one's data), each as long as its slower link; with pieces, the pipelined stages hide
-    behind the routed experts' matmuls as `exposed_ep_s` says, the node hop does not."""
+    behind the routed experts' matmuls as `exposed_ep_s` says: the direct dispatch and combine, or with
+    dedup its node hop (parallel/ep_dedup_overlap.py: each piece's fan-out stays serial)."""
     seconds = {name: max(_link_seconds(link, device)) for name, link in stages.items()}
-    piped = sum(t for name, t in seconds.items() if name in ep_projection.PIPELINED_STAGES) if chunks > 1 else 0.0
+    pipelined = ep_projection.NODE_HOP_STAGES if "node_dispatch" in stages else ep_projection.PIPELINED_STAGES
+    piped = sum(t for name, t in seconds.items() if name in pipelined) if chunks > 1 else 0.0
     return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 
@@ -264,17 +267,25 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
     (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
     twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
-    reuses the split sizes)."""
+    reuses the split sizes read before their call, and reads again those read inside it: the pieces'
+    (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
+    parallel.ep_recompute = "keep" reads none)."""
     from parallel.ep_plan import host_syncs_per_layer
 
-    per_layer = host_syncs_per_layer(layout) * (2 if activation_checkpoint == "full" else 1)
+    per_layer = host_syncs_per_layer(layout)
+    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep_keep.py)
+        per_layer *= 2
+    elif layout.ep_recompute == "resend" and activation_checkpoint == "selective" and layout.ep_overlap_chunks > 1:
+        per_layer += layout.ep_overlap_chunks if layout.ep_dedup else 1  # read inside the experts' call
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
-                 param_bytes: int = 4, activation_checkpoint: str = "full") -> dict:
+                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
-    activations, and with grad_sync="last" the unsharded fp32 gradients of every unit."""
+    activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
+    micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
+    gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -291,6 +302,11 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
         c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
+    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
+        from parallel.ep_keep import kept_bytes_per_layer
+
+        activations += (c.n_layers - c.n_dense_layers) * kept_bytes_per_layer(local_tokens, c, layout, act_bytes,
+                                                                             ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -335,7 +351,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
-                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"])
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -447,7 +463,8 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     """The rows of one layout: with its own dispatch knobs, then with every other combination the
     runtime implements (`dispatch_variants`), named name+variant."""
     variants = {name: layout}
-    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout).items() if lay != layout}
+    checkpointing = resolved(job, args)["activation_checkpoint"]
+    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout, checkpointing).items() if lay != layout}
     rows = []
     for row_name, lay in variants.items():
         row = project_layout(job, lay, device, rates, args)

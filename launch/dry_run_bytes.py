@@ -10,7 +10,7 @@ its node and elsewhere, by benchmarks/lib/wire_bytes.py, the conversion the proj
 
 `compare` puts the counted FSDP and EP rows next to benchmarks/step_projection.py's FSDP terms
 (`fsdp_units` + `fsdp_traffic` of the materialized model, rank 0's groups) and
-benchmarks/ep_projection.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
+benchmarks/lib/ep_projection.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
 routing this rank's routers produced in the step, with the dry run's symmetric-traffic assumption made
 concrete: ep peer p routes like this rank with the experts of p and of this rank swapped, so p sends
 this rank exactly what this rank sends p (launch/dry_run.py `symmetric_counts`).
@@ -173,7 +173,7 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
         for experts_TK in routings:
             routing = symmetric_routing(experts_TK, me, layout.ep, placement.local_experts)
             stages = ep_projection.layer_stages(job.model, layout, routing, param_bytes, placement)
-            intra, inter = ep_projection.layer_link_bytes(stages, placement, me, t.activation_checkpoint)
+            intra, inter = ep_projection.layer_link_bytes(stages, placement, me, t.activation_checkpoint, layout)
             row[0], row[1] = row[0] + intra, row[1] + inter
     return out
 

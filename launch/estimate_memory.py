@@ -21,6 +21,11 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
                 (selective) while it is recomputed in backward
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
+  ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
+                receive buffers until its backward (parallel/ep_keep.kept_bytes_per_layer, the mean over
+                ranks; dedup: at most min(K, nodes of the ep group, n_limited_groups x nodes a group spans) nodes per token); at block l's
+                backward, those of blocks 0..l (the dispatch term above still counts the recompute's
+                working copies: an upper bound)
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
                 log-softmax, gradient; parallel/gradients.py)
   muon_step     the optimizer step's transients: STEP_BUCKETS x this rank's largest bucket of blocks
@@ -248,13 +253,14 @@ def activations(job: Job) -> tuple[list, list, int, dict]:
 def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
     """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
     and the logits alive) or a block's backward (the blocks before it still saved, its own recompute)."""
-    buffers, lg, disp = fsdp_buffers(job), logits(job), dispatch(job)
+    buffers, lg, disp, ep_kept = fsdp_buffers(job), logits(job), dispatch(job), kept_rows(job)
     moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
     moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
-                        "dispatch": 0, "logits": lg}}
+                        "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": lg}}
     for l in range(len(kept_L)):
         moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
-                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0, "logits": 0}
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
+                                 "ep_kept": ep_kept * sum(moe[: l + 1]), "logits": 0}
     at = max(moments, key=lambda k: sum(moments[k].values()))
     return at, moments[at]
 
@@ -267,6 +273,26 @@ def dispatch(job: Job) -> int:
         return 0
     n_seq, s_local = job.tokens
     return 2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c
+
+
+def kept_rows(job: Job) -> float:
+    """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0)."""
+    from parallel.ep_keep import kept_bytes_per_layer
+
+    cfg, layout = job.config.model, job.layout
+    if layout.ep == 1 or layout.ep_recompute != "keep" or job.config.training.activation_checkpoint == "none":
+        return 0.0
+    ep_axis = rank_mesh(layout, EXPERT_AXES).reshape(-1, layout.ep)  # ep is the last of EXPERT_AXES
+    (group,) = [row for row in ep_axis if job.rank in row]
+    node_of_expert = [int(group[e // layout.local_experts(cfg.n_routed_experts)]) // layout.ranks_per_node
+                      for e in range(cfg.n_routed_experts)]
+    nodes = min(cfg.n_activated_experts, len(set(node_of_expert)))
+    if cfg.n_expert_groups > 1:  # group-limited routing: a token reaches at most n_limited_groups groups
+        per_group = cfg.n_routed_experts // cfg.n_expert_groups
+        span = max(len(set(node_of_expert[g * per_group:(g + 1) * per_group])) for g in range(cfg.n_expert_groups))
+        nodes = min(nodes, cfg.n_limited_groups * span)
+    n_seq, s_local = job.tokens
+    return kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
 
 
 def logits(job: Job) -> int:

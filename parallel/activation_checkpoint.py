@@ -19,7 +19,9 @@ and selective issue the same FSDP all-gathers as none (each unit, nested expert 
 twice per micro-batch), so recomputing costs compute, not weight traffic.
 
 Communication inside a recomputed region runs again in backward: the ep dispatch and combine
-all-to-alls (under `full`, also the count exchange and its one host sync) and the cp K/V all-gather. Every rank recomputes the same regions in
+all-to-alls (under `full`, also the count exchange and its one host sync) and the cp K/V all-gather;
+with `parallel.ep_recompute = "keep"` the EP ones do not (the forward keeps what they received,
+parallel/ep_keep.py). Every rank recomputes the same regions in
 the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
@@ -37,6 +39,7 @@ from models.attention import CausalAttention
 from models.experts import GroupedExperts
 from models.moe import Router
 from parallel.overlap import forward_prefetch_paused
+from parallel import ep_keep
 
 MODES = ("none", "full", "selective")
 
@@ -64,9 +67,11 @@ def _checkpoint_forward(module: nn.Module) -> None:
     routers = [m for m in module.modules() if isinstance(m, Router)]
     recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
     dropping = [m for m in module.modules() if hasattr(m, "ep_drop_counts")]  # parallel/ep_capacity.py
+    keep = any(getattr(m, "ep_recompute", "resend") == "keep" for m in module.modules())  # parallel/ep_keep.py
 
     def context_fn():
-        return contextlib.nullcontext(), _recompute(module, _as_recompute(routers, dropping, recorders))
+        forward_context, replay = ep_keep.contexts(keep)
+        return forward_context, _recompute(module, _as_recompute(routers, dropping, recorders, replay))
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -83,10 +88,11 @@ def _recompute(module: nn.Module, restoring):
 
 
 @contextlib.contextmanager
-def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: list[CausalAttention]):
+def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: list[CausalAttention], replay):
     """Around a recompute: leave the routers' token counts (and EP drop counts) as the original forward
-    left them (read when the recompute starts: the drop counters exist from the first forward on), and
-    record no QK-clip maxima (the original forward recorded the same logits)."""
+    left them (read when the recompute starts: the drop counters exist from the first forward on),
+    record no QK-clip maxima (the original forward recorded the same logits), and inside `replay`
+    (parallel/ep_keep.py: the EP exchanges read back from the forward, or nothing)."""
     counters = [r.tokens_per_expert for r in routers] + [m.ep_drop_counts for m in dropping
                                                          if m.ep_drop_counts is not None]
     saved = [counter.clone() for counter in counters]
@@ -94,7 +100,8 @@ def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: l
     for recorder in recorders:
         recorder.record_max_logits = False
     try:
-        yield
+        with replay:
+            yield
     finally:
         for counter, value in zip(counters, saved):
             counter.copy_(value)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from models.moe import expert_counts
+from parallel.ep_keep import kept
 from parallel.ep_plan import Placement, expert_nodes, index_tensor, pair_order, pairs_per_node
 
 
@@ -44,8 +45,8 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
     copies_N = torch.zeros_like(pairs_N).index_add_(0, node_TK.flatten(), torch.ones_like(node_TK.flatten()))
-    send_splits, recv_splits, n_copies = _exchange_pair_counts(pairs_N, copies_N, placement, self.ep_rank,
-                                                               group)  # host sync
+    send_splits, recv_splits, n_copies = kept("pair_counts", lambda: _exchange_pair_counts(
+        pairs_N, copies_N, placement, self.ep_rank, group))  # host sync (none when a recompute replays it)
     token_Q, node_Q = pair_order(present_TN, sum(send_splits))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]
     ids_QK = experts_TK[token_Q].masked_fill(~on_node_QK, -1)

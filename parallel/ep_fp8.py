@@ -13,9 +13,9 @@ Shape letters: N rows sent, M rows received, D model dim, B = D + 4 bytes per pa
 """
 
 import torch
-import torch.distributed as dist
 
-from parallel.expert_parallel import _AllToAll
+from parallel.ep_keep import kept
+from parallel.expert_parallel import _AllToAll, receive_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4
@@ -56,7 +56,5 @@ class _Fp8AllToAll(_AllToAll):
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        packed_NB = encode(x_ND)
-        out_MB = packed_NB.new_empty((sum(out_splits), packed_NB.shape[1]))
-        dist.all_to_all_single(out_MB, packed_NB, out_splits, in_splits, group=group)  # communication: FP8 rows
+        out_MB = kept("fp8_rows", lambda: receive_rows(encode(x_ND), out_splits, in_splits, group))  # FP8 rows
         return decode(out_MB, x_ND.dtype)

@@ -14,6 +14,10 @@ expert, out in the same order), so FSDP gathers the experts once per micro-batch
      its stream) and split into a start and a wait autograd node. In backward the wait node starts
      the gradient's all-to-all and the start node waits for it; autograd runs ready nodes latest
      first, so piece i+1's gradient all-to-all is in flight while piece i's matmul gradients run.
+Under parallel.ep_dispatch_dtype = "float8_e4m3" each piece's dispatch crosses as FP8 rows (parallel/ep_fp8.py:
+encoded at the start, decoded at the wait; the gradient in the compute dtype), so the start node returns
+an empty link tensor and the rows travel in the box. Under parallel.ep_recompute = "keep" a recompute
+replays the kept receive buffers and issues nothing (parallel/ep_keep.py).
 Exact: each copy's output depends on its own row only, and the weight gradients sum the same
 products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). `ep_timeline`, when a
 list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
@@ -30,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from models.experts import GroupedExperts, swiglu_experts
+from parallel.ep_fp8 import decode, encode
+from parallel.ep_keep import kept
 
 
 def apply_overlap(model: nn.Module, chunks: int) -> None:
@@ -51,8 +57,7 @@ def overlapped_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torc
     P = dist.get_world_size(group)
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL = _exchange(piece_counts_nPL, group)  # communication: counts of every piece
-    sizes = torch.stack([piece_counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()  # host sync: split sizes
+    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, group))  # parallel/ep_keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)
@@ -73,13 +78,15 @@ def _pieces(counts_E, P: int, L: int, n: int, N: int):
     return piece_N, flat.view(n, P, L)
 
 
-def _exchange(counts_nPL: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of the [n, L] counts bound for each peer; returns what each peer sends me, [n, P, L]."""
+def _exchange(counts_nPL: torch.Tensor, group):
+    """All-to-all of the [n, L] counts bound for each peer: (what each peer sends me [n, P, L], the split
+    sizes [[send per piece and peer], [receive per piece and peer]] read on the host: the host sync)."""
     n, P, L = counts_nPL.shape
     send_PnL = counts_nPL.transpose(0, 1).contiguous()
     recv_PnL = torch.empty_like(send_PnL)
-    dist.all_to_all_single(recv_PnL, send_PnL, group=group)
-    return recv_PnL.transpose(0, 1).contiguous()
+    dist.all_to_all_single(recv_PnL, send_PnL, group=group)  # communication: counts of every piece
+    recv_counts_nPL = recv_PnL.transpose(0, 1).contiguous()
+    return recv_counts_nPL, torch.stack([counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()
 
 
 def _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Tensor]:
@@ -116,34 +123,44 @@ def _mark(self, event: str, piece: int) -> None:
 
 
 def _start(self, name, piece, x_MD, out_splits, in_splits, group):
-    """Start an async all-to-all; returns (out buffer, its handle box) for `_wait`."""
-    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece)}
-    out_RD = _Start.apply(x_MD, out_splits, in_splits, group, box)
-    return out_RD, box
+    """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype);
+    returns (autograd link, handle box) for `_wait`."""
+    fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
+    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8}
+    link = _Start.apply(x_MD, out_splits, in_splits, group, box)
+    return link, box
 
 
-def _wait(self, name, piece, out_RD, box):
-    return _Wait.apply(out_RD, box)
+def _wait(self, name, piece, link, box):
+    """The received rows of the all-to-all `_start` issued, in x's dtype (FP8 rows decoded)."""
+    return _Wait.apply(link, box)
 
 
 class _Start(torch.autograd.Function):
-    """Forward: issue the all-to-all (async) into a new buffer. Backward: wait for the gradient's
-    all-to-all that `_Wait.backward` issued, and return its result (the gradient autograd hands this
-    node is the received rows' one, already being sent)."""
+    """Forward: issue the all-to-all (async) into a new buffer (in the box) and return an empty link
+    tensor that ties `_Wait` to this node. Backward: wait for the gradient's all-to-all that
+    `_Wait.backward` issued, and return its result (in x's dtype: FP8 is the forward's wire format
+    only, as in parallel/ep_fp8.py)."""
 
     @staticmethod
     def forward(ctx, x_MD, out_splits, in_splits, group, box):
         ctx.box = box
-        out_RD = x_MD.new_empty((sum(out_splits), *x_MD.shape[1:]))
         box["mark"]("start")
-        box["source"] = x_MD.contiguous()  # alive until the wait
-        box["work"] = dist.all_to_all_single(out_RD, box["source"], out_splits, in_splits, group=group,
-                                             async_op=True)
+        box["source"] = encode(x_MD) if box["fp8"] else x_MD.contiguous()  # alive until the wait
+        box["work"], box["dtype"] = None, x_MD.dtype
+
+        def issue():
+            out_RB = box["source"].new_empty((sum(out_splits), *box["source"].shape[1:]))
+            box["work"] = dist.all_to_all_single(out_RB, box["source"], out_splits, in_splits, group=group,
+                                                 async_op=True)
+            return out_RB
+
         box["splits"], box["group"] = (out_splits, in_splits), group
-        return out_RD
+        box["out"] = kept("fp8_rows" if box["fp8"] else "rows", issue)  # a replayed recompute issues nothing
+        return x_MD.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _grad_RD):  # the received rows' gradient, already on its way (`_Wait.backward`)
+    def backward(ctx, _grad_link):  # the received rows' gradient is already on its way (`_Wait.backward`)
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]
@@ -151,16 +168,19 @@ class _Start(torch.autograd.Function):
 
 
 class _Wait(torch.autograd.Function):
-    """Forward: wait for the all-to-all `_Start` issued. Backward: issue the gradient's all-to-all
-    (async) back along the rows' way; `_Start.backward` waits for it."""
+    """Forward: wait for the all-to-all `_Start` issued; its rows (decoded from FP8 when they crossed so).
+    Backward: issue the gradient's all-to-all (async) back along the rows' way; `_Start.backward`
+    waits for it."""
 
     @staticmethod
-    def forward(ctx, out_RD, box):
+    def forward(ctx, link, box):
         ctx.box = box
-        box["work"].wait()
+        if box["work"] is not None:
+            box["work"].wait()
         box["mark"]("wait")
         del box["source"]
-        return out_RD.view_as(out_RD)
+        out = box.pop("out")
+        return decode(out, box["dtype"]) if box["fp8"] else out
 
     @staticmethod
     def backward(ctx, grad_RD):
@@ -170,4 +190,4 @@ class _Wait(torch.autograd.Function):
         ctx.box["grad_source"] = grad_RD.contiguous()  # alive until the wait
         ctx.box["grad_work"] = dist.all_to_all_single(ctx.box["grad_in"], ctx.box["grad_source"], in_splits,
                                                       out_splits, group=ctx.box["group"], async_op=True)
-        return ctx.box["grad_source"], None  # passed through to `_Start.backward`, which returns grad_in
+        return grad_RD.new_empty(0), None  # the link's gradient: `_Start.backward` returns grad_in

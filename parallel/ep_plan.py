@@ -139,7 +139,8 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
     compute dtype (low-precision dispatch: values plus their scale); the combine uses act_bytes.
     `capacity_factor` > 0: the fixed-capacity dispatch (C rows to every peer, their expert ids);
     `chunks` > 1: the overlapped dispatch (parallel/ep_overlap.py: the same rows in `chunks` pieces,
-    one count exchange of chunks x L ints per peer)."""
+    one count exchange of chunks x L ints per peer; with dedup, parallel/ep_dedup_overlap.py: the node
+    hop's counts per piece, and each piece's fan-out exchanging L ints per peer)."""
     P, L, K = placement.size, placement.local_experts, experts_by_rank[0].shape[1]
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
     if capacity_factor > 0:
@@ -162,7 +163,7 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
         # the gateway of node n fans each copy with an expert on n out to the expert's rank
         fan.index_put_((gateway_N[node_TK].flatten(), (experts_TK // L).flatten()),
                        torch.ones(experts_TK.numel(), dtype=torch.int64), accumulate=True)
-    node_counts = torch.full((P, P), 2, dtype=torch.int64)  # pairs and their copies, per peer
+    node_counts = torch.full((P, P), 2 * chunks, dtype=torch.int64)  # pairs and their copies, per peer (and piece)
     return [Stage("node_counts", node_counts, ID_BYTES, False),
             Stage("node_dispatch", pairs, dispatch_bytes, True, dim * act_bytes),
             Stage("node_weights", pairs, K * act_bytes, True),
@@ -191,8 +192,11 @@ def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False
 
 def host_syncs_per_layer(layout) -> int:
     """Host readbacks of split sizes per MoE layer forward under EP: the direct dispatch 1 (its count
-    exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), fixed
+    exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), dedup in
+    n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep_dedup_overlap.py), fixed
     capacity 0 (tests/test_ep_dispatch.py and tests/test_host_syncs.py count them)."""
     if layout.ep_capacity_factor > 0:
         return 0
-    return 2 if layout.ep_dedup else 1
+    if layout.ep_dedup:
+        return 2 if layout.ep_overlap_chunks == 1 else 1 + layout.ep_overlap_chunks
+    return 1

@@ -18,7 +18,8 @@ all ranks reduce the same gradients.
 
 Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
 `apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
-(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py), FP8 rows (parallel/ep_fp8.py);
+(parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py; with dedup, its node hop pipelined:
+parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py), recompute without resending (parallel/ep_keep.py);
 parallel/ep_plan.py is the plan they and the projection share.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.experts import GroupedExperts, swiglu_experts
+from parallel.ep_keep import kept
 
 EXPERT_WEIGHTS = ("w13", "w2")
 
@@ -57,6 +59,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         for module in model.modules():
             if isinstance(module, (MoE, GroupedExperts)):
                 module.ep_dispatch_dtype = layout.ep_dispatch_dtype  # read by `dispatch_rows`
+    if layout is not None and layout.ep_recompute == "keep":
+        from models.moe import MoE
+
+        for module in model.modules():
+            if isinstance(module, (MoE, GroupedExperts)):
+                module.ep_recompute = "keep"  # read by parallel/activation_checkpoint.py (parallel/ep_keep.py)
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name in EXPERT_WEIGHTS:
@@ -70,7 +78,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         from parallel.ep_capacity import apply_capacity
 
         apply_capacity(model, layout.ep_capacity_factor)
-    if layout is not None and layout.ep_overlap_chunks > 1:
+    if layout is not None and layout.ep_overlap_chunks > 1 and layout.ep_dedup:
+        from parallel.ep_dedup_overlap import apply_dedup_overlap
+
+        apply_dedup_overlap(model, layout.ep_overlap_chunks)
+    elif layout is not None and layout.ep_overlap_chunks > 1:
         from parallel.ep_overlap import apply_overlap
 
         apply_overlap(model, layout.ep_overlap_chunks)
@@ -117,9 +129,13 @@ def expert_parallel_exchange_counts(self: GroupedExperts, counts_E: torch.Tensor
     n_ranks = dist.get_world_size(self.ep_group)
     if n_ranks == 1:
         return counts_E
+    return kept("counts", lambda: _exchange_counts(counts_E, n_ranks, self.ep_group))  # parallel/ep_keep.py
+
+
+def _exchange_counts(counts_E: torch.Tensor, n_ranks: int, group) -> ExchangedCounts:
     send_counts_PL = counts_E.view(n_ranks, counts_E.shape[0] // n_ranks)
     recv_counts_PL = torch.empty_like(send_counts_PL)
-    dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=self.ep_group)  # communication: counts
+    dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=group)  # communication: counts
     splits_2P = torch.stack([send_counts_PL.sum(1), recv_counts_PL.sum(1)])
     ready = None
     if splits_2P.device.type == "cuda":
@@ -173,15 +189,20 @@ def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return _AllToAll.apply(x_ND, out_splits, in_splits, group)
 
 
+def receive_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """The plain all-to-all of rows into a new receive buffer (no autograd)."""
+    out_MD = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
+    dist.all_to_all_single(out_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
+    return out_MD
+
+
 class _AllToAll(torch.autograd.Function):
     """Autograd all-to-all; the backward sends each row's gradient back the way the row came."""
 
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out_MD = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
-        dist.all_to_all_single(out_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
-        return out_MD
+        return kept("rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep_keep.py
 
     @staticmethod
     def backward(ctx, grad_MD):

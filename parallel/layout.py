@@ -51,6 +51,7 @@ class ParallelConfig:
     ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep_capacity.py)
     ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep_overlap.py)
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
+    ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep_keep.py)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -77,8 +78,9 @@ def _check_expert_inner(value) -> None:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
-EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")
+EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute")
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
+RECOMPUTE_MODES = ("resend", "keep")
 
 
 def check_ep_knobs(c) -> None:
@@ -91,12 +93,14 @@ def check_ep_knobs(c) -> None:
         raise ValueError(f"parallel.ep_overlap_chunks={c.ep_overlap_chunks}: must be >= 1 (1 = no overlap)")
     if c.ep_dispatch_dtype not in DISPATCH_DTYPES:
         raise ValueError(f"parallel.ep_dispatch_dtype={c.ep_dispatch_dtype!r}: expected one of {DISPATCH_DTYPES}")
+    if c.ep_recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"parallel.ep_recompute={c.ep_recompute!r}: expected one of {RECOMPUTE_MODES}")
 
 
 def _check_ep_modes(layout: "Layout") -> None:
     """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
     on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute"}
+          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep"}
     for key, enabled in on.items():
         if enabled and layout.ep == 1:
             raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
@@ -106,11 +110,17 @@ def _check_ep_modes(layout: "Layout") -> None:
     if layout.ep_dedup and layout.ep_capacity_factor > 0:
         raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
                          f"not combined yet (the node hop needs host split sizes); choose one")
-    if layout.ep_overlap_chunks > 1 and (layout.ep_capacity_factor > 0 or layout.ep_dispatch_dtype != "compute"):
-        other = (f"parallel.ep_capacity_factor={layout.ep_capacity_factor}" if layout.ep_capacity_factor > 0
-                 else f"parallel.ep_dispatch_dtype={layout.ep_dispatch_dtype!r}")
-        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with {other}: not combined yet "
-                         f"(the overlap pipelines the direct dispatch); choose one")
+    if layout.ep_overlap_chunks > 1 and layout.ep_capacity_factor > 0:
+        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with parallel.ep_capacity_factor="
+                         f"{layout.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); "
+                         f"choose one")
+
+
+def check_recompute(layout, activation_checkpoint: str) -> None:
+    """ValueError (one line) for parallel.ep_recompute='keep' where nothing is recomputed."""
+    if layout.ep_recompute == "keep" and activation_checkpoint == "none":
+        raise ValueError("parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none' "
+                         "(nothing is recomputed); use 'full' or 'selective', or ep_recompute='resend'")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -151,6 +161,7 @@ class Layout:
     ep_capacity_factor: float = 0.0
     ep_overlap_chunks: int = 1
     ep_dispatch_dtype: str = "compute"
+    ep_recompute: str = "resend"
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:

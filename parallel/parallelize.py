@@ -13,13 +13,14 @@ from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import apply_context_parallel
 from parallel.expert_parallel import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
-from parallel.layout import Layout
+from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
 
 
 def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none") -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup."""
+    check_recompute(layout, activation_checkpoint)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
     apply_expert_parallel(model, meshes.ep, layout)  # experts: Shard(0) on ep, all-to-all dispatch/combine
     apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective

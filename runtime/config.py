@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python < 3.11
 from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
-from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
+from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig, check_recompute
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
 from runtime.comm import CommConfig
@@ -177,6 +177,7 @@ class JobConfig:
                 check_split(data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)
+            check_recompute(layout, self.training.activation_checkpoint)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout

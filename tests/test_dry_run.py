@@ -63,7 +63,7 @@ def test_the_step_counts_collectives_on_their_meshes(ranks_0_and_63):
 
 def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
     """The FSDP terms (benchmarks/step_projection.py fsdp_traffic) and the per-layer EP term
-    (benchmarks/ep_projection.py layer_link_bytes on the step's routing) equal the bytes the step's
+    (benchmarks/lib/ep_projection.py layer_link_bytes on the step's routing) equal the bytes the step's
     collectives put on the wire, in-node and across nodes, to the byte."""
     for r in ranks_0_and_63:
         terms = {(c["source"], c["kind"], c["mesh"].split(" = ")[0]): c for c in r["projection_comparison"]}

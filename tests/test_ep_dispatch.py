@@ -39,8 +39,21 @@ CASES["folded_overlap"] = ParallelConfig(**FOLDED, ep_overlap_chunks=3)
 CASES["headline_dedup_overlap"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
 CASES["folded_dedup_overlap"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2)
 CASES["headline_fp8"] = ParallelConfig(**HEADLINE, ep_dispatch_dtype="float8_e4m3")
+CASES["headline_overlap_fp8"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, ep_dispatch_dtype="float8_e4m3")
+CASES["folded_dedup_overlap_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2,
+                                                   ep_dispatch_dtype="float8_e4m3")
 CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
-INEXACT = ("headline_dropping", "headline_fp8", "folded_dedup_fp8")
+CASES["headline_direct_full_resend"] = ParallelConfig(**HEADLINE)
+CASES["headline_direct_full_keep"] = ParallelConfig(**HEADLINE, ep_recompute="keep")
+CASES["folded_dedup_full_keep"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_recompute="keep")
+CASES["headline_overlap_selective_keep"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, ep_recompute="keep")
+CASES["headline_dedup_overlap_selective_resend"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
+CASES["folded_dedup_fp8_full_keep"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3",
+                                                     ep_recompute="keep")
+# activation checkpointing of the cases named ..._full_... / ..._selective_... (the others: none)
+CHECKPOINT = {name: mode for name in CASES for mode in ("full", "selective") if f"_{mode}_" in name}
+INEXACT = ("headline_dropping", "headline_fp8", "headline_overlap_fp8", "folded_dedup_fp8", "folded_dedup_overlap_fp8",
+           "folded_dedup_fp8_full_keep")
 
 
 # -- the plan against plain loops (one process)
@@ -93,6 +106,10 @@ def test_gateway_is_self_on_own_node_and_one_per_node():
     (["--parallel.ep_overlap_chunks=0"], 8, "parallel.ep_overlap_chunks=0: must be >= 1"),
     (["--parallel.ep_overlap_chunks=2", "--parallel.ep_capacity_factor=1"], 8,
      "parallel.ep_overlap_chunks=2 with parallel.ep_capacity_factor=1.0: not combined yet"),
+    (["--parallel.ep_recompute=keep"], 8,
+     "parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none'"),
+    (["--parallel.ep_recompute=keep", "--training.activation_checkpoint=full", "--parallel.ep=1"], 8,
+     "parallel.ep_recompute='keep' has no effect with parallel.ep=1"),
     (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
      "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
 ])
@@ -128,26 +145,29 @@ def _reference() -> dict:
     return {"loss": loss.item(), "norm": norm.item(), "grads": grads}
 
 
-def _run_case(config, reference):
+def _run_case(config, reference, checkpoint="none"):
     from torch.distributed.tensor import distribute_tensor
 
     model = _model()
     layout = config.resolve(dist.get_world_size())
     layout.validate(model.config, SEQ, BATCH)
     meshes = build_meshes(layout, "cpu")
-    parallelize(model, meshes, layout)
+    parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
     routing, timeline = [], []
     experts = [m for m in model.modules() if hasattr(m, "ep_timeline")]
     if experts:
         experts[0].ep_timeline = timeline  # the first MoE layer's pieces
     for router in model.routers():
         router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
+    tapes = _collect_tapes()
     inputs, labels = _batch(model.config.vocab_size)
     rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
     with count_all_to_all() as forward, count_syncs() as syncs:
         loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
                        BATCH * SEQ)
+    forward_routing = list(routing)  # the forward's (a recompute routes again)
+    kept = sum(v.numel() * v.element_size() for tape in tapes for _, v in tape.entries if isinstance(v, torch.Tensor))
     with count_all_to_all() as backward:
         loss.backward()
     grad_err = {}
@@ -159,14 +179,29 @@ def _run_case(config, reference):
     drops = read_drop_counts(model)
     return {"timeline": timeline, "drops": None if drops is None else drops.tolist(),
             "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
-            "grad_err": grad_err, "routing": routing, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
+            "grad_err": grad_err, "routing": forward_routing, "kept_bytes": kept, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
             "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN),
             "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
 
 
+def _collect_tapes() -> list:
+    """The tapes parallel/ep_keep.py makes from now on (this rank process only), to weigh what they keep."""
+    from parallel import ep_keep
+
+    tapes = []
+
+    class Tape(ep_keep.Tape):
+        def __init__(self):
+            super().__init__()
+            tapes.append(self)
+
+    ep_keep.Tape = Tape
+    return tapes
+
+
 def _run_all(rank, world, reference):
     torch.manual_seed(0)
-    return {name: _run_case(config, reference) for name, config in CASES.items()}
+    return {name: _run_case(config, reference, CHECKPOINT.get(name, "none")) for name, config in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +226,10 @@ def test_step_matches_single_process(results, name):
             assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
 
 
-def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
+def planned_bytes(per_rank, name, backward=False, stages=None) -> dict[int, tuple[int, int]]:
     """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
     (benchmarks/lib/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
-    routing, summed over the MoE layers."""
+    routing, summed over the MoE layers (only the named `stages` when given)."""
     from benchmarks.lib.ep_projection import layer_stages
 
     config, out = preset("debug"), {}
@@ -204,7 +239,8 @@ def planned_bytes(per_rank, name, backward=False) -> dict[int, tuple[int, int]]:
         totals = {r: [0, 0] for r in ep_ranks}
         for layer in range(len(per_rank[ep_ranks[0]][name]["routing"])):
             routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
-            sent = sent_bytes(layer_stages(config, layout, routing, 4, placement), placement, backward)
+            planned = [s for s in layer_stages(config, layout, routing, 4, placement) if stages is None or s.name in stages]
+            sent = sent_bytes(planned, placement, backward)
             for i, r in enumerate(ep_ranks):
                 totals[r][0] += int(sent["intra"][i])
                 totals[r][1] += int(sent["inter"][i])
@@ -217,10 +253,44 @@ def test_counted_bytes_equal_the_plan(results, name):
     """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
     simulated nodes, equals the projection's per-layer EP bytes for the run's own routing."""
     _, per_rank = results
+    from benchmarks.ep_projection import expert_call_stages
+
+    resent = {"full": None, "selective": expert_call_stages(CASES[name])}.get(CHECKPOINT.get(name), ())
     for direction in ("forward", "backward"):
         plan = planned_bytes(per_rank, name, direction == "backward")
         counted = {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)}
+        if direction == "backward" and resent != () and CASES[name].ep_recompute == "resend":
+            again = planned_bytes(per_rank, name, stages=resent)  # the recompute sends them again
+            if "node_combine" in (resent or ()):  # torch's early stop: the last piece's node combine is not resent
+                least = planned_bytes(per_rank, name, stages=tuple(s for s in resent if s != "node_combine"))
+                for rank, (a, b) in plan.items():
+                    assert a + least[rank][0] <= counted[rank][0] <= a + again[rank][0], rank
+                    assert b + least[rank][1] < counted[rank][1] < b + again[rank][1], rank
+                continue
+            plan = {rank: (a + again[rank][0], b + again[rank][1]) for rank, (a, b) in plan.items()}
         assert counted == plan, direction
+
+
+@pytest.mark.parametrize("keep, twin", [("headline_direct_full_keep", "headline_direct"),
+                                        ("folded_dedup_full_keep", "folded_dedup"),
+                                        ("headline_overlap_selective_keep", "headline_overlap"),
+                                        ("folded_dedup_fp8_full_keep", "folded_dedup_fp8")])
+def test_keep_recomputes_without_resending(results, keep, twin):
+    """parallel.ep_recompute='keep' under activation checkpointing: every rank's counted all-to-all bytes,
+    forward and backward, equal the same dispatch without checkpointing (same routing), count exchanges
+    included (their host read of split sizes is replayed with them: runtime/syncs.py cannot see a
+    .tolist() inside a CPU recompute, its documented blind spot); loss and gradient norm equal the
+    twin's (FP8 included: the replayed rows are the bytes that arrived). 'resend' (full) sends the
+    forward's all-to-alls again in backward."""
+    _, per_rank = results
+    for rank, by_case in enumerate(per_rank):
+        got, want = by_case[keep], by_case[twin]
+        assert [torch.equal(a, b) for a, b in zip(got["routing"], want["routing"])] == [True] * len(want["routing"])
+        assert (got["forward"], got["backward"]) == (want["forward"], want["backward"]), rank
+        assert got["loss"] == pytest.approx(want["loss"], rel=NORM_RTOL)
+        assert got["norm"] == pytest.approx(want["norm"], rel=NORM_RTOL)
+        resend, plain = by_case["headline_direct_full_resend"], by_case["headline_direct"]
+        assert resend["backward"] == tuple(a + b for a, b in zip(plain["backward"], plain["forward"]))
 
 
 def test_dedup_sends_fewer_bytes_across_nodes(results):
@@ -324,6 +394,49 @@ def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
         assert t["combine_start", 0] < t["compute_start", 1]
         assert (t["combine_grad_start", 0] < t["combine_grad_wait", 1] < t["dispatch_grad_start", 1]
                 < t["combine_grad_wait", 0])
+
+
+@pytest.mark.parametrize("overlapped, plain", [("headline_overlap_fp8", "headline_fp8"),
+                                                ("folded_dedup_overlap_fp8", "folded_dedup_fp8")])
+def test_overlap_with_fp8_equals_fp8_without_overlap(results, overlapped, plain):
+    """FP8 rows are quantized per token, so cutting the copies into pieces changes no value: loss and
+    gradient norm equal the unpipelined FP8 dispatch's (fp32 tolerances: only the summation order of
+    the expert weight gradients differs)."""
+    _, per_rank = results
+    for by_case in per_rank:
+        assert by_case[overlapped]["loss"] == pytest.approx(by_case[plain]["loss"], rel=NORM_RTOL)
+        assert by_case[overlapped]["norm"] == pytest.approx(by_case[plain]["norm"], rel=NORM_RTOL)
+        assert by_case[overlapped]["loss"] != by_case["headline_direct"]["loss"]  # the FP8 path ran
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep_recompute == "keep"])
+def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
+    """The row buffers the tapes hold after the forward, summed over the 8 ranks, equal
+    parallel/ep_keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
+    layers x ranks, with the run's mean distinct nodes per token (a plain loop over its routing)."""
+    from parallel.ep_keep import kept_bytes_per_layer
+
+    _, per_rank = results
+    c, layout = preset("debug"), CASES[name].resolve(WORLD)
+    tokens = per_rank[0][name]["routing"][0].shape[0]
+    L = c.n_routed_experts // layout.ep
+    distinct = [len({r[name]["ep_ranks"][e // L] // RPN for e in row}) for r in per_rank for t in r[name]["routing"]
+                for row in t.tolist()]
+    layers = len(per_rank[0][name]["routing"])
+    expected = WORLD * layers * kept_bytes_per_layer(tokens, c, layout, 4, sum(distinct) / len(distinct))
+    assert sum(r[name]["kept_bytes"] for r in per_rank) == pytest.approx(expected, rel=1e-12)
+    assert all(r[f"{name.split('_full')[0].split('_selective')[0]}"]["kept_bytes"] == 0 for r in per_rank)
+
+
+def test_dedup_overlap_keeps_a_node_hop_in_flight_while_another_piece_fans_out(results):
+    """Recorded timestamps (dedup, 2 pieces, first MoE layer, every rank): piece 1's node hop is issued
+    before piece 0's fan-out and compute and waited for after them; piece 0's node combine is issued
+    before piece 1's fan-out."""
+    _, per_rank = results
+    for by_case in per_rank:
+        t = {(event, piece): when for event, piece, when in by_case["headline_dedup_overlap"]["timeline"]}
+        assert t["dispatch_start", 1] < t["compute_start", 0] < t["compute_end", 0] < t["dispatch_wait", 1]
+        assert t["combine_start", 0] < t["compute_start", 1]
 
 
 def _train_losses(rank, world, variants, steps):

@@ -17,7 +17,8 @@ import torch
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
 EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
-PIPELINED_STAGES = ("dispatch", "combine", "fan_out", "fan_in")  # what ep_overlap_chunks pipelines (not the node hop)
+PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep_overlap.py)
+NODE_HOP_STAGES = ("node_dispatch", "node_weights", "node_ids", "node_combine")  # with dedup (ep_dedup_overlap.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +64,8 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     the dispatch plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep
     ranks, token-proportional stages scaled to `local_tokens` (the count exchanges not); forward,
     backward, and what activation checkpointing reruns (full: the layer's forward; selective: the
-    experts' dispatch and combine), every MoE layer and micro-batch."""
+    experts' dispatch and combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py),
+    every MoE layer and micro-batch."""
     from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
 
     routing = sampled_routing(config, layout.ep)
@@ -72,7 +74,7 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     out = {}
     for stage in stages:
         k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
-        forward = forward_passes(stage.name, activation_checkpoint)
+        forward = forward_passes(stage.name, activation_checkpoint, layout)
         sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
         out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
                                      + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
@@ -80,15 +82,18 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     return out, nodes
 
 
-def forward_passes(stage_name: str, activation_checkpoint: str) -> int:
+def forward_passes(stage_name: str, activation_checkpoint: str, layout) -> int:
     """How often a stage's forward all-to-all runs per MoE layer and micro-batch: once, plus what
-    activation checkpointing reruns (full: the layer's forward; selective: the experts' dispatch and
-    combine). Its backward (differentiable stages) runs once."""
+    activation checkpointing reruns (full: the layer's forward; selective: the all-to-alls issued inside
+    the experts' call, `expert_call_stages`); none with `parallel.ep_recompute = "keep"`, whose recompute
+    replays what the forward received (parallel/ep_keep.py). Its backward (differentiable stages) runs once."""
+    if layout.ep_recompute == "keep":
+        return 1
     reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
-    return 1 + reruns + (activation_checkpoint == "selective" and stage_name in EXPERT_STAGES)
+    return 1 + reruns + (activation_checkpoint == "selective" and stage_name in expert_call_stages(layout))
 
 
-def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint: str) -> tuple[int, int]:
+def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint: str, layout) -> tuple[int, int]:
     """(intra-node, inter-node) bytes ep index `index` sends in one MoE layer and micro-batch for
     these stages (one routing): `ep_bytes`'s per-layer term for one rank, unscaled (launch/dry_run.py
     compares it with the all-to-alls it counts)."""
@@ -98,9 +103,20 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
     for stage in stages:
         sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
         for i, link in enumerate(("intra", "inter")):
-            out[i] += forward_passes(stage.name, activation_checkpoint) * int(sent[0][link][index]) \
+            out[i] += forward_passes(stage.name, activation_checkpoint, layout) * int(sent[0][link][index]) \
                 + int(sent[1][link][index])
     return out[0], out[1]
+
+
+def expert_call_stages(layout) -> tuple:
+    """The all-to-alls issued inside the GroupedExperts call (what `activation_checkpoint = "selective"`
+    reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
+    pieces also the count exchange (parallel/ep_overlap.py), and with dedup in pieces the whole node hop
+    (parallel/ep_dedup_overlap.py; an upper bound there: torch's checkpoint stops the recompute after the
+    last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
+    if layout.ep_overlap_chunks > 1 and layout.ep_dedup:
+        return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
+    return EXPERT_STAGES + (("counts",) if layout.ep_overlap_chunks > 1 else ())
 
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
@@ -115,25 +131,30 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
 
 
 def dispatch_knobs(layout) -> dict:
-    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype")}
+    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
+                                            "ep_recompute")}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute")
+                               ep_dispatch_dtype="compute", ep_recompute="resend")
 
 
-def dispatch_variants(layout) -> dict:
+def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
     """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others), ep > 1 only."""
+    the others), ep > 1 only; under activation checkpointing each also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
-    combos = {"direct": {}, "fp8": {"ep_dispatch_dtype": "float8_e4m3"}, "overlap2": {"ep_overlap_chunks": 2},
-              "dedup": {"ep_dedup": True}, "dedup_overlap2": {"ep_dedup": True, "ep_overlap_chunks": 2}, "dedup_fp8": {"ep_dedup": True, "ep_dispatch_dtype": "float8_e4m3"},
+    fp8, dedup, overlap = {"ep_dispatch_dtype": "float8_e4m3"}, {"ep_dedup": True}, {"ep_overlap_chunks": 2}
+    combos = {"direct": {}, "fp8": fp8, "overlap2": overlap, "overlap2_fp8": overlap | fp8,
+              "dedup": dedup, "dedup_overlap2": dedup | overlap, "dedup_fp8": dedup | fp8,
+              "dedup_overlap2_fp8": dedup | overlap | fp8,
               "capacity1.25": {"ep_capacity_factor": 1.25},
-              "capacity1.25_fp8": {"ep_capacity_factor": 1.25, "ep_dispatch_dtype": "float8_e4m3"}}
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8}
+    if activation_checkpoint != "none":
+        combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
 
 
@@ -141,5 +162,6 @@ def describe_knobs(knobs: dict) -> str:
     parts = [("dedup" if knobs["ep_dedup"] else ""),
              (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
              (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
-             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else "")]
+             ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
+             ("recompute keeps" if knobs.get("ep_recompute") == "keep" else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"
