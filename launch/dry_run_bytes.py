@@ -8,7 +8,7 @@ the innermost caller found on the Python stack). Per row: `bytes` this rank pass
 all-gather, its whole input otherwise) and `wire_intra_bytes` / `wire_inter_bytes` it sends to peers on
 its node and elsewhere, by benchmarks/lib/wire_bytes.py, the conversion the projection uses.
 
-`compare` puts the counted FSDP and EP rows next to benchmarks/step_projection.py's FSDP terms
+`compare` puts the counted FSDP and EP rows next to the whole-step projection's FSDP terms (benchmarks/lib/fsdp_traffic.py)
 (`fsdp_units` + `fsdp_traffic` of the materialized model, rank 0's groups) and
 benchmarks/lib/ep_projection.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
 routing this rank's routers produced in the step, with the dry run's symmetric-traffic assumption made
@@ -142,8 +142,7 @@ def symmetric_routing(experts_TK: torch.Tensor, me: int, n_ranks: int, local: in
 def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     """{(kind, mesh label, source): [intra, inter]}: the projection's FSDP terms of `job`'s model (the
     materialized one) and its per-layer EP term on `routings`, for this rank."""
-    from benchmarks import step_projection
-    from benchmarks.lib import ep_projection
+    from benchmarks.lib import ep_projection, fsdp_traffic
     from models import Transformer
     from parallel.ep_plan import Placement
     from runtime.train import DTYPES
@@ -151,8 +150,8 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     t = job.training
     param_bytes, grad_bytes = DTYPES[t.param_dtype].itemsize, DTYPES[t.reduce_dtype].itemsize
     with torch.device("meta"):
-        units = step_projection.fsdp_units(Transformer(job.model))
-    fsdp = step_projection.fsdp_traffic(units, layout, job.model, t.grad_accum, param_bytes, grad_bytes, t.grad_sync)
+        units = fsdp_traffic.fsdp_units(Transformer(job.model))
+    fsdp = fsdp_traffic.fsdp_traffic(units, layout, job.model, t.grad_accum, param_bytes, grad_bytes, t.grad_sync)
     label = lambda mesh, axis: names.get(getattr(meshes, mesh).get_group(axis).group_name)  # noqa: E731
     group = {("dense", "all_gather"): label("dense_fsdp", "dp_shard_cp"),
              ("dense", "reduce_scatter"): label("dense_fsdp", "dp_shard_cp"),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from benchmarks import step_projection
-from benchmarks.lib import counters
+from benchmarks.lib import counters, fsdp_traffic
 from benchmarks.lib.device_model import device_model
 from benchmarks.step_projection import compute_rates, parse_args, peers, project_layout
 from multirank import run_ranks
@@ -150,7 +150,8 @@ def test_projected_bytes_match_counted_bytes(counted, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_projected_bytes_per_link_match_counted_bytes(counted, name, monkeypatch):
     """The same bytes split into intra- and inter-node for nodes of NODE ranks."""
-    monkeypatch.setattr(step_projection, "GPUS_PER_NODE", NODE)
+    for module in (step_projection, fsdp_traffic):  # the EP placement and the FSDP network model
+        monkeypatch.setattr(module, "GPUS_PER_NODE", NODE)
     for link in ("intra", "inter"):
         want = _predicted(name, link)
         for rank, by_case in enumerate(counted):
