@@ -80,7 +80,7 @@ def test_the_redundant_call_is_detected_and_only_it():
     step(episode, f"A: call {spare}\n")  # a wrong tool that is not a repeat
     step(episode, f"A: call {_missing(episode, goals[1])}\n")  # invalid, not redundant
     step(episode, f"A: call {right[goals[0]]}\n")  # still the last ok's tool: redundant after other mistakes
-    assert episode.turns[10] == episode.turns[0]  # the tool list again after RESTATE = 4 assistant turns
+    assert episode.turns[9] == episode.turns[0]  # the tool list again after RESTATE = 4 assistant lines
     assert episode.redundant_turns == [4, 11] and episode.invalid_turns == [8] and episode.reached == 1
     assert episode.targeted_turns() == [4, 8, 11]
     hints = dict(episode.feedback_hints())
@@ -88,8 +88,9 @@ def test_the_redundant_call_is_detected_and_only_it():
 
 
 def test_the_tool_list_is_restated_every_restate_turns_and_never_after_the_end():
-    """The system line comes again after every RESTATE-th assistant turn, whatever the turns were, so
-    every assistant turn has the list at most RESTATE turns back; nothing follows the last turn."""
+    """The system line comes again right after every RESTATE-th assistant line (before the tool's
+    answer), whatever the turns were, so every assistant turn has the list at most RESTATE turns back
+    and the answer right before it; nothing follows the last turn."""
     for seed, wrong in ((9, {}), (10, {k: "invalid" for k in range(3, 9)})):
         episode = new_episode(random.Random(seed))
         _play_script(episode, wrong)
@@ -98,10 +99,11 @@ def test_the_tool_list_is_restated_every_restate_turns_and_never_after_the_end()
         for i, (role, line) in enumerate(episode.turns[2:], start=2):
             if role == "system":
                 assert line == episode.turns[0][1] and assistant % RESTATE == 0 and since_list == RESTATE
+                assert episode.turns[i - 1][0] == "assistant" and episode.turns[i + 1][0] == "tool"
                 since_list = 0
             elif role == "assistant":
                 assistant, since_list = assistant + 1, since_list + 1
-                assert since_list <= RESTATE
+                assert since_list <= RESTATE and (i == 2 or episode.turns[i - 1][0] == "tool")  # the answer: right before
         assert episode.turns[-1] == ("assistant", "A: done\n")
         assert sum(role == "system" for role, _ in episode.turns) == 1 + (episode.assistant_turns() - 1) // RESTATE
 
@@ -143,6 +145,7 @@ def test_transcripts_hold_both_behaviours_and_reminders_are_followed():
         lines = text.splitlines()
         tools = lines[0].split()[2:]
         assert all(line == lines[0] for line in lines[1:] if line.startswith("S: "))
+        lines = lines[:1] + [line for line in lines[1:] if not line.startswith("S: ")]  # a call, then its answer
         assert lines[-1] == "A: done" or sum(line.startswith("A: ") for line in lines) == MAX_ASSISTANT_TURNS
         last_ok = ""
         for before, after, answer in zip(lines, lines[1:], lines[2:]):
