@@ -129,17 +129,17 @@ class Env:
 
     module: object
     model: list[str]  # model flags: max_seq_len holds the longest episode plus a hint
-    seq_len: int  # pretraining window (holds a whole transcript, so every call sees the tool list)
+    seq_len: int  # pretraining window (short: holds a whole transcript; long: the list is restated every 4 turns)
     batch_size: int  # pretraining windows per step
 
 
 ENVS = {"short": Env(tool_env, MODEL, 320, 16),
-        "long": Env(long_tool_env, ["--model.preset=debug", "--model.max_seq_len=1280"], 1280, 8)}
+        "long": Env(long_tool_env, ["--model.preset=debug", "--model.max_seq_len=1536"], 1280, 8)}
 # the long environment's own defaults (transcripts are ~6x longer; mistakes rarer, as the budget allows)
 # (sized for a 2-core machine shared by other jobs: a 25-turn episode costs ~25 batched generate calls)
-LONG = dict(transcripts=4000, p_invalid=0.2, p_reminder=0.1, pretrain_steps=300, steps=8, episodes=8,
+LONG = dict(transcripts=4000, p_invalid=0.2, p_reminder=0.1, pretrain_steps=400, steps=8, episodes=8,
             eval_every=4, eval_episodes=16)
-LONG_QUICK = dict(seeds=2, steps=4, episodes=4, eval_every=2, eval_episodes=8)
+LONG_QUICK = dict(seeds=2, steps=2, episodes=4, eval_every=2, eval_episodes=8)  # 144 episodes: ~3 min of one core (base cached)
 
 
 # ---- the base policy ----------------------------------------------------------------------------
@@ -188,7 +188,8 @@ def _episodes(cfg: ExperimentConfig, n: int, stream: int, seed: int, step: int):
 
 def _sampling(cfg: ExperimentConfig) -> SamplingConfig:
     """A call line is 11 tokens; the long environment's bound keeps its longest episode plus a hint in
-    max_seq_len (30 turns of at most 3 + 12 + 19 tokens, after 138)."""
+    max_seq_len (30 turns of at most 3 + 12 + 19 tokens and 7 restated tool lines of 34, after 139; 54
+    for the hint: 1,451 <= 1,536)."""
     limit = cfg.line_tokens or (16 if cfg.env == "short" else 12)
     return SamplingConfig(temperature=cfg.temperature, max_new_tokens=limit)
 

@@ -9,8 +9,9 @@ mistake costs a turn of a generous budget and the reward (task success) barely s
     T: wrong tool                        <- redundant: repeats the call that just answered ok
     A: call tally
     T: Tool not found                    <- invalid: the tool is not in the list; the episode goes on
-    A: call adder
-    T: ok next news
+    A: call adder                        (the 4th assistant turn)
+    S: tools: storm hours adder press    system: the list again after every RESTATE-th assistant line,
+    T: ok next news                              before the tool's answer
     ...
     A: done
 
@@ -23,6 +24,11 @@ Rules (`step`):
     invalid    a call to a tool that is not available;
     redundant  a call to the tool whose call last answered ok: its answer is already in the context
                (and, since adjacent goals differ in kind, it is never the tool the next goal needs).
+- After every RESTATE-th assistant line (unless the episode ended) the system line is repeated, before
+  the tool's answer (after it when the line was cut without its newline), so the tool list is never more
+  than RESTATE turns (~140 tokens) back and the answer naming the next goal stays right before the next
+  call: a small model cannot look the list up ~1,000 tokens back (docs/feedback_long.md, "Base policy").
+  It depends on the turn count only, so episodes that behave alike keep equal-length contexts.
 - The episode ends at "A: done" or after MAX_ASSISTANT_TURNS assistant turns. Reward = success = every
   goal reached, then "done", within the budget: N_GOALS + 1 turns plus SLACK spare ones.
 
@@ -48,6 +54,7 @@ from examples.tool_env import answer_line as tool_env_answer_line, step as tool_
 N_GOALS = 19
 SLACK = 10  # spare assistant turns for wrong calls
 MAX_ASSISTANT_TURNS = N_GOALS + 1 + SLACK  # 30: N_GOALS calls, "done", SLACK wrong calls
+RESTATE = 4  # the system line (the tool list) is repeated after every RESTATE assistant turns
 WIDTH = len(NOT_FOUND)  # every tool answer is padded to this width
 REPEAT_HINT = "R: Reminder: do not repeat a call that answered ok\n"
 
@@ -91,6 +98,9 @@ def step(episode: LongEpisode, line: str) -> None:
     """Apply one assistant line (exactly as generated) and the environment's answer (see the rules).
     A line without its newline (cut at the token limit) is a bad call. The protocol is tool_env's."""
     tool_env_step(episode, line, answer_fn=_answer, format_answer=answer_line, max_turns=MAX_ASSISTANT_TURNS)
+    if not episode.done and episode.assistant_turns() % RESTATE == 0:
+        at = len(episode.turns) - 1 if line.endswith("\n") else len(episode.turns)  # before the answer
+        episode.turns.insert(at, ("system", episode.turns[0][1]))
 
 
 def _answer(episode: LongEpisode, tool: str, turn: int) -> str:

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from examples.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, SLACK, WIDTH, new_episode, play,
-                                    step, transcript)
+from examples.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, RESTATE, SLACK, WIDTH, new_episode,
+                                    play, step, transcript)
 from examples.tool_env import GOALS, HEADER, rollout_record
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
@@ -80,10 +80,32 @@ def test_the_redundant_call_is_detected_and_only_it():
     step(episode, f"A: call {spare}\n")  # a wrong tool that is not a repeat
     step(episode, f"A: call {_missing(episode, goals[1])}\n")  # invalid, not redundant
     step(episode, f"A: call {right[goals[0]]}\n")  # still the last ok's tool: redundant after other mistakes
-    assert episode.redundant_turns == [4, 10] and episode.invalid_turns == [8] and episode.reached == 1
-    assert episode.targeted_turns() == [4, 8, 10]
+    assert episode.turns[9] == episode.turns[0]  # the tool list again after RESTATE = 4 assistant lines
+    assert episode.redundant_turns == [4, 11] and episode.invalid_turns == [8] and episode.reached == 1
+    assert episode.targeted_turns() == [4, 8, 11]
     hints = dict(episode.feedback_hints())
-    assert hints == {4: REPEAT_HINT, 8: episode.hint(), 10: REPEAT_HINT}
+    assert hints == {4: REPEAT_HINT, 8: episode.hint(), 11: REPEAT_HINT}
+
+
+def test_the_tool_list_is_restated_every_restate_turns_and_never_after_the_end():
+    """The system line comes again right after every RESTATE-th assistant line (before the tool's
+    answer), whatever the turns were, so every assistant turn has the list at most RESTATE turns back
+    and the answer right before it; nothing follows the last turn."""
+    for seed, wrong in ((9, {}), (10, {k: "invalid" for k in range(3, 9)})):
+        episode = new_episode(random.Random(seed))
+        _play_script(episode, wrong)
+        assert episode.success
+        assistant, since_list = 0, 0
+        for i, (role, line) in enumerate(episode.turns[2:], start=2):
+            if role == "system":
+                assert line == episode.turns[0][1] and assistant % RESTATE == 0 and since_list == RESTATE
+                assert episode.turns[i - 1][0] == "assistant" and episode.turns[i + 1][0] == "tool"
+                since_list = 0
+            elif role == "assistant":
+                assistant, since_list = assistant + 1, since_list + 1
+                assert since_list <= RESTATE and (i == 2 or episode.turns[i - 1][0] == "tool")  # the answer: right before
+        assert episode.turns[-1] == ("assistant", "A: done\n")
+        assert sum(role == "system" for role, _ in episode.turns) == 1 + (episode.assistant_turns() - 1) // RESTATE
 
 
 @pytest.mark.parametrize("kind", ["invalid", "redundant", "wrong"])
@@ -122,6 +144,8 @@ def test_transcripts_hold_both_behaviours_and_reminders_are_followed():
     for text in texts:
         lines = text.splitlines()
         tools = lines[0].split()[2:]
+        assert all(line == lines[0] for line in lines[1:] if line.startswith("S: "))
+        lines = lines[:1] + [line for line in lines[1:] if not line.startswith("S: ")]  # a call, then its answer
         assert lines[-1] == "A: done" or sum(line.startswith("A: ") for line in lines) == MAX_ASSISTANT_TURNS
         last_ok = ""
         for before, after, answer in zip(lines, lines[1:], lines[2:]):
@@ -143,17 +167,19 @@ def test_rollout_record_has_each_behaviours_hint():
     header = {i: record["turns"][i]["start"] - len(HEADER) for i in (2, 6)}
     assert record["feedback"] == [{"turn": 2, "hint": list(episode.hint().encode()), "at": header[2]},
                                   {"turn": 6, "hint": list(REPEAT_HINT.encode()), "at": header[6]}]
-    traj = trajectory_from_record(record, 256, 1280)
+    traj = trajectory_from_record(record, 256, 1536)
     assert bytes(traj.teacher_tokens(traj.feedback[1]).tolist()).decode() == \
         "".join(line for _, line in episode.turns[:6]) + REPEAT_HINT + f"A: call {right[first]}\n"
 
 
 def test_the_longest_episode_and_a_hint_fit_the_model():
-    """30 turns of a 12-token bad line (no newline: "bad call"), the experiment's limit, plus a hint."""
+    """30 turns of a 12-token bad line (no newline: "bad call"), the experiment's limit, with the tool
+    list restated 7 times, plus a hint: within the long model's max_seq_len (1536)."""
     episode = new_episode(random.Random(7))
     while not episode.done:
         step(episode, HEADER + "x" * 12)
-    assert len(episode.text()) + len(episode.hint()) <= 1280
+    assert sum(role == "system" for role, _ in episode.turns) == 1 + (MAX_ASSISTANT_TURNS - 1) // RESTATE == 8
+    assert len(episode.text()) + len(episode.hint()) <= 1536
 
 
 def test_batched_play_equals_each_episode_played_alone():
