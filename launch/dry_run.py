@@ -24,7 +24,8 @@ token counts (they size the dispatch all-to-all); the dry run assumes symmetric 
 sends this rank as many tokens per expert as this rank sends it; what balanced routing gives on
 average), so nothing allocates from garbage. The node-deduplicated dispatch (parallel.ep_dedup) also
 forwards what its gateways received (expert ids), so under it the step runs the direct dispatch of the
-same routing (`step_dispatch` says so). Losses, norms and updates are meaningless; shapes, groups and
+same routing, and the pipelined one (parallel.ep_overlap_chunks) sizes its pieces from the piece counts
+peers send, so it runs unpipelined (`step_dispatch` says so). Losses, norms and updates are meaningless; shapes, groups and
 bytes are real.
 
 JSON: world, rank, groups (name -> size), states_bytes ({dense, expert} x {params, grads, optimizer}
@@ -231,11 +232,15 @@ def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
 
 def step_dispatch(layout):
     """(the layout the step runs with, a note): the node-deduplicated dispatch forwards what its gateways
-    received from peers (expert ids, pair counts), which the fake backend does not deliver, so the step
-    runs the direct dispatch of the same routing (every other EP knob as configured)."""
-    if not layout.ep_dedup or layout.ep == 1:
+    received from peers (expert ids, pair counts), and the pipelined dispatch sizes its pieces from the
+    piece counts peers send, neither of which the fake backend delivers, so the step runs the direct,
+    unpipelined dispatch of the same routing (same rows and bytes but for the counts; every other EP knob
+    as configured)."""
+    off = {k: v for k, v in (("ep_dedup", False), ("ep_overlap_chunks", 1)) if getattr(layout, k) != v}
+    if not off or layout.ep == 1:
         return layout, "as configured"
-    return dataclasses.replace(layout, ep_dedup=False), "direct (parallel.ep_dedup needs peers' data: not dry-runnable)"
+    names = ", ".join(f"parallel.{k}" for k in off)
+    return dataclasses.replace(layout, **off), f"direct, unpipelined ({names}: needs peers' data, not dry-runnable)"
 
 
 def _by_mesh(states: dict) -> list[dict]:

@@ -14,8 +14,10 @@ from multirank import run_ranks
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "debug.toml")
 ARGS = ["--config", CONFIG, "--world", "64", "--layers", "2", "--seq", "32", "--data.batch_size=64"]
-# ep groups across nodes (ep every 8th rank) and FP8 dispatch rows: every term has in-node and cross-node bytes
-STEP = ["--parallel.expert_inner=edp_shard", "--parallel.ep_dispatch_dtype=float8_e4m3"]
+# ep groups across nodes (ep every 8th rank) and FP8 dispatch rows: every term has in-node and cross-node bytes;
+# the 256-GPU configs' dispatch knobs (pipelined pieces: stepped unpipelined; EP rows kept for the recompute)
+STEP = ["--parallel.expert_inner=edp_shard", "--parallel.ep_dispatch_dtype=float8_e4m3", "--parallel.ep_overlap_chunks=2",
+        "--parallel.ep_recompute=keep", "--training.activation_checkpoint=full", "--training.fsdp_prefetch=1"]
 
 
 def _dry_run(rank, world_size, argv):
@@ -59,6 +61,7 @@ def test_the_step_counts_collectives_on_their_meshes(ranks_0_and_63):
     assert rows[("all_gather", "expert.edp_shard", "fsdp")]["count"] > 0  # FSDP, expert mesh
     assert rows[("reduce_scatter", "expert.edp_shard", "fsdp")]["bytes"] > 0
     assert rows[("all_to_all", "dense.dp_shard", "optimizer")]["count"] > 0  # sharded Muon's exchange
+    assert ranks_0_and_63[0]["step_dispatch"].startswith("direct, unpipelined (parallel.ep_overlap_chunks")
 
 
 def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
