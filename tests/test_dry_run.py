@@ -17,7 +17,8 @@ ARGS = ["--config", CONFIG, "--world", "64", "--layers", "2", "--seq", "32", "--
 # ep groups across nodes (ep every 8th rank) and FP8 dispatch rows: every term has in-node and cross-node bytes;
 # the 256-GPU configs' dispatch knobs (pipelined pieces: stepped unpipelined; EP rows kept for the recompute)
 STEP = ["--parallel.expert_inner=edp_shard", "--parallel.ep_dispatch_dtype=float8_e4m3", "--parallel.ep_overlap_chunks=2",
-        "--parallel.ep_recompute=keep", "--training.activation_checkpoint=full", "--training.fsdp_prefetch=1"]
+        "--parallel.ep_recompute=keep", "--training.activation_checkpoint=full", "--training.fsdp_prefetch=1",
+        "--training.param_dtype=bfloat16"]  # bf16 weights: the routers are FSDP units of their own, gathered in fp32
 
 
 def _dry_run(rank, world_size, argv):

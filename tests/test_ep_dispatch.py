@@ -253,7 +253,7 @@ def test_counted_bytes_equal_the_plan(results, name):
     """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
     simulated nodes, equals the projection's per-layer EP bytes for the run's own routing."""
     _, per_rank = results
-    from benchmarks.ep_projection import expert_call_stages
+    from benchmarks.lib.ep_projection import expert_call_stages
 
     resent = {"full": None, "selective": expert_call_stages(CASES[name])}.get(CHECKPOINT.get(name), ())
     for direction in ("forward", "backward"):

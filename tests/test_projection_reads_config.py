@@ -41,7 +41,11 @@ def test_dtypes_and_checkpointing_come_from_the_config(job, capsys):
     assert "param_dtype float32 (flag)" in printed
     for mesh in row["fsdp"]:  # weights gathered in bf16: half the bytes of fp32; gradients stay fp32
         gathered = lambda r: r["fsdp"][mesh]["all_gather"]["intra_gb"] + r["fsdp"][mesh]["all_gather"]["inter_gb"]  # noqa: E731
-        assert gathered(row) == pytest.approx(gathered(fp32) / 2, rel=1e-9)
+        if mesh == "expert":
+            assert gathered(row) == pytest.approx(gathered(fp32) / 2, rel=1e-9)
+        else:  # but the routers, FSDP units of their own gathered in fp32 (parallel/fsdp.py; to the byte in
+            # tests/test_dry_run.py): a small excess over half
+            assert gathered(fp32) / 2 < gathered(row) < gathered(fp32) / 2 * 1.02
         assert row["fsdp"][mesh]["reduce_scatter"] == fp32["fsdp"][mesh]["reduce_scatter"]
     # tokens dispatched in bf16: half the bytes, plus the per-expert int64 counts, which do not shrink with
     # the dtype (benchmarks/lib/ep_projection.py INTEGER_STAGES; 224 bytes of 682 kB here)

@@ -69,17 +69,20 @@ def groups(layout) -> dict:
 # -- FSDP units of the meta model, as parallel/fsdp.py wraps them
 
 def fsdp_units(model) -> list[tuple[str, list[torch.Size]]]:
-    """[(mesh "dense"|"expert", parameter shapes)] per FSDP unit, in forward order."""
+    """[(mesh "dense"|"expert"|"router", parameter shapes)] per FSDP unit, in forward order. A router is a
+    dense-mesh unit of its own, gathered in fp32 whatever param_dtype (parallel/fsdp.py; with fp32 params
+    it stays in its block's unit: the same bytes)."""
     from models.experts import GroupedExperts
+    from models.moe import Router
 
     units = [("dense", [p.shape for p in model.tok_embeddings.parameters()])]
     for block in model.layers:
-        expert_ids = set()
+        own_unit = set()
         for m in block.modules():
-            if isinstance(m, GroupedExperts):
-                units.append(("expert", [p.shape for p in m.parameters()]))
-                expert_ids |= {id(p) for p in m.parameters()}
-        units.append(("dense", [p.shape for p in block.parameters() if id(p) not in expert_ids]))
+            if isinstance(m, (GroupedExperts, Router)):
+                units.append(("expert" if isinstance(m, GroupedExperts) else "router", [p.shape for p in m.parameters()]))
+                own_unit |= {id(p) for p in m.parameters()}
+        units.append(("dense", [p.shape for p in block.parameters() if id(p) not in own_unit]))
     units.append(("dense", [p.shape for p in model.norm.parameters()] + [p.shape for p in model.output.parameters()]))
     return units
 
@@ -91,7 +94,7 @@ def _shard_numel(shape, shard_dim: int, size: int) -> int:
 
 def unit_shard_numel(mesh: str, shapes, layout, n_experts: int) -> int:
     """Elements of this rank's (padded) shard of one unit."""
-    if mesh == "dense":
+    if mesh != "expert":
         return sum(_shard_numel(s, 0, layout.dp_shard * layout.cp) for s in shapes)
     local = [(s[0] // layout.ep, *s[1:]) for s in shapes]  # the ep rank's experts
     dim = layout.expert_shard_dim(n_experts)
@@ -109,10 +112,11 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
     shard_axis = {"dense": g["dp_shard_cp"], "expert": g["edp_shard"]}
     replicate_axis = {"dense": g["dp_replicate"], "expert": g["edp_replicate"]}
     out = {m: {"all_gather": Link(), "reduce_scatter": Link(), "all_reduce": Link()} for m in ("dense", "expert")}
-    for mesh, shapes in units:
-        shard = unit_shard_numel(mesh, shapes, layout, config.n_routed_experts)
+    for unit, shapes in units:
+        shard = unit_shard_numel(unit, shapes, layout, config.n_routed_experts)
+        mesh, gathered_bytes = ("dense", 4) if unit == "router" else (unit, param_bytes)  # routers: fp32
         size, stride = shard_axis[mesh]
-        per_mb = {"all_gather": all_gather(shard * param_bytes, size, stride).scale(2),  # forward + backward
+        per_mb = {"all_gather": all_gather(shard * gathered_bytes, size, stride).scale(2),  # forward + backward
                   "reduce_scatter": on_wire("reduce_scatter", shard * size * grad_bytes, size, stride),
                   "all_reduce": all_reduce(shard * grad_bytes, *replicate_axis[mesh])}
         for k, v in per_mb.items():
