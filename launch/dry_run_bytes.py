@@ -25,7 +25,8 @@ from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.lib.counters import _LiveMemory as LiveMemory  # live storages of dispatched ops
-from benchmarks.lib.wire_bytes import wire_bytes
+from benchmarks.lib.counters import _total
+from benchmarks.lib.wire_bytes import KINDS, wire_bytes
 
 KIND = {"_allgather_base": "all_gather", "allgather": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
         "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
@@ -65,7 +66,7 @@ class CollectiveLog(TorchDispatchMode):
         else:
             group = distributed_c10d._resolve_process_group(args[-1])
             passed, splits = args[0], (args[2] if kind == "all_to_all" else None)
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(passed))
+        nbytes = _total(passed)
         wire = self._wire(kind, passed, nbytes, group, splits)
         label = self.names.get(group.group_name, f"group {group.group_name}") if group is not None else "?"
         key = (kind, label, _source())
@@ -78,7 +79,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def _wire(self, kind, passed, nbytes, group, splits) -> tuple[float, float]:
         """(intra, inter) bytes on the wire (benchmarks/lib/wire_bytes.py); (0, 0) for a kind it does not model."""
-        if group is None or kind not in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        if group is None or kind not in KINDS:
             return 0, 0
         split_bytes = None
         if kind == "all_to_all" and splits:
@@ -89,11 +90,6 @@ class CollectiveLog(TorchDispatchMode):
 
     def table(self) -> list[dict]:
         return sorted(self.rows.values(), key=lambda r: (r["mesh"], r["kind"], r["source"]))
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    items = x if isinstance(x, (list, tuple)) else [x]
-    return [t for i in items for t in (i if isinstance(i, (list, tuple)) else [i]) if isinstance(t, torch.Tensor)]
 
 
 def _source() -> str:

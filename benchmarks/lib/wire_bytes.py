@@ -2,7 +2,7 @@
 dry run (launch/dry_run.py, on every collective it dispatches) and the whole-step projection
 (benchmarks/step_projection.py, from shapes), so that their terms compare to the byte.
 
-Convention (benchmarks/counters.py's): what leaves this rank for its peers, itself excluded, whatever
+Convention (benchmarks/lib/counters.py's): what leaves this rank for its peers, itself excluded, whatever
 the backend's algorithm; g = group size:
   all_gather      passes its shard S           -> S to each of the g - 1 peers
   reduce_scatter  passes its whole input I      -> I / g to each peer (the peer's shard)
