@@ -52,6 +52,8 @@ class ParallelConfig:
     ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep_overlap.py)
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
     ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep_keep.py)
+    ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep_fp8.py)
+    ep_interleave: bool = False  # EP: each MoE block runs its micro-batch as two halves, one half's all-to-alls in flight while the other computes attention, experts and shared experts (parallel/ep_interleave.py)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -78,7 +80,8 @@ def _check_expert_inner(value) -> None:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
-EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute")
+EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
+            "ep_combine_grad_dtype", "ep_interleave")
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")
 
@@ -95,12 +98,15 @@ def check_ep_knobs(c) -> None:
         raise ValueError(f"parallel.ep_dispatch_dtype={c.ep_dispatch_dtype!r}: expected one of {DISPATCH_DTYPES}")
     if c.ep_recompute not in RECOMPUTE_MODES:
         raise ValueError(f"parallel.ep_recompute={c.ep_recompute!r}: expected one of {RECOMPUTE_MODES}")
+    if c.ep_combine_grad_dtype not in DISPATCH_DTYPES:
+        raise ValueError(f"parallel.ep_combine_grad_dtype={c.ep_combine_grad_dtype!r}: expected one of {DISPATCH_DTYPES}")
 
 
 def _check_ep_modes(layout: "Layout") -> None:
     """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
     on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep"}
+          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep",
+          "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave}
     for key, enabled in on.items():
         if enabled and layout.ep == 1:
             raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
@@ -114,6 +120,13 @@ def _check_ep_modes(layout: "Layout") -> None:
         raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with parallel.ep_capacity_factor="
                          f"{layout.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); "
                          f"choose one")
+    if layout.ep_interleave:
+        others = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
+                  "ep_overlap_chunks": layout.ep_overlap_chunks > 1}
+        for key, enabled in others.items():
+            if enabled:
+                raise ValueError(f"parallel.ep_interleave with parallel.{key}={getattr(layout, key)!r}: not combined "
+                                 f"(the halves replace the pieces; dedup and capacity are not interleaved yet); choose one")
 
 
 def check_recompute(layout, activation_checkpoint: str) -> None:
@@ -162,6 +175,8 @@ class Layout:
     ep_overlap_chunks: int = 1
     ep_dispatch_dtype: str = "compute"
     ep_recompute: str = "resend"
+    ep_combine_grad_dtype: str = "compute"
+    ep_interleave: bool = False
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:
