@@ -45,6 +45,9 @@ class Router(nn.Module):
         # d(training loss)/d(aux loss) of one forward: the runtime sets it to this micro-batch's share
         # of the global batch's sequences, so the aux loss is the mean over ALL sequences of the step.
         self.aux_loss_weight = 1.0
+        # parallel/ep_interleave.py: the micro-batch arrives in two calls, halves along this dim (0: sequences,
+        # 1: positions); the balance loss waits for the second and is computed once over both.
+        self.split_dim, self._first_half = None, None
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
@@ -59,12 +62,22 @@ class Router(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += expert_counts(experts_TK, self.n_experts)
             if self.aux_loss_alpha > 0:
-                aux_loss = self.aux_loss_alpha * sequence_balance_loss(
-                    scores_TE.view(B, S, -1), experts_TK.view(B, S, -1)
-                )
-                self.aux_loss = aux_loss.detach()
-                weights_TK = _AddAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_weight)
+                weights_TK = self._with_aux_loss(weights_TK, scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
         return weights_TK, experts_TK
+
+    def _with_aux_loss(self, weights_TK, scores_BSE, experts_BSK):
+        """weights_TK carrying the balance loss's gradient. With `split_dim` set, the first half's scores wait
+        for the second half's call, which carries the loss of both (the same value as one call's)."""
+        if self.split_dim is not None:
+            if self._first_half is None:
+                self._first_half = (scores_BSE, experts_BSK)
+                return weights_TK
+            (first_scores, first_experts), self._first_half = self._first_half, None
+            scores_BSE = torch.cat([first_scores, scores_BSE], self.split_dim)
+            experts_BSK = torch.cat([first_experts, experts_BSK], self.split_dim)
+        aux_loss = self.aux_loss_alpha * sequence_balance_loss(scores_BSE, experts_BSK)
+        self.aux_loss = aux_loss.detach()
+        return _AddAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_weight)
 
     def _logits_fp32(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Gate logits in fp32 even under autocast: routing decisions are sensitive to rounding."""
@@ -177,13 +190,18 @@ class MoE(nn.Module):
     def routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each token (out_TD). The dispatch interface: expert
         parallelism may swap this method for one that moves tokens differently (parallel/ep_dedup.py)."""
-        T, K = experts_TK.shape
-        D = x_TD.shape[1]
+        K = experts_TK.shape[1]
         # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
         order_N = torch.argsort(experts_TK.flatten(), stable=True)
         counts = self.experts.exchange_counts(expert_counts(experts_TK, self.router.n_experts))
-        y_sorted_ND = self.experts(x_TD[order_N // K], counts)
+        return self.combine(self.experts(x_TD[order_N // K], counts), order_N, weights_TK)
+
+    @staticmethod
+    def combine(y_sorted_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The expert outputs (sorted by expert, `order_N` the sort) back in token order, weighted and summed
+        over each token's K experts (out_TD)."""
+        T, K = weights_TK.shape
         y_ND = torch.empty_like(y_sorted_ND).index_copy(0, order_N, y_sorted_ND)
         # Combine in the compute dtype (the fp32 router weights are rounded to it; the sum over K
         # accumulates in fp32 inside torch's reduction): no fp32 copy of the N x D expert outputs.
-        return (y_ND.view(T, K, D) * weights_TK[..., None].to(y_ND.dtype)).sum(1)
+        return (y_ND.view(T, K, -1) * weights_TK[..., None].to(y_ND.dtype)).sum(1)

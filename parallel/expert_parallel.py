@@ -19,7 +19,8 @@ all ranks reduce the same gradients.
 Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
 `apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
 (parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py; with dedup, its node hop pipelined:
-parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py), recompute without resending (parallel/ep_keep.py);
+parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py), recompute without resending (parallel/ep_keep.py),
+two halves per block interleaved (parallel/ep_interleave.py);
 parallel/ep_plan.py is the plan they and the projection share.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
@@ -86,6 +87,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         from parallel.ep_overlap import apply_overlap
 
         apply_overlap(model, layout.ep_overlap_chunks)
+    if layout is not None and layout.ep_interleave:
+        from parallel.ep_interleave import apply_interleave
+
+        apply_interleave(model)
 
 
 def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:

@@ -134,6 +134,9 @@ def check_recompute(layout, activation_checkpoint: str) -> None:
     if layout.ep_recompute == "keep" and activation_checkpoint == "none":
         raise ValueError("parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none' "
                          "(nothing is recomputed); use 'full' or 'selective', or ep_recompute='resend'")
+    if layout.ep_interleave and activation_checkpoint == "selective":
+        raise ValueError("parallel.ep_interleave with training.activation_checkpoint='selective': not combined (the "
+                         "experts' region would rerun a dispatch another region waits for); use 'full' or 'none'")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:

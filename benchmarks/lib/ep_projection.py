@@ -54,8 +54,10 @@ def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
     from parallel.ep_plan import layer_traffic
 
     dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
+    # two halves (parallel/ep_interleave.py) exchange counts twice: the bytes of two pieces' one exchange
+    chunks = 2 if getattr(layout, "ep_interleave", False) else layout.ep_overlap_chunks
     return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
-                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
+                         capacity_factor=layout.ep_capacity_factor, chunks=chunks)
 
 
 def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, act_bytes: int,

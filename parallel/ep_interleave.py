@@ -1,0 +1,148 @@
+"""Two halves per MoE block (`parallel.ep_interleave = true`): one half's EP all-to-alls in flight while the
+other half computes its attention, its routed experts or the shared experts, in forward and in backward.
+
+Swapped in for `TransformerBlock.forward` of every MoE block by `apply_expert_parallel` (before activation
+checkpointing wraps it and FSDP hooks the block). The micro-batch is cut in two halves A and B: by sequences
+when the local batch is even, else by positions (tokens [0, S/2) and [S/2, S) of every sequence); then
+half B's attention reads half A's keys through the attention's cache interface (models/kv_cache.LayerCache:
+A's latent and rotary key ahead of B's, causal by global position), so B depends on A and never the reverse.
+Program order of one block:
+
+    attention(A), router(A), count exchange(A) and its host read, dispatch(A) issued
+    attention(B), router(B), count exchange(B) and its host read, dispatch(B) issued     dispatch(A) in flight
+    routed experts, one call (FSDP gathers them once):
+        wait dispatch(A), experts(A), combine(A) issued                                 dispatch(B) in flight
+        wait dispatch(B), experts(B), combine(B) issued                                 combine(A) in flight
+    shared experts(A), wait combine(A), shared experts(B), wait combine(B)              combine(B) in flight
+
+The all-to-alls are parallel/ep_overlap.py's asynchronous start/wait autograd pair, with what it carries:
+FP8 dispatch, FP8 combine gradient, and `ep_recompute = "keep"` (the tape replays the six exchanges in the
+same order). In backward autograd runs ready nodes latest-created first, so each half's gradient all-to-alls
+are in flight while the other half's gradients are computed (tests/test_ep_interleave.py records the order).
+
+Costs against the direct dispatch: the same rows (bytes), two host syncs per layer instead of one (one
+count exchange per half), and the router, when it is an FSDP unit of its own (bf16 weights, parallel/fsdp.py),
+gathered once per half. The sequence-wise balance loss is still computed once over the micro-batch
+(`Router.split_dim`). Exact: each token meets the same operations; half B's attention runs with an explicit
+causal mask over A's and B's keys instead of the fused causal kernel (the same softmax over the same keys).
+Not with dedup, fixed capacity or pieces (parallel/layout.py refuses), nor with selective checkpointing; the
+split by positions not under context parallelism or document masking (the split by sequences works with both).
+"""
+
+import types
+
+import torch
+from torch import nn
+
+from models.attention import LocalKV
+from models.kv_cache import LayerCache
+from models.model import TransformerBlock
+from models.moe import MoE, expert_counts
+from parallel.ep_overlap import _experts, _mark, _start, _wait
+
+
+def apply_interleave(model: nn.Module) -> None:
+    """Swap the forward of every MoE block (and of its GroupedExperts, which also takes the halves)."""
+    for block in model.layers:
+        if isinstance(block.feed_forward, MoE):
+            experts = block.feed_forward.experts
+            experts.ep_timeline = None
+            experts.forward = types.MethodType(_halves_or_one(experts.forward), experts)
+            block.forward = types.MethodType(interleaved_forward, block)
+
+
+class Half:
+    """One half's routing and its exchanges in flight. A plain class, not a dataclass: FSDP's hooks rebuild
+    the dataclasses among a unit's inputs, and the experts' call writes `combine_box` into this object."""
+
+    def __init__(self, order_N: torch.Tensor, weights_TK: torch.Tensor, counts, dispatch: tuple):
+        self.order_N = order_N  # its token copies sorted by expert
+        self.weights_TK = weights_TK
+        self.counts = counts  # parallel/expert_parallel.ExchangedCounts (split sizes read)
+        self.dispatch = dispatch  # (link, box) of parallel/ep_overlap._start
+        self.combine_box = None
+
+
+def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None,
+                        documents=None) -> torch.Tensor:
+    """Drop-in TransformerBlock.forward (module docstring); decoding with a cache runs the block whole."""
+    if cache is not None:
+        return TransformerBlock.forward(self, x_BSD, positions_S, cache=cache)
+    moe, experts = self.feed_forward, self.feed_forward.experts
+    dim = 0 if x_BSD.shape[0] % 2 == 0 else 1
+    if dim == 1 and (documents is not None or not isinstance(self.attention.kv_source, LocalKV)):
+        raise ValueError("parallel.ep_interleave: one sequence per micro-batch is cut by positions, which does not "
+                         "combine with context parallelism or data.document_mask; use an even number of sequences "
+                         "per micro-batch")
+    keys = {"cache": LayerCache()} if dim == 1 else {}
+    halves, hidden = [], []
+    moe.router.split_dim = dim
+    try:
+        for i, (x, p, docs) in enumerate(_split(x_BSD, positions_S, documents, dim)):
+            _mark(experts, "attention_start", i)
+            a = self.attention_norm(x)
+            h = x + self.attention(a, p, **keys, **({"documents": docs} if docs else {}))
+            f = self.ffn_norm(h)
+            if experts.ep_timeline is not None and torch.is_grad_enabled():  # the backward's order, for tests
+                h.register_hook(lambda grad, i=i: _mark(experts, "attention_grad_start", i))
+                a.register_hook(lambda grad, i=i: _mark(experts, "attention_grad_end", i))
+            halves.append(_dispatch(moe, f, i))
+            hidden.append((h, f))
+            _mark(experts, "attention_end", i)
+    finally:
+        moe.router.split_dim = None
+    links = experts([half.dispatch[0] for half in halves], halves)
+    out = []
+    for i, ((h, f), half, link) in enumerate(zip(hidden, halves, links)):
+        B, S, D = f.shape
+        shared = None if moe.shared_experts is None else moe.shared_experts(f.reshape(B * S, D))
+        y_TD = moe.combine(_wait(experts, "combine", i, link, half.combine_box), half.order_N, half.weights_TK)
+        out.append(h + (y_TD if shared is None else y_TD + shared).view(B, S, D))
+    return torch.cat(out, dim)
+
+
+def _split(x_BSD, positions_S, documents, dim: int):
+    """[(x, positions, documents)] of halves A and B."""
+    if dim == 0:
+        B = x_BSD.shape[0] // 2
+        docs = [None, None] if documents is None else [type(documents)(*(t[:B] for t in documents)),
+                                                       type(documents)(*(t[B:] for t in documents))]
+        return [(x_BSD[:B], positions_S, docs[0]), (x_BSD[B:], positions_S, docs[1])]
+    S = x_BSD.shape[1] // 2
+    return [(x_BSD[:, :S], positions_S[:S], None), (x_BSD[:, S:], positions_S[S:], None)]
+
+
+def _dispatch(moe: MoE, f_BSD: torch.Tensor, i: int) -> Half:
+    """Route half i, exchange its counts (the host reads the split sizes) and issue its dispatch."""
+    B, S, D = f_BSD.shape
+    weights_TK, experts_TK = moe.router(f_BSD)
+    K = experts_TK.shape[1]
+    order_N = torch.argsort(experts_TK.flatten(), stable=True)  # as MoE.routed
+    counts = moe.experts.exchange_counts(expert_counts(experts_TK, moe.router.n_experts))
+    send, recv = counts.split_sizes()  # host sync
+    dispatch = _start(moe.experts, "dispatch", i, f_BSD.reshape(B * S, D)[order_N // K], recv, send,
+                      moe.experts.ep_group)
+    return Half(order_N, weights_TK, counts, dispatch)
+
+
+def _halves_or_one(one_call):
+    """GroupedExperts.forward taking either (x, counts) as before, or (dispatch links, halves): then it waits
+    for each half's dispatch, runs its experts and issues its combine, and returns the combines' links."""
+    def forward(self, x, counts=None):
+        if not isinstance(x, list):
+            return one_call(x, counts)
+        from parallel.expert_parallel import EXPERT_WEIGHTS, _local
+
+        w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
+        links = []
+        for i, (link, half) in enumerate(zip(x, counts)):
+            x_RD = _wait(self, "dispatch", i, link, half.dispatch[1])
+            _mark(self, "compute_start", i)
+            y_RD = _experts(x_RD, half.counts.recv_counts_PL, w13, w2)
+            _mark(self, "compute_end", i)
+            send, recv = half.counts.split_sizes()
+            link, half.combine_box = _start(self, "combine", i, y_RD, send, recv, self.ep_group)
+            links.append(link)
+        return links
+
+    return forward
