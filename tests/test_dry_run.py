@@ -112,3 +112,15 @@ def test_a_broken_layout_fails_with_the_launchs_line(tmp_path, capfd):
     assert run_ranks(_pretrain, 1, argv, 64, timeout=300, as_torchrun=True) == [2]
     launch = capfd.readouterr().err.strip().splitlines()
     assert len(dry) == 1 and dry == launch and dry[0].startswith("config error: "), (dry, launch)
+
+
+def test_halves_bytes_equal_the_projections_terms(tmp_path):
+    """parallel.ep_interleave (parallel/ep_interleave.py) dry-runs as configured: its second count exchange
+    per layer (ep term) and the bf16 run's router units gathered once per half (4 gathers per micro-batch,
+    benchmarks/lib/fsdp_traffic.py) equal the projection's terms to the byte."""
+    out = tmp_path / "dry.json"
+    step = [a for a in STEP if "ep_overlap_chunks" not in a] + ["--parallel.ep_interleave=true"]
+    run_ranks(_dry_run, 1, [*ARGS, *step, "--ranks", "0", "--json", str(out)], timeout=300, as_torchrun=True)
+    r = json.load(open(out))[0]
+    assert r["step_dispatch"] == "as configured"
+    assert r["projection_comparison"] and all(c["equal"] for c in r["projection_comparison"]), r["projection_comparison"]

@@ -209,3 +209,35 @@ def test_bad_combinations_fail_in_one_line(extra, checkpoint, message):
 def test_interleave_without_ep_fails_in_one_line():
     with pytest.raises(ValueError, match="parallel.ep_interleave=True has no effect with parallel.ep=1"):
         ParallelConfig(dp_shard=8, ep=1, ep_interleave=True).resolve(WORLD).validate(preset("debug"), 32, 8)
+
+
+def _bf16_grads(rank, world, variants):
+    """Per variant (param dtype, interleave): every parameter's local gradient after one step on 2 ranks
+    (ep = 2, one sequence per rank: the split by positions), bf16 weights making each router an FSDP unit
+    of its own (parallel/fsdp.py), called once per half."""
+    from parallel.gradients import loss_fn
+    from parallel.meshes import build_meshes
+    from parallel.parallelize import parallelize
+
+    out = {}
+    for name, (param_dtype, interleave) in variants.items():
+        model = _model(ALPHA, dp=2)
+        layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, ep_interleave=interleave).resolve(world)
+        parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype, activation_checkpoint="full")
+        tokens = torch.randint(0, model.config.vocab_size, (1, 65), generator=torch.Generator().manual_seed(rank))
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:], 2 * 64).backward()
+        out[name] = {k: p.grad.to_local().float().clone() for k, p in model.named_parameters()}
+    return out
+
+
+def test_bf16_router_units_called_per_half_get_both_halves_gradients():
+    """Yardstick: per parameter, the largest |bf16 - fp32| gradient difference of the direct dispatch (relative
+    to the fp32 gradient's largest entry). The halves in bf16 may differ from the direct dispatch in bf16 by at
+    most 3 of the largest yardstick; a router that reduced only one half's gradient would be off by ~50%."""
+    variants = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "bf16_halves": (torch.bfloat16, True)}
+    for grads in run_ranks(_bf16_grads, 2, variants, timeout=300):
+        def rel(a, b):
+            return {k: (grads[a][k] - grads[b][k]).abs().max().item() / grads["fp32"][k].abs().max().item()
+                    for k in grads["fp32"] if grads["fp32"][k].numel() and grads["fp32"][k].abs().max() > 0}
+        yardstick, halves = rel("bf16", "fp32"), rel("bf16_halves", "bf16")
+        assert all(v <= 3 * yardstick[k] for k, v in halves.items()), halves
