@@ -12,7 +12,11 @@ No process group, nothing allocated: the model is built on the meta device and e
 from shapes, the layout and the runtime's own rules. Per rank and step (one rank stands for all;
 token loads are assumed uniform):
   flops       model FLOPs (runtime.metrics.flops_per_token x tokens / world), split into dense
-              matmuls, routed experts and attention
+              matmuls, routed experts and attention; hardware FLOPs add what activation checkpointing
+              reruns in backward (benchmarks/lib/block_flops.py: the forward share of 6N is 2N, and of
+              the attention's 3 S (qk + v) per head S (qk + v), the same 1/3 by convention): "full"
+              every block's forward (not the embedding, final norm or output head), "selective" the
+              attention's (projections + SDPA) and the routed experts' (parallel/activation_checkpoint.py)
   fsdp        per FSDP unit (parallel/fsdp.py: each block's dense part on the dense mesh, each
               GroupedExperts on the expert mesh, the embedding, norm + output head): all-gather in
               forward and again in backward (reshard_after_forward), reduce-scatter of gradients,
@@ -33,8 +37,8 @@ token loads are assumed uniform):
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
-              (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py, measured by
-              benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
+              (interleaved halves: one per half; parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py,
+              measured by benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
 peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
@@ -44,14 +48,18 @@ across nodes) or edp_shard (expert FSDP inside a node, ep across nodes); --compa
 
 Time (device model: benchmarks/lib/device_model.py links; compute rates below, or measured with
 --calibration from benchmarks/gpu_check.py):
+    compute = model FLOPs / rates + recompute, recompute = the rerun FLOPs / rates (time_s["recompute"])
     step = max(compute + ep + cp, all bytes over NVLink, all bytes over the network) + optimizer
            + host_syncs x SYNC_S
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
 CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
-routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if max(compute, ep + cp) (no
-runtime does that); a host sync is charged SYNC_S of idle device.
-MFU = model FLOPs / (step x peak).
+routed experts' matmuls (`exposed_ep_s`) and what `parallel.ep_interleave`'s halves hide behind the
+other half's compute (ep = the idle compute stream of the block's two-stream program,
+benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); --overlap-ep shows the what-if
+max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
+SYNC_S of idle device.
+MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
 with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer; otherwise
@@ -72,7 +80,8 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
-from benchmarks.lib import ep_projection
+from benchmarks.lib import ep_projection, ep_timeline
+from benchmarks.lib.block_flops import RECOMPUTED, block_parts, recompute_flops, seconds
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from benchmarks.lib.fsdp_traffic import (GPUS_PER_NODE, Link, all_gather, all_reduce, fsdp_traffic, fsdp_units,  # noqa: F401
                                          groups, on_wire, peers, unit_shard_numel)
@@ -119,6 +128,26 @@ def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
     return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 
+def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_bytes: int, seq_len: int,
+                     activation_checkpoint: str, device, rates: dict) -> float:
+    """EP seconds on the critical path per step with `parallel.ep_interleave`: the interleaved MoE
+    block's program (benchmarks/lib/ep_timeline.py) with each compute op's seconds from its parts'
+    forward FLOPs (benchmarks/lib/block_flops.py) x the local tokens at their rates, and each
+    all-to-all's from one exchange's bytes per direction (ep_projection.layer_bytes: the dispatch plan,
+    gradients as they cross), each as long as its slower link; x MoE layers x micro-batches."""
+    per_layer = ep_projection.layer_bytes(config, layout, ep_placement(config, layout), local_tokens, act_bytes)
+    comm_s = {name: tuple(max(_link_seconds(Link(*b), device)) for b in directions)
+              for name, directions in per_layer.items()}
+    parts = next(p for p in block_parts(config, seq_len) if "routed" in p)  # every MoE block has the same shapes
+    rerun = RECOMPUTED[activation_checkpoint]
+    ops = ep_timeline.OP_PARTS.items()
+    compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) for op, names in ops},
+                 "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
+                               for op, names in ops}}
+    per_layer_s = ep_timeline.exposed_s(compute_s, comm_s, activation_checkpoint, layout.ep_recompute)
+    return per_layer_s * (config.n_layers - config.n_dense_layers) * micro_batches
+
+
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
                gather: str) -> dict:
     """{"kv": the keys' all-gather forward + reduce-scatter backward, "positions": their all-gather
@@ -157,8 +186,8 @@ def flops_split(config, seq_len: int) -> dict:
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
-    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0),
-    twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
+    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, interleaved 2, fixed
+    capacity 0), twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
     reuses the split sizes read before their call, and reads again those read inside it: the pieces'
     (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
@@ -230,11 +259,17 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     cp_parts = cp_traffic(c, layout, local_tokens, seq, micro, act_bytes, args.cp_gather)
     cp = cp_parts["kv"] + cp_parts["positions"]
     split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
+    recompute = {k: v * tokens / layout.world_size for k, v in recompute_flops(c, seq, checkpointing).items()}
+    recompute_s = sum(v / rates[k] for k, v in recompute.items())  # on the critical path, in backward
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
-               + split["attention"] / rates["attention_bf16"])
+               + split["attention"] / rates["attention_bf16"]) + recompute_s
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
     expert_s = split["experts"] / rates["grouped_mm_bf16"]
-    ep_s, cp_s = ep_seconds(ep_stages, device, expert_s, layout.ep_overlap_chunks), max(_link_seconds(cp, device))
+    if layout.ep_interleave:
+        ep_s = interleaved_ep_s(c, layout, local_tokens, micro, act_bytes, seq, checkpointing, device, rates)
+    else:
+        ep_s = ep_seconds(ep_stages, device, expert_s, layout.ep_overlap_chunks)
+    cp_s = max(_link_seconds(cp, device))
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
@@ -249,12 +284,13 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
         "grad_sync": grad_sync,
         "model_tflop_per_gpu": flops / 1e12, "flops_split_tflop": {k: v / 1e12 for k, v in split.items()},
+        "hardware_tflop_per_gpu": (flops + sum(recompute.values())) / 1e12,
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
         "dispatch": dispatch_knobs(layout), "ep_nodes_per_token": nodes_per_token,
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
-        "time_s": {"compute": compute, "ep": ep_s, "cp": cp_s, "fsdp_nvlink": fsdp_nvlink_s,
-                   "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s, "all_network": network_s,
-                   "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
+        "time_s": {"compute": compute, "recompute": recompute_s, "ep": ep_s, "cp": cp_s,
+                   "fsdp_nvlink": fsdp_nvlink_s, "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s,
+                   "all_network": network_s, "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
         "mfu": flops / (step * device.peak_tflops * 1e12),
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
@@ -376,8 +412,8 @@ def recommend(rows: list[dict], world: int) -> dict:
     return best
 
 
-HEADER = ("world layout                                   dispatch       step s  compute  ep s  cp s fsdpNVL fsdpNET"
-          "   opt s syncs"
+HEADER = ("world layout                                   dispatch       step s  compute recomp  ep s  cp s "
+          "fsdpNVL fsdpNET   opt s syncs"
           "  MFU   fsdp GB in/out-node  ep GB in/out  mem GiB fits")
 
 
@@ -386,7 +422,7 @@ def format_row(r: dict) -> str:
     fsdp_intra = sum(v["intra_gb"] for m in r["fsdp"].values() for v in m.values())
     fsdp_inter = sum(v["inter_gb"] for m in r["fsdp"].values() for v in m.values())
     return (f"{r['world']:5d} {r['layout']:40s} {r['name'].split('+')[-1] if '+' in r['name'] else 'own':14s} "
-            f"{t['step']:7.2f} {t['compute']:8.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
+            f"{t['step']:7.2f} {t['compute']:8.2f} {t['recompute']:6.2f} {t['ep']:5.2f} {t['cp']:5.2f} "
             f"{t['fsdp_nvlink']:7.2f} {t['fsdp_network']:7.2f} {t['optimizer']:7.3f} {r['host_syncs']:5d} "
             f"{r['mfu']:5.1%} {fsdp_intra:9.0f} {fsdp_inter:9.0f} "
             f"{r['ep']['intra_gb']:6.0f} {r['ep']['inter_gb']:6.0f} "
@@ -415,7 +451,9 @@ def parse_args(argv=None):
     p.add_argument("--grad-sync", default=None, choices=("every", "replicas_last", "last"),
                    help="override the config's training.grad_sync (parallel/overlap.py)")
     p.add_argument("--overlap-ep", action="store_true",
-                   help="what-if: EP/CP collectives hidden behind compute (the runtime does not do this yet)")
+                   help="what-if: step = max(compute, EP + CP) instead of their sum: every EP/CP collective hidden "
+                        "behind compute, an upper bound beyond what any runtime path does (ep_overlap_chunks and "
+                        "ep_interleave hide part of it: their rows without this flag)")
     p.add_argument("--compare", default="",
                    help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")

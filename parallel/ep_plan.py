@@ -196,7 +196,7 @@ def host_syncs_per_layer(layout) -> int:
     n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep_dedup_overlap.py), fixed
     capacity 0, two halves 2 (parallel/ep_interleave.py: one count exchange each) (tests/test_ep_dispatch.py,
     tests/test_ep_interleave.py and tests/test_host_syncs.py count them)."""
-    if getattr(layout, "ep_interleave", False):
+    if layout.ep_interleave:
         return 2
     if layout.ep_capacity_factor > 0:
         return 0

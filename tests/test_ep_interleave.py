@@ -98,12 +98,12 @@ def test_step_matches_single_process(results, name):
             assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
 
 
-def _planned(per_rank, name, backward: bool) -> dict[int, tuple[int, int]]:
-    """{rank: (intra, inter) bytes} of the whole-step projection's per-layer EP stages
-    (benchmarks/lib/ep_projection.layer_stages) on the run's own routing (each layer's two halves' routing
-    put back together), summed over the MoE layers."""
-    from benchmarks.lib.ep_projection import layer_stages
-    from parallel.ep_plan import Placement, sent_bytes
+def _planned(per_rank, name) -> dict[int, tuple[int, int]]:
+    """{rank: (intra, inter) bytes} of the whole-step projection's per-layer EP term
+    (benchmarks/lib/ep_projection.layer_link_bytes: forward, what the recompute resends, backward) on the
+    run's own routing (each layer's two halves' routing put back together), summed over the MoE layers."""
+    from benchmarks.lib.ep_projection import layer_link_bytes, layer_stages
+    from parallel.ep_plan import Placement
 
     config, layout = preset("debug"), CASES[name].resolve(WORLD)
     halves = 2 if layout.ep_interleave else 1
@@ -113,25 +113,24 @@ def _planned(per_rank, name, backward: bool) -> dict[int, tuple[int, int]]:
     calls = len(per_rank[0][name]["routing"])
     for layer in range(0, calls, halves):
         routing = [torch.cat(per_rank[r][name]["routing"][layer:layer + halves]) for r in ep_ranks]
-        sent = sent_bytes(layer_stages(config, layout, routing, 4, placement), placement, backward)
+        stages = layer_stages(config, layout, routing, 4, placement)
         for i, r in enumerate(ep_ranks):
-            totals[r][0] += int(sent["intra"][i])
-            totals[r][1] += int(sent["inter"][i])
+            intra, inter = layer_link_bytes(stages, placement, i, CHECKPOINT.get(name, "none"), layout)
+            totals[r][0] += intra
+            totals[r][1] += inter
     return {r: tuple(v) for r, v in totals.items()}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("position")])
 def test_counted_bytes_equal_the_plan(results, name):
-    """Every all-to-all byte, forward and backward, per rank and within/across the two simulated nodes,
-    equals the projection's per-layer EP stages (ep = 8 on all 8 ranks: one ep group). The halves send the
-    direct dispatch's rows plus one more count exchange per layer; with kept exchanges the recompute sends
-    nothing, with "resend" it sends the forward again."""
+    """Every all-to-all byte of the step (forward and backward), per rank and within/across the two
+    simulated nodes, equals the projection's per-layer EP term (ep = 8 on all 8 ranks: one ep group). The
+    halves send the direct dispatch's rows plus one more count exchange per layer; with kept exchanges the
+    recompute sends nothing, with "resend" it sends the forward again."""
     _, per_rank = results
-    for direction in ("forward", "backward"):
-        plan = _planned(per_rank, name, direction == "backward")
-        if direction == "backward" and CHECKPOINT.get(name) and "keep" not in name:
-            plan = {r: tuple(a + b for a, b in zip(v, _planned(per_rank, name, False)[r])) for r, v in plan.items()}
-        assert {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)} == plan, direction
+    counted = {rank: tuple(a + b for a, b in zip(by_case[name]["forward"], by_case[name]["backward"]))
+               for rank, by_case in enumerate(per_rank)}
+    assert counted == _planned(per_rank, name)
 
 
 def test_halves_send_the_direct_rows_and_one_more_count_exchange(results):

@@ -193,3 +193,78 @@ def test_command_line_on_the_debug_config(tmp_path):
     syncs = {r["name"]: r["host_syncs"] for r in variants}
     assert syncs["config+dedup"] == 1 + 2 * 2 and syncs["config+capacity1.25"] == 1 and syncs["config+overlap2"] == 3
     assert sum(1 for r in out["rows"] if r.get("recommended")) == 1
+
+
+def _debug_row(checkpointing="none", rates=None, **knobs):
+    """The projection of debug_gqa on 8 ranks (dense 4 x cp 2, ep 8), `knobs` replacing layout fields."""
+    import dataclasses
+
+    job = load_config(ARGS + ["--model.preset=debug_gqa", f"--training.activation_checkpoint={checkpointing}"])
+    device = device_model("h200")
+    layout = dataclasses.replace(job.layout(8), **knobs)
+    return job, project_layout(job, layout, device, rates or compute_rates(device, None),
+                               parse_args(["--config", "-"]), optimizer=False)
+
+
+def test_checkpointing_adds_the_recomputed_forward_to_the_compute():
+    """Hardware FLOPs: "full" reruns every block's forward in backward (2 per active parameter, the SDPA's
+    S (qk + v) per head: 1/3 of 6N and of the attention term), not the embedding or output head;
+    "selective" the attention (projections + SDPA) and the routed experts. Counted here from debug_gqa's
+    shapes, each kind at its own rate; MFU stays model FLOPs / (step x peak)."""
+    rates = {"matmul_bf16": 3e14, "grouped_mm_bf16": 2e14, "attention_bf16": 1e14}
+    job, none = _debug_row("none", rates)
+    c, S = job.model, job.data.seq_len
+    attention = 2 * c.dim * c.n_heads * c.head_dim + 2 * c.dim * c.n_kv_heads * c.head_dim  # wq wo, wk wv
+    sdpa = c.n_heads * S * 2 * c.head_dim
+    moe_layers = c.n_layers - c.n_dense_layers
+    routed = moe_layers * 2 * c.n_activated_experts * 3 * c.dim * c.moe_inter_dim
+    others = 2 * (c.n_dense_layers * 3 * c.dim * c.inter_dim + c.n_layers * 2 * c.dim  # dense FFN, norms
+                  + moe_layers * (c.dim * c.n_routed_experts + c.n_shared_experts * 3 * c.dim * c.moe_inter_dim))
+    per_rank = job.data.tokens_per_step() / 8
+    want = {"selective": (c.n_layers * 2 * attention / rates["matmul_bf16"] + routed / rates["grouped_mm_bf16"]
+                          + c.n_layers * sdpa / rates["attention_bf16"]) * per_rank}
+    want["full"] = want["selective"] + others / rates["matmul_bf16"] * per_rank
+    assert none["time_s"]["recompute"] == 0
+    for mode in ("selective", "full"):
+        _, row = _debug_row(mode, rates)
+        assert row["time_s"]["compute"] - none["time_s"]["compute"] == pytest.approx(want[mode], rel=1e-12)
+        assert row["time_s"]["recompute"] == pytest.approx(want[mode], rel=1e-12)
+        assert row["model_tflop_per_gpu"] == none["model_tflop_per_gpu"] < row["hardware_tflop_per_gpu"]
+        assert row["mfu"] == pytest.approx(row["model_tflop_per_gpu"] * 1e12 / (row["time_s"]["step"] * 989e12))
+
+
+def test_blocks_forward_is_a_third_of_the_model_flops_without_the_head():
+    from benchmarks.lib.block_flops import block_parts
+    from models.presets import PRESETS
+    from runtime.metrics import flops_per_token
+
+    for name, seq in [("debug", 128), ("debug_gqa", 32), ("kimi_k2_1t", 4096)]:
+        c = PRESETS[name]
+        blocks = sum(sum(parts.values()) for parts in block_parts(c, seq))
+        assert 3 * blocks + 6 * (c.vocab_size * c.dim + c.dim) == flops_per_token(c, seq)  # + output head, norm
+
+
+def test_interleave_sends_the_direct_bytes_with_less_exposed():
+    """The interleaved halves send the direct dispatch's rows (each half half of them) and one more count
+    exchange per layer (each half its own: L int64 per peer); their exposure comes from
+    benchmarks/lib/ep_timeline.py, at most the direct dispatch's serial all-to-alls."""
+    import dataclasses
+
+    from benchmarks.lib.ep_projection import ep_bytes
+    from benchmarks.step_projection import ep_placement
+
+    for checkpointing in ("none", "full"):
+        job, direct = _debug_row(checkpointing)
+        _, interleaved = _debug_row(checkpointing, ep_interleave=True)
+        c, layout = job.model, job.layout(8)
+        local_tokens = job.data.tokens_per_step() // 8  # one micro-batch, fp32 activations
+        stages = {on: ep_bytes(c, lay, ep_placement(c, lay), local_tokens, 1, 4, checkpointing)[0]
+                  for on, lay in ((False, layout), (True, dataclasses.replace(layout, ep_interleave=True)))}
+        for stage in ("dispatch", "combine"):
+            assert stages[True][stage] == stages[False][stage]
+        assert stages[True]["counts"] == tuple(2 * b for b in stages[False]["counts"])
+        counts_gb = sum(stages[False]["counts"]) / 1e9  # one more exchange per layer (and recompute)
+        assert sum(interleaved["ep"].values()) == pytest.approx(sum(direct["ep"].values()) + counts_gb, rel=1e-12)
+        assert 0 < interleaved["time_s"]["ep"] < direct["time_s"]["ep"]
+        passes = 2 if checkpointing == "full" else 1  # full checkpointing reads the split sizes again
+        assert interleaved["host_syncs"] == 1 + (c.n_layers - c.n_dense_layers) * 2 * passes

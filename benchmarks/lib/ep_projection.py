@@ -5,7 +5,8 @@ benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch comb
 with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
 byte is one the runtime would send for that routing (tests/test_ep_dispatch.py checks it to the byte
 on real 8-rank runs); the host syncs come from parallel/ep_plan.host_syncs_per_layer; the overlap is
-modelled as the runtime does it (`exposed_ep_s`).
+modelled as the runtime does it (`exposed_ep_s`; the interleaved halves: benchmarks/lib/ep_timeline.py on
+`layer_bytes`).
 """
 
 import dataclasses
@@ -54,45 +55,59 @@ def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
     from parallel.ep_plan import layer_traffic
 
     dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
-    # two halves (parallel/ep_interleave.py) exchange counts twice: the bytes of two pieces' one exchange
-    chunks = 2 if getattr(layout, "ep_interleave", False) else layout.ep_overlap_chunks
     return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
-                         capacity_factor=layout.ep_capacity_factor, chunks=chunks)
+                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
 
 
 def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, act_bytes: int,
              activation_checkpoint: str = "none") -> tuple[dict, float]:
     """({stage name: (intra-node, inter-node bytes one rank sends per step)}, distinct nodes per token):
-    the dispatch plan on the model's own routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep
-    ranks, token-proportional stages scaled to `local_tokens` (the count exchanges not); forward,
-    backward, and what activation checkpointing reruns (full: the layer's forward; selective: the
-    experts' dispatch and combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py),
-    every MoE layer and micro-batch."""
-    from parallel.ep_plan import distinct_nodes_per_token, sent_bytes
+    `layer_bytes` of each exchange, forward (as often as `forward_passes` says: once, plus what
+    activation checkpointing reruns: full, the layer's forward; selective, the experts' dispatch and
+    combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py) and backward, every MoE
+    layer and micro-batch."""
+    from parallel.ep_plan import distinct_nodes_per_token
 
-    routing = sampled_routing(config, layout.ep)
-    stages = layer_stages(config, layout, routing, act_bytes, placement)
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
-    for stage in stages:
-        k = (1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS) * n
-        forward = forward_passes(stage.name, activation_checkpoint, layout)
-        sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
-        out[stage.name] = tuple(k * (forward * sent[0][link].double().mean().item()
-                                     + sent[1][link].double().mean().item()) for link in ("intra", "inter"))
+    for name, (forward, backward) in layer_bytes(config, layout, placement, local_tokens, act_bytes).items():
+        passes = forward_passes(name, activation_checkpoint, layout)
+        out[name] = tuple(n * (passes * f + b) for f, b in zip(forward, backward))
+    routing = sampled_routing(config, layout.ep)
     nodes = float(torch.cat([distinct_nodes_per_token(r, placement) for r in routing]).float().mean())
     return out, nodes
+
+
+def layer_bytes(config, layout, placement, local_tokens: int, act_bytes: int) -> dict:
+    """{stage name: ((intra, inter) forward, (intra, inter) backward)}: bytes one rank sends in one
+    exchange of each all-to-all of one MoE layer and micro-batch: the dispatch plan on the model's own
+    routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
+    scaled to `local_tokens` (the count exchanges not); backward: the gradient rows
+    (parallel/ep_plan.sent_bytes(..., backward=True)), none for integer stages."""
+    from parallel.ep_plan import sent_bytes
+
+    routing = sampled_routing(config, layout.ep)
+    out = {}
+    for stage in layer_stages(config, layout, routing, act_bytes, placement):
+        k = 1.0 if stage.name in INTEGER_STAGES else local_tokens / SAMPLE_TOKENS
+        sent = [sent_bytes([stage], placement, backward) for backward in (False, True)]
+        out[stage.name] = tuple(tuple(k * s[link].double().mean().item() for link in ("intra", "inter"))
+                                for s in sent)
+    return out
 
 
 def forward_passes(stage_name: str, activation_checkpoint: str, layout) -> int:
     """How often a stage's forward all-to-all runs per MoE layer and micro-batch: once, plus what
     activation checkpointing reruns (full: the layer's forward; selective: the all-to-alls issued inside
     the experts' call, `expert_call_stages`); none with `parallel.ep_recompute = "keep"`, whose recompute
-    replays what the forward received (parallel/ep_keep.py). Its backward (differentiable stages) runs once."""
+    replays what the forward received (parallel/ep_keep.py). Its backward (differentiable stages) runs once.
+    With `parallel.ep_interleave` each half of the micro-batch exchanges its own counts: twice per pass."""
+    per_pass = 2 if layout.ep_interleave and stage_name == "counts" else 1
     if layout.ep_recompute == "keep":
-        return 1
+        return per_pass
     reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
-    return 1 + reruns + (activation_checkpoint == "selective" and stage_name in expert_call_stages(layout))
+    selective = activation_checkpoint == "selective" and stage_name in expert_call_stages(layout)
+    return per_pass * (1 + reruns + selective)
 
 
 def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint: str, layout) -> tuple[int, int]:
@@ -134,27 +149,30 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
 
 def dispatch_knobs(layout) -> dict:
     return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
-                                            "ep_recompute")}
+                                            "ep_recompute", "ep_interleave")}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute", ep_recompute="resend")
+                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_interleave=False)
 
 
 def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
     """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others), ep > 1 only; under activation checkpointing each also with ep_recompute = "keep"."""
+    the others: the interleaved halves not with dedup, capacity or pieces), ep > 1 only; under activation
+    checkpointing each also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
     fp8, dedup, overlap = {"ep_dispatch_dtype": "float8_e4m3"}, {"ep_dedup": True}, {"ep_overlap_chunks": 2}
+    interleave = {"ep_interleave": True}
     combos = {"direct": {}, "fp8": fp8, "overlap2": overlap, "overlap2_fp8": overlap | fp8,
               "dedup": dedup, "dedup_overlap2": dedup | overlap, "dedup_fp8": dedup | fp8,
               "dedup_overlap2_fp8": dedup | overlap | fp8,
               "capacity1.25": {"ep_capacity_factor": 1.25},
-              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8}
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8,
+              "interleave": interleave, "interleave_fp8": interleave | fp8}
     if activation_checkpoint != "none":
         combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
@@ -164,6 +182,7 @@ def describe_knobs(knobs: dict) -> str:
     parts = [("dedup" if knobs["ep_dedup"] else ""),
              (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
              (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
+             ("interleaved halves" if knobs.get("ep_interleave") else ""),
              ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
              ("recompute keeps" if knobs.get("ep_recompute") == "keep" else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"
