@@ -35,8 +35,9 @@ def check_environment(config) -> None:
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
-    if config.parallel.ep_dispatch_dtype != "compute":
-        check_fp8_device(config.training.device_type())  # parallel.ep_dispatch_dtype: float8 on this device
+    for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
+        if getattr(config.parallel, key) != "compute":
+            check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device
     check_run_dir(config.run.dir)
     check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)

@@ -39,8 +39,9 @@ def check_environment(config) -> None:
     that only post-training reads (ValueError naming the key otherwise)."""
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
-    if config.parallel.ep_dispatch_dtype != "compute":
-        check_fp8_device(config.training.device_type())  # parallel.ep_dispatch_dtype: float8 on this device
+    for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
+        if getattr(config.parallel, key) != "compute":
+            check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device
     if config.data.source == "rollouts":
         raise ValueError("data.source='rollouts' is post-training data: run launch/posttrain.py")
     default = PosttrainConfig()

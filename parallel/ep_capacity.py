@@ -52,7 +52,7 @@ def _keep_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
 
 def capacity_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """Drop-in GroupedExperts.forward (module docstring); same inputs and output as the direct path."""
-    from parallel.expert_parallel import EXPERT_WEIGHTS, _all_to_all, _local, dispatch_rows
+    from parallel.expert_parallel import EXPERT_WEIGHTS, _all_to_all, _local, combine_grad_fp8, dispatch_rows
 
     w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
     group = self.ep_group
@@ -71,7 +71,7 @@ def capacity_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.
     sizes_L = sizes_L[:L].clone()
     sizes_L[-1] += sizes_L.new_full((), P * C) - sizes_L.sum()  # empty slots join the last group
     y_SD = swiglu_experts(x_SD[order_S], w13, w2, sizes_L)[torch.argsort(order_S)]
-    back_SD = _all_to_all(y_SD, splits, splits, group)  # communication: combine (fixed splits)
+    back_SD = _all_to_all(y_SD, splits, splits, group, combine_grad_fp8(self))  # communication: combine (fixed splits)
     return torch.cat([back_SD, back_SD.new_zeros(1, back_SD.shape[1])]).index_select(0, slot_N)
 
 

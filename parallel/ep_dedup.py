@@ -16,9 +16,10 @@ one MoE layer, on each rank (the plan: parallel/ep_plan.py, "dedup"):
      pair goes back to the source (the only combine rows that cross nodes), which sums its nodes'
      rows per token.
 Every step is differentiable (index ops and autograd all-to-alls), so the backward mirrors it: the
-gradient of a pair's row crosses nodes once each way. Exact up to the summation order of the K
-weighted outputs (node partial sums, then across nodes): fp32 results equal the direct path's to a
-few ulps (tests/test_ep_dispatch.py).
+gradient of a pair's row crosses nodes once each way (under parallel.ep_combine_grad_dtype the node
+combine's and the fan-in's gradients as FP8 rows, parallel/ep_fp8.py: rounded twice). Exact up to the
+summation order of the K weighted outputs (node partial sums, then across nodes): fp32 results equal
+the direct path's to a few ulps (tests/test_ep_dispatch.py).
 
 A GPU backend (DeepEP's internode dispatch/combine, or a symmetric-memory dispatcher) slots in here:
 it replaces steps 1-4 behind the same `routed(x_TD, weights_TK, experts_TK) -> out_TD` signature.
@@ -38,7 +39,7 @@ from parallel.ep_plan import Placement, expert_nodes, index_tensor, pair_order, 
 def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
     """Drop-in MoE.routed under `ep_dedup` (module docstring). `self.ep_placement`, `self.ep_group` and
     `self.ep_rank` are set by apply_expert_parallel."""
-    from parallel.expert_parallel import _all_to_all, dispatch_rows
+    from parallel.expert_parallel import _all_to_all, combine_grad_fp8, dispatch_rows
 
     placement, group = self.ep_placement, self.ep_group
     T, K = experts_TK.shape
@@ -56,7 +57,8 @@ def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK:
     w_RK = _all_to_all(w_QK, recv_splits, send_splits, group)
     ids_RK = _all_to_all(ids_QK, recv_splits, send_splits, group)
     partial_RD = _fan_out(self, x_RD, w_RK, ids_RK, n_copies)  # communication: inside the node
-    back_QD = _all_to_all(partial_RD, send_splits, recv_splits, group)  # communication: node hop (combine)
+    back_QD = _all_to_all(partial_RD, send_splits, recv_splits, group,
+                          combine_grad_fp8(self))  # communication: node hop (combine)
     return back_QD.new_zeros(T, back_QD.shape[1]).index_add(0, token_Q, back_QD)
 
 

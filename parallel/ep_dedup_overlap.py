@@ -16,7 +16,8 @@ experts once per micro-batch, not once per piece). For one MoE layer, on each ra
      count exchange and host sync, dispatch, grouped matmul, combine; parallel/expert_parallel.py),
      weights and sums them per pair, and the node combine(i) starts; then the combines are waited for.
      The async all-to-alls are parallel/ep_overlap.py's start/wait autograd pair, so the backward
-     mirrors it: piece i+1's gradient node hop is in flight while piece i's gradients compute.
+     mirrors it: piece i+1's gradient node hop is in flight while piece i's gradients compute (the node
+     combine's and the fan-in's gradients as FP8 rows under parallel.ep_combine_grad_dtype).
 Host syncs per layer: 1 (step 2) + n (each piece's fan-out counts, known only once the piece's ids
 arrive; on a GPU the next piece's node hop is already queued, so it stays in flight during the wait).
 Exact: each pair's row depends on its own token only, and the weight gradients sum the same products

@@ -16,7 +16,9 @@ expert, out in the same order), so FSDP gathers the experts once per micro-batch
      first, so piece i+1's gradient all-to-all is in flight while piece i's matmul gradients run.
 Under parallel.ep_dispatch_dtype = "float8_e4m3" each piece's dispatch crosses as FP8 rows (parallel/ep_fp8.py:
 encoded at the start, decoded at the wait; the gradient in the compute dtype), so the start node returns
-an empty link tensor and the rows travel in the box. Under parallel.ep_recompute = "keep" a recompute
+an empty link tensor and the rows travel in the box. Under parallel.ep_combine_grad_dtype = "float8_e4m3"
+each piece's combine gradient crosses as FP8 rows (box["grad_fp8"]: encoded by the wait node's backward,
+decoded by the start node's). Under parallel.ep_recompute = "keep" a recompute
 replays the kept receive buffers and issues nothing (parallel/ep_keep.py).
 Exact: each copy's output depends on its own row only, and the weight gradients sum the same
 products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). `ep_timeline`, when a
@@ -123,10 +125,11 @@ def _mark(self, event: str, piece: int) -> None:
 
 
 def _start(self, name, piece, x_MD, out_splits, in_splits, group):
-    """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype);
-    returns (autograd link, handle box) for `_wait`."""
+    """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype, the
+    combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `_wait`."""
     fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
     box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8}
+    box["grad_fp8"] = name == "combine" and getattr(self, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
     link = _Start.apply(x_MD, out_splits, in_splits, group, box)
     return link, box
 
@@ -139,8 +142,8 @@ def _wait(self, name, piece, link, box):
 class _Start(torch.autograd.Function):
     """Forward: issue the all-to-all (async) into a new buffer (in the box) and return an empty link
     tensor that ties `_Wait` to this node. Backward: wait for the gradient's all-to-all that
-    `_Wait.backward` issued, and return its result (in x's dtype: FP8 is the forward's wire format
-    only, as in parallel/ep_fp8.py)."""
+    `_Wait.backward` issued, and return its result in the gradient's dtype (decoded from FP8 rows when
+    box["grad_fp8"]; a dispatch's FP8 is its forward's wire format only, as in parallel/ep_fp8.py)."""
 
     @staticmethod
     def forward(ctx, x_MD, out_splits, in_splits, group, box):
@@ -164,13 +167,15 @@ class _Start(torch.autograd.Function):
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]
-        return ctx.box.pop("grad_in"), None, None, None, None
+        grad_in = ctx.box.pop("grad_in")
+        grad_in = decode(grad_in, ctx.box["grad_dtype"]) if ctx.box["grad_fp8"] else grad_in
+        return grad_in, None, None, None, None
 
 
 class _Wait(torch.autograd.Function):
     """Forward: wait for the all-to-all `_Start` issued; its rows (decoded from FP8 when they crossed so).
-    Backward: issue the gradient's all-to-all (async) back along the rows' way; `_Start.backward`
-    waits for it."""
+    Backward: issue the gradient's all-to-all (async) back along the rows' way (FP8 rows when
+    box["grad_fp8"]); `_Start.backward` waits for it."""
 
     @staticmethod
     def forward(ctx, link, box):
@@ -185,9 +190,11 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         out_splits, in_splits = ctx.box["splits"]
-        ctx.box["grad_in"] = grad_RD.new_empty((sum(in_splits), *grad_RD.shape[1:]))
         ctx.box["mark"]("grad_start")
-        ctx.box["grad_source"] = grad_RD.contiguous()  # alive until the wait
+        ctx.box["grad_dtype"] = grad_RD.dtype
+        source = encode(grad_RD) if ctx.box["grad_fp8"] else grad_RD.contiguous()
+        ctx.box["grad_source"] = source  # alive until the wait
+        ctx.box["grad_in"] = source.new_empty((sum(in_splits), *source.shape[1:]))
         ctx.box["grad_work"] = dist.all_to_all_single(ctx.box["grad_in"], ctx.box["grad_source"], in_splits,
                                                       out_splits, group=ctx.box["group"], async_op=True)
         return grad_RD.new_empty(0), None  # the link's gradient: `_Start.backward` returns grad_in

@@ -19,7 +19,8 @@ Nodes are `ranks_per_node` consecutive global ranks (parallel.ranks_per_node).
 Stages of one MoE layer's forward (`layer_traffic`): each is one all-to-all over the ep group, given
 as rows[src, dst] (ep indices, self included) and the bytes of one row. The combine of each dispatch
 stage is its transpose; the backward sends each differentiable stage's gradient the opposite way
-(same bytes), integer stages are not repeated.
+(same rows; bytes per row `Stage.grad_row_bytes` where the gradient crosses in another dtype than the
+forward's rows: FP8 dispatch, FP8 combine gradient), integer stages are not repeated.
 
 Shape letters: T tokens of one rank, K top-k, E experts, L experts per ep rank, P ep ranks,
 N nodes spanned by the ep group, Q (token, node) pairs.
@@ -114,12 +115,12 @@ def distinct_nodes_per_token(experts_TK: torch.Tensor, placement: Placement) -> 
 @dataclass(frozen=True)
 class Stage:
     """One all-to-all: rows[src, dst] over ep indices (self included), `row_bytes` each;
-    `backward`: its gradient crosses back in backward (same bytes)."""
+    `backward`: its gradient crosses back in backward (same rows, `grad_row_bytes` each when given)."""
     name: str
     rows: torch.Tensor  # int64 [P, P]
     row_bytes: int
     backward: bool
-    grad_row_bytes: int | None = None  # bytes of one gradient row when not row_bytes (FP8 dispatch: compute dtype)
+    grad_row_bytes: int | None = None  # bytes of one gradient row when not row_bytes (FP8 dispatch; FP8 combine gradient)
 
     def bytes_PP(self, backward: bool = False) -> torch.Tensor:
         return self.rows * (self.grad_row_bytes or self.row_bytes if backward else self.row_bytes)
@@ -133,27 +134,30 @@ def capacity_slots(copies: int, n_ranks: int, factor: float) -> int:
 
 def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim: int, act_bytes: int,
                   dedup: bool, dispatch_bytes: int | None = None, capacity_factor: float = 0.0,
-                  chunks: int = 1) -> list[Stage]:
+                  chunks: int = 1, combine_grad_bytes: int | None = None) -> list[Stage]:
     """Every all-to-all of one MoE layer's forward, given each ep rank's routing (experts_TK per ep
     index). `dispatch_bytes`: bytes of one dispatched row when it crosses in another dtype than the
     compute dtype (low-precision dispatch: values plus their scale); the combine uses act_bytes.
+    `combine_grad_bytes`: bytes of one row of a combine's gradient when not dim x act_bytes
+    (parallel.ep_combine_grad_dtype; with dedup both the fan-in's and the node combine's).
     `capacity_factor` > 0: the fixed-capacity dispatch (C rows to every peer, their expert ids);
     `chunks` > 1: the overlapped dispatch (parallel/ep_overlap.py: the same rows in `chunks` pieces,
     one count exchange of chunks x L ints per peer; with dedup, parallel/ep_dedup_overlap.py: the node
     hop's counts per piece, and each piece's fan-out exchanging L ints per peer)."""
     P, L, K = placement.size, placement.local_experts, experts_by_rank[0].shape[1]
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
+    combine = functools.partial(Stage, row_bytes=dim * act_bytes, backward=True, grad_row_bytes=combine_grad_bytes)
     if capacity_factor > 0:
         slots = torch.full((P, P), capacity_slots(experts_by_rank[0].numel(), P, capacity_factor), dtype=torch.int64)
         return [Stage("dispatch", slots, dispatch_bytes, True, dim * act_bytes),
                 Stage("slot_ids", slots, ID_BYTES, False),
-                Stage("combine", slots, dim * act_bytes, True)]
+                combine("combine", slots)]
     counts = torch.full((P, P), L * chunks, dtype=torch.int64)  # the per-expert count exchange
     if not dedup:
         copies = torch.stack([copies_per_rank(e, placement) for e in experts_by_rank])
         return [Stage("counts", counts, ID_BYTES, False),
                 Stage("dispatch", copies, dispatch_bytes, True, dim * act_bytes),
-                Stage("combine", copies.T.contiguous(), dim * act_bytes, True)]
+                combine("combine", copies.T.contiguous())]
     pairs, fan = torch.zeros(P, P, dtype=torch.int64), torch.zeros(P, P, dtype=torch.int64)
     for src, experts_TK in enumerate(experts_by_rank):
         gateway_N = torch.tensor(placement.gateway(src))
@@ -170,8 +174,8 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
             Stage("node_ids", pairs, K * ID_BYTES, False),
             Stage("counts", counts, ID_BYTES, False),
             Stage("fan_out", fan, dispatch_bytes, True, dim * act_bytes),
-            Stage("fan_in", fan.T.contiguous(), dim * act_bytes, True),
-            Stage("node_combine", pairs.T.contiguous(), dim * act_bytes, True)]
+            combine("fan_in", fan.T.contiguous()),
+            combine("node_combine", pairs.T.contiguous())]
 
 
 def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False) -> dict:

@@ -19,8 +19,8 @@ all ranks reduce the same gradients.
 Opt-in dispatch variants (`[parallel]` knobs, docs/expert_parallel.md), swapped in by
 `apply_expert_parallel`: node-deduplicated (parallel/ep_dedup.py), fixed capacity without host sync
 (parallel/ep_capacity.py), chunked overlap (parallel/ep_overlap.py; with dedup, its node hop pipelined:
-parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py), recompute without resending (parallel/ep_keep.py),
-two halves per block interleaved (parallel/ep_interleave.py);
+parallel/ep_dedup_overlap.py), FP8 rows (parallel/ep_fp8.py; the combine's gradient too: `combine_grad_fp8`),
+recompute without resending (parallel/ep_keep.py), two halves per block interleaved (parallel/ep_interleave.py);
 parallel/ep_plan.py is the plan they and the projection share.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
@@ -51,15 +51,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
     layout. Each rank keeps its own slice of the (identical) full weights: no communication."""
     if layout is not None and layout.ep_dedup:
         _apply_dedup(model, ep_mesh, layout.ranks_per_node)
-    if layout is not None and layout.ep_dispatch_dtype != "compute":
-        from parallel.ep_fp8 import check_fp8_device
-
-        check_fp8_device(ep_mesh.device_type)
-        from models.moe import MoE
-
-        for module in model.modules():
-            if isinstance(module, (MoE, GroupedExperts)):
-                module.ep_dispatch_dtype = layout.ep_dispatch_dtype  # read by `dispatch_rows`
+    for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
+        if layout is not None and getattr(layout, key) != "compute":
+            _set_fp8(model, ep_mesh, key, getattr(layout, key))  # read by `dispatch_rows` / `combine_grad_fp8`
     if layout is not None and layout.ep_recompute == "keep":
         from models.moe import MoE
 
@@ -91,6 +85,17 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
         from parallel.ep_interleave import apply_interleave
 
         apply_interleave(model)
+
+
+def _set_fp8(model: nn.Module, ep_mesh: DeviceMesh, key: str, value: str) -> None:
+    """Every MoE and GroupedExperts gets attribute `key` (parallel.ep_dispatch_dtype or ep_combine_grad_dtype)."""
+    from models.moe import MoE
+    from parallel.ep_fp8 import check_fp8_device
+
+    check_fp8_device(ep_mesh.device_type, key)
+    for module in model.modules():
+        if isinstance(module, (MoE, GroupedExperts)):
+            setattr(module, key, value)
 
 
 def _apply_dedup(model: nn.Module, ep_mesh: DeviceMesh, ranks_per_node: int) -> None:
@@ -171,7 +176,7 @@ def expert_parallel_forward(self: GroupedExperts, x_TD: torch.Tensor, counts) ->
     order_R = torch.argsort(expert_of_row_R, stable=True)
     y_sorted_RD = swiglu_experts(x_RD[order_R], w13, w2, recv_counts_PL.sum(0))
     y_RD = y_sorted_RD[torch.argsort(order_R)]
-    return _all_to_all(y_RD, send_splits, recv_splits, self.ep_group)  # communication: combine
+    return _all_to_all(y_RD, send_splits, recv_splits, self.ep_group, combine_grad_fp8(self))  # communication: combine
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -189,9 +194,16 @@ def dispatch_rows(module: nn.Module, x_ND: torch.Tensor, out_splits, in_splits, 
     return _all_to_all(x_ND, out_splits, in_splits, group)
 
 
-def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """All-to-all of rows with uneven splits: in_splits[p] rows go to rank p, out_splits[p] come from it."""
-    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
+def combine_grad_fp8(module: nn.Module) -> bool:
+    """Whether a combine's gradient crosses as FP8 rows (`parallel.ep_combine_grad_dtype`, parallel/ep_fp8.py)."""
+    return getattr(module, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
+
+
+def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                grad_fp8: bool = False) -> torch.Tensor:
+    """All-to-all of rows with uneven splits: in_splits[p] rows go to rank p, out_splits[p] come from it.
+    `grad_fp8`: the backward sends the gradient as FP8 rows (a combine under ep_combine_grad_dtype)."""
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group, grad_fp8)
 
 
 def receive_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -202,16 +214,20 @@ def receive_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]
 
 
 class _AllToAll(torch.autograd.Function):
-    """Autograd all-to-all; the backward sends each row's gradient back the way the row came."""
+    """Autograd all-to-all; the backward sends each row's gradient back the way the row came (as FP8
+    rows, encoded before and decoded after, when `grad_fp8`: parallel/ep_fp8.py)."""
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x_ND, out_splits, in_splits, group, grad_fp8=False):
+        ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, grad_fp8
         return kept("rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep_keep.py
 
     @staticmethod
     def backward(ctx, grad_MD):
         out_splits, in_splits = ctx.splits
-        grad_ND = grad_MD.new_empty((sum(in_splits), *grad_MD.shape[1:]))
-        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_ND, None, None, None
+        if not ctx.grad_fp8:
+            return receive_rows(grad_MD, in_splits, out_splits, ctx.group), None, None, None, None
+        from parallel.ep_fp8 import decode, encode
+
+        packed_NB = receive_rows(encode(grad_MD), in_splits, out_splits, ctx.group)  # FP8 gradient rows
+        return decode(packed_NB, grad_MD.dtype), None, None, None, None

@@ -50,10 +50,17 @@ CASES["headline_overlap_selective_keep"] = ParallelConfig(**HEADLINE, ep_overlap
 CASES["headline_dedup_overlap_selective_resend"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
 CASES["folded_dedup_fp8_full_keep"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3",
                                                      ep_recompute="keep")
+FP8G = {"ep_combine_grad_dtype": "float8_e4m3"}  # the combine's gradient as FP8 rows (twin: the name without _fp8g)
+CASES["headline_direct_fp8g"] = ParallelConfig(**HEADLINE, **FP8G)
+CASES["headline_overlap_fp8g"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, **FP8G)
+CASES["headline_capacity_fp8g"] = ParallelConfig(**HEADLINE, ep_capacity_factor=8.0, **FP8G)
+CASES["folded_dedup_fp8g"] = ParallelConfig(**FOLDED, ep_dedup=True, **FP8G)
+# (dedup + overlap would run no other combine code: parallel/ep_overlap.py's box, as headline_overlap_fp8g, and the
+# direct combine for the fan-in, as folded_dedup_fp8g)
 # activation checkpointing of the cases named ..._full_... / ..._selective_... (the others: none)
 CHECKPOINT = {name: mode for name in CASES for mode in ("full", "selective") if f"_{mode}_" in name}
 INEXACT = ("headline_dropping", "headline_fp8", "headline_overlap_fp8", "folded_dedup_fp8", "folded_dedup_overlap_fp8",
-           "folded_dedup_fp8_full_keep")
+           "folded_dedup_fp8_full_keep", *(name for name in CASES if name.endswith("_fp8g")))
 
 
 # -- the plan against plain loops (one process)
@@ -110,6 +117,9 @@ def test_gateway_is_self_on_own_node_and_one_per_node():
      "parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none'"),
     (["--parallel.ep_recompute=keep", "--training.activation_checkpoint=full", "--parallel.ep=1"], 8,
      "parallel.ep_recompute='keep' has no effect with parallel.ep=1"),
+    (["--parallel.ep_combine_grad_dtype=float8_e4m3", "--parallel.ep=1"], 8,
+     "parallel.ep_combine_grad_dtype='float8_e4m3' has no effect with parallel.ep=1"),
+    (["--parallel.ep_combine_grad_dtype=bfloat16"], 8, "parallel.ep_combine_grad_dtype"),
     (["--parallel.ep_dedup=true", "--parallel.ranks_per_node=3"], 8,
      "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
 ])
@@ -397,16 +407,41 @@ def test_overlap_keeps_a_piece_in_flight_while_another_computes(results):
 
 
 @pytest.mark.parametrize("overlapped, plain", [("headline_overlap_fp8", "headline_fp8"),
-                                                ("folded_dedup_overlap_fp8", "folded_dedup_fp8")])
+                                                ("folded_dedup_overlap_fp8", "folded_dedup_fp8"),
+                                                ("headline_overlap_fp8g", "headline_direct_fp8g")])
 def test_overlap_with_fp8_equals_fp8_without_overlap(results, overlapped, plain):
-    """FP8 rows are quantized per token, so cutting the copies into pieces changes no value: loss and
-    gradient norm equal the unpipelined FP8 dispatch's (fp32 tolerances: only the summation order of
-    the expert weight gradients differs)."""
+    """FP8 rows (dispatch, or combine gradient) are quantized per token, so cutting the copies into pieces
+    changes no value: loss and gradient norm equal the unpipelined FP8 path's (fp32 tolerances: only the
+    summation order of the expert weight gradients differs)."""
     _, per_rank = results
     for by_case in per_rank:
         assert by_case[overlapped]["loss"] == pytest.approx(by_case[plain]["loss"], rel=NORM_RTOL)
         assert by_case[overlapped]["norm"] == pytest.approx(by_case[plain]["norm"], rel=NORM_RTOL)
-        assert by_case[overlapped]["loss"] != by_case["headline_direct"]["loss"]  # the FP8 path ran
+        assert by_case[overlapped]["norm"] != by_case["headline_direct"]["norm"]  # the FP8 path ran
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("_fp8g")])
+def test_fp8_combine_gradient_changes_only_the_backward(results, name):
+    """parallel.ep_combine_grad_dtype against its twin (the case without _fp8g), every rank: the forward
+    (routing, loss, every forward all-to-all byte) is the twin's; in backward every combine's gradient
+    row (direct/capacity: "combine"; dedup: "fan_in" and "node_combine") crosses as D + 4 bytes instead
+    of 4 D (fp32 here; bf16's 2 D: about half), so the counted backward bytes are the twin's less
+    exactly the plan's saving on those stages, in-node and across nodes; the gradient norm moves (the
+    FP8 path ran) by less than e4m3's largest relative rounding of one value (2^-4)."""
+    _, per_rank = results
+    twin, D = name.removesuffix("_fp8g"), preset("debug").dim
+    combines = ("combine", "fan_in", "node_combine")
+    fp8, full = (planned_bytes(per_rank, n, True, combines) for n in (name, twin))
+    for rank, by_case in enumerate(per_rank):
+        got, want = by_case[name], by_case[twin]
+        assert [torch.equal(a, b) for a, b in zip(got["routing"], want["routing"])] == [True] * len(want["routing"])
+        assert (got["loss"], got["forward"]) == (want["loss"], want["forward"]), rank
+        saved = tuple(a - b for a, b in zip(want["backward"], got["backward"]))
+        assert saved == tuple(f - q for f, q in zip(full[rank], fp8[rank])), rank
+        assert [q * 4 * D for q in fp8[rank]] == [f * (D + 4) for f in full[rank]] and sum(fp8[rank]) > 0, rank
+        assert 0 < abs(got["norm"] - want["norm"]) <= 2 ** -4 * want["norm"], rank
+    print(name, "norm", per_rank[0][name]["norm"], "twin", per_rank[0][twin]["norm"], "backward bytes",
+          sum(sum(r[name]["backward"]) for r in per_rank), "twin", sum(sum(r[twin]["backward"]) for r in per_rank))
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep_recompute == "keep"])
@@ -440,11 +475,11 @@ def test_dedup_overlap_keeps_a_node_hop_in_flight_while_another_piece_fans_out(r
 
 
 def _train_losses(rank, world, variants, steps):
-    """Per variant (param dtype, dispatch dtype): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
+    """Per variant (param dtype, EP knobs): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
     out = {}
-    for name, (param_dtype, dispatch) in variants.items():
+    for name, (param_dtype, knobs) in variants.items():
         model = _model()
-        layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, ep_dispatch_dtype=dispatch).resolve(world)
+        layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, **knobs).resolve(world)
         parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype)
         opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, foreach=False)
         losses = []
@@ -460,18 +495,41 @@ def _train_losses(rank, world, variants, steps):
     return out
 
 
-def test_fp8_dispatch_stays_within_three_bf16_yardsticks_over_20_steps():
+@pytest.fixture(scope="module")
+def trained():
+    """Losses of 20 steps: fp32 and bf16 (the yardstick), FP8 dispatch, FP8 combine gradient (direct and
+    in 2 pieces), all on the same data."""
+    fp8, overlap = {"ep_dispatch_dtype": "float8_e4m3"}, {"ep_overlap_chunks": 2}
+    variants = {"fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {}), "fp8": (torch.float32, fp8),
+                "fp8g": (torch.float32, FP8G), "overlap2_fp8g": (torch.float32, overlap | FP8G)}
+    losses = run_ranks(_train_losses, 2, variants, 20, timeout=300)[0]
+    yardstick = max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"]))
+    return losses, yardstick
+
+
+def test_fp8_dispatch_stays_within_three_bf16_yardsticks_over_20_steps(trained):
     """Yardstick: the largest |bf16 - fp32| loss difference over 20 steps (bf16 compute through FSDP's
     mixed precision). FP8 dispatch in an fp32 run may move the loss by at most 3 of them, and must move
     it (the FP8 path ran)."""
-    variants = {"fp32": (torch.float32, "compute"), "bf16": (torch.bfloat16, "compute"),
-                "fp8": (torch.float32, "float8_e4m3")}
-    losses = run_ranks(_train_losses, 2, variants, 20, timeout=300)[0]
-    yardstick = max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"]))
+    losses, yardstick = trained
     fp8_error = max(abs(a - b) for a, b in zip(losses["fp8"], losses["fp32"]))
     print(f"yardstick {yardstick:.3g}, fp8 dispatch {fp8_error:.3g}, losses fp32 {losses['fp32'][0]:.4f} -> "
           f"{losses['fp32'][-1]:.4f}")
     assert 0 < fp8_error <= 3 * yardstick
+
+
+@pytest.mark.parametrize("name", ["fp8g", "overlap2_fp8g"])
+def test_fp8_combine_gradient_stays_within_three_bf16_yardsticks_over_20_steps(trained, name):
+    """parallel.ep_combine_grad_dtype in an fp32 run: the first step's loss is the fp32 run's (the forward
+    is unchanged: equal, to a few ulps in pieces), later ones move (the rounded gradients update the
+    weights) by at most 3 yardsticks (as the FP8 dispatch)."""
+    losses, yardstick = trained
+    error = max(abs(a - b) for a, b in zip(losses[name], losses["fp32"]))
+    print(f"yardstick {yardstick:.3g}, {name} {error:.3g}")
+    if name == "fp8g":
+        assert losses[name][0] == losses["fp32"][0]
+    assert losses[name][0] == pytest.approx(losses["fp32"][0], rel=NORM_RTOL)
+    assert 0 < error <= 3 * yardstick
 
 
 def test_group_limited_routing_reaches_at_most_topk_group_nodes():
@@ -505,16 +563,17 @@ def test_forward_host_syncs_are_the_plans(results, name):
         assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]
 
 
-def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys):
+@pytest.mark.parametrize("key", ["ep_dispatch_dtype", "ep_combine_grad_dtype"])
+def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys, key):
     """Before any process group: a CUDA device of capability 8.0 (A100) has no float8."""
     from launch.pretrain import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert main(["--training.device=cuda", "--parallel.ep=2", "--parallel.ep_dispatch_dtype=float8_e4m3"]) == 2
+    assert main(["--training.device=cuda", "--parallel.ep=2", f"--parallel.{key}=float8_e4m3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("config error: parallel.ep_dispatch_dtype='float8_e4m3' needs a GPU with float8 support (compute "
+    assert err == (f"config error: parallel.{key}='float8_e4m3' needs a GPU with float8 support (compute "
                    "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
 
 

@@ -25,12 +25,18 @@ CASES = {
     "position_interleave_full_resend": ParallelConfig(**BY_POSITION, ep_interleave=True),
     "position_fp8": ParallelConfig(**BY_POSITION, ep_dispatch_dtype="float8_e4m3"),
     "position_interleave_fp8": ParallelConfig(**BY_POSITION, ep_interleave=True, ep_dispatch_dtype="float8_e4m3"),
+    "position_fp8_fp8g_full_keep": ParallelConfig(**BY_POSITION, ep_dispatch_dtype="float8_e4m3",
+                                                  ep_combine_grad_dtype="float8_e4m3", ep_recompute="keep"),
+    "position_interleave_fp8_fp8g_full_keep": ParallelConfig(**BY_POSITION, ep_interleave=True, ep_recompute="keep",
+                                                             ep_dispatch_dtype="float8_e4m3",
+                                                             ep_combine_grad_dtype="float8_e4m3"),
     "headline_interleave": ParallelConfig(**HEADLINE, ep_interleave=True),
     "folded_direct": ParallelConfig(**FOLDED),
     "folded_interleave_full_keep": ParallelConfig(**FOLDED, ep_interleave=True, ep_recompute="keep"),
 }
 CHECKPOINT = {name: "full" for name in CASES if "_full_" in name}
-INEXACT = ("position_fp8", "position_interleave_fp8")
+INEXACT = ("position_fp8", "position_interleave_fp8", "position_fp8_fp8g_full_keep",
+           "position_interleave_fp8_fp8g_full_keep")
 ALPHA = 0.01  # the sequence-wise balance loss (the K2/V3 presets use 1e-4), on where cp = 1 (layout.py refuses it
 # under cp), so its split over two calls of the router is tested
 
@@ -178,15 +184,20 @@ def test_forward_host_syncs_are_the_plans(results, name):
         assert sum(by_case[name]["syncs"].values()) == layers * host_syncs_per_layer(layout), by_case[name]["syncs"]
 
 
-def test_fp8_halves_equal_fp8_direct(results):
-    """FP8 dispatch with the halves rounds the same rows as without: loss and norm agree to fp32
-    summation-order tolerance (both differ from the fp32 reference by the FP8 rounding)."""
+@pytest.mark.parametrize("halves, direct", [("position_interleave_fp8", "position_fp8"),
+                                            ("position_interleave_fp8_fp8g_full_keep", "position_fp8_fp8g_full_keep")])
+def test_fp8_halves_equal_fp8_direct(results, halves, direct):
+    """FP8 dispatch (and FP8 combine gradient, with kept exchanges) with the halves rounds the same rows as
+    without: loss and norm agree to fp32 summation-order tolerance (both differ from the fp32 reference by
+    the FP8 rounding)."""
     _, per_rank = results
     for by_case in per_rank:
-        got, want = by_case["position_interleave_fp8"], by_case["position_fp8"]
+        got, want = by_case[halves], by_case[direct]
         assert got["loss"] == pytest.approx(want["loss"], rel=NORM_RTOL)
         assert got["norm"] == pytest.approx(want["norm"], rel=NORM_RTOL)
         assert got["loss"] != by_case["position_interleave"]["loss"]  # the FP8 path ran
+    if "fp8g" in halves:  # the FP8 combine gradient ran: it moves the norm, not the loss
+        assert per_rank[0][halves]["norm"] != per_rank[0]["position_interleave_fp8"]["norm"]
 
 
 @pytest.mark.parametrize("extra, checkpoint, message", [

@@ -54,9 +54,12 @@ def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
     this routing (experts_TK per ep index) and the layout's dispatch knobs."""
     from parallel.ep_plan import layer_traffic
 
-    dispatch = config.dim + 4 if layout.ep_dispatch_dtype == "float8_e4m3" else None
+    fp8_row = config.dim + 4  # parallel/ep_fp8.py: D e4m3 values and one fp32 scale per row
+    dispatch = fp8_row if layout.ep_dispatch_dtype == "float8_e4m3" else None
+    combine_grad = fp8_row if layout.ep_combine_grad_dtype == "float8_e4m3" else None
     return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
-                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks)
+                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks,
+                         combine_grad_bytes=combine_grad)
 
 
 def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, act_bytes: int,
@@ -149,19 +152,22 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
 
 def dispatch_knobs(layout) -> dict:
     return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
-                                            "ep_recompute", "ep_interleave")}
+                                            "ep_recompute", "ep_interleave", "ep_combine_grad_dtype")}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_interleave=False)
+                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_interleave=False,
+                               ep_combine_grad_dtype="compute")
 
 
 def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
     """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others: the interleaved halves not with dedup, capacity or pieces), ep > 1 only; under activation
-    checkpointing each also with ep_recompute = "keep"."""
+    the others: the interleaved halves not with dedup, capacity or pieces), ep > 1 only; each with FP8
+    dispatch also with its combine gradient in FP8 (`_fp8g`: the low-precision communication DeepSeek-V3
+    uses, parallel/ep_fp8.py; not alone, to keep the list short); under activation checkpointing each
+    also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
@@ -173,6 +179,8 @@ def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
               "capacity1.25": {"ep_capacity_factor": 1.25},
               "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8,
               "interleave": interleave, "interleave_fp8": interleave | fp8}
+    combos |= {f"{name}_fp8g": knobs | {"ep_combine_grad_dtype": "float8_e4m3"} for name, knobs in combos.items()
+               if "ep_dispatch_dtype" in knobs}
     if activation_checkpoint != "none":
         combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
@@ -184,5 +192,6 @@ def describe_knobs(knobs: dict) -> str:
              (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
              ("interleaved halves" if knobs.get("ep_interleave") else ""),
              ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
+             ("fp8 combine gradient" if knobs.get("ep_combine_grad_dtype", "compute") != "compute" else ""),
              ("recompute keeps" if knobs.get("ep_recompute") == "keep" else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"
