@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 4 benchmarks/ep_overlap.py [--chunks 2] [--steps 12] [--json PATH]
         [--dispatch-dtype compute|float8_e4m3]   (both variants dispatch in it)
         [--dedup]   (both variants node-deduplicated, 2 simulated nodes: the pieces pipeline the node hop)
+        [--interleave]   (the overlapped variant is parallel.ep_interleave's two halves instead of pieces;
+                          one sequence per rank: the split by positions)
 
 Gloo on CPU: the debug preset widened (dim 256, 16 experts, top-4) so the grouped matmuls and the
 all-to-alls both take time; ep over all ranks, FSDP over all ranks. The variants alternate step by
@@ -39,13 +41,13 @@ SHAPE = dict(dim=256, moe_inter_dim=512, n_routed_experts=16, n_activated_expert
 BATCH, SEQ = 4, 128
 
 
-def build(chunks: int, dispatch_dtype: str = "compute", dedup: bool = False) -> Transformer:
+def build(chunks: int, dispatch_dtype: str = "compute", dedup: bool = False, interleave: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(preset("debug", **SHAPE))
     model.init_weights()
     world = dist.get_world_size()
-    layout = ParallelConfig(dp_shard=world, ep=world, edp_shard=1, ep_overlap_chunks=chunks,
-                            ep_dispatch_dtype=dispatch_dtype, ep_dedup=dedup,
+    layout = ParallelConfig(dp_shard=world, ep=world, edp_shard=1, ep_overlap_chunks=1 if interleave else chunks,
+                            ep_interleave=interleave, ep_dispatch_dtype=dispatch_dtype, ep_dedup=dedup,
                             ranks_per_node=max(1, world // 2)).resolve(world)
     parallelize(model, build_meshes(layout, "cpu"), layout)
     return model
@@ -86,11 +88,14 @@ def main(argv=None) -> dict:
     p.add_argument("--json")
     p.add_argument("--dispatch-dtype", default="compute", choices=("compute", "float8_e4m3"))
     p.add_argument("--dedup", action="store_true")
+    p.add_argument("--interleave", action="store_true")
     args = p.parse_args(argv)
+    if args.interleave and args.dedup:
+        p.error("--interleave with --dedup: parallel.ep_interleave does not combine with parallel.ep_dedup")
     check_outputs([("--json", args.json)])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    models = {c: build(c, args.dispatch_dtype, args.dedup) for c in (1, args.chunks)}
+    models = {c: build(c, args.dispatch_dtype, args.dedup, args.interleave and c > 1) for c in (1, args.chunks)}
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     times = {c: [] for c in models}
     for _ in range(args.steps + 1):
@@ -100,7 +105,7 @@ def main(argv=None) -> dict:
     [m for m in models[args.chunks].modules() if hasattr(m, "ep_timeline")][0].ep_timeline = timeline
     step(models[args.chunks], tokens)
     medians = {c: statistics.median(v[1:]) for c, v in times.items()}
-    out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
+    out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "interleave": args.interleave, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
            "median_step_s": {str(c): m for c, m in medians.items()},
            "ratio_overlap_over_none": medians[args.chunks] / medians[1],
            "forward_matmul_time_covered_by_other_pieces_all_to_all": overlap_fraction(timeline)}
