@@ -25,8 +25,9 @@ count exchange per half), and the router, when it is an FSDP unit of its own (bf
 gathered once per half. The sequence-wise balance loss is still computed once over the micro-batch
 (`Router.split_dim`). Exact: each token meets the same operations; half B's attention runs with an explicit
 causal mask over A's and B's keys instead of the fused causal kernel (the same softmax over the same keys).
-Not with dedup, fixed capacity or pieces (parallel/layout.py refuses), nor with selective checkpointing; the
-split by positions not under context parallelism or document masking (the split by sequences works with both).
+Not with dedup, fixed capacity or pieces (parallel/layout.py refuses), selective checkpointing or document
+masking (runtime/config.py refuses); the split by positions not under context parallelism (the split by
+sequences works with it).
 """
 
 import types
@@ -70,18 +71,19 @@ def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S
         return TransformerBlock.forward(self, x_BSD, positions_S, cache=cache)
     moe, experts = self.feed_forward, self.feed_forward.experts
     dim = 0 if x_BSD.shape[0] % 2 == 0 else 1
-    if dim == 1 and (documents is not None or not isinstance(self.attention.kv_source, LocalKV)):
-        raise ValueError("parallel.ep_interleave: one sequence per micro-batch is cut by positions, which does not "
-                         "combine with context parallelism or data.document_mask; use an even number of sequences "
-                         "per micro-batch")
+    if documents is not None:  # runtime/config.py refuses the combination before launch
+        raise ValueError("parallel.ep_interleave with data.document_mask: not combined yet; choose one")
+    if dim == 1 and not isinstance(self.attention.kv_source, LocalKV):
+        raise ValueError(f"parallel.ep_interleave with context parallelism: {x_BSD.shape[0]} sequence(s) per rank and "
+                         f"micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch")
     keys = {"cache": LayerCache()} if dim == 1 else {}
     halves, hidden = [], []
     moe.router.split_dim = dim
     try:
-        for i, (x, p, docs) in enumerate(_split(x_BSD, positions_S, documents, dim)):
+        for i, (x, p) in enumerate(_split(x_BSD, positions_S, dim)):
             _mark(experts, "attention_start", i)
             a = self.attention_norm(x)
-            h = x + self.attention(a, p, **keys, **({"documents": docs} if docs else {}))
+            h = x + self.attention(a, p, **keys)
             f = self.ffn_norm(h)
             if experts.ep_timeline is not None and torch.is_grad_enabled():  # the backward's order, for tests
                 h.register_hook(lambda grad, i=i: _mark(experts, "attention_grad_start", i))
@@ -101,15 +103,13 @@ def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S
     return torch.cat(out, dim)
 
 
-def _split(x_BSD, positions_S, documents, dim: int):
-    """[(x, positions, documents)] of halves A and B."""
+def _split(x_BSD, positions_S, dim: int):
+    """[(x, positions)] of halves A and B: by sequences (dim 0) or by positions (dim 1)."""
     if dim == 0:
         B = x_BSD.shape[0] // 2
-        docs = [None, None] if documents is None else [type(documents)(*(t[:B] for t in documents)),
-                                                       type(documents)(*(t[B:] for t in documents))]
-        return [(x_BSD[:B], positions_S, docs[0]), (x_BSD[B:], positions_S, docs[1])]
+        return [(x_BSD[:B], positions_S), (x_BSD[B:], positions_S)]
     S = x_BSD.shape[1] // 2
-    return [(x_BSD[:, :S], positions_S[:S], None), (x_BSD[:, S:], positions_S[S:], None)]
+    return [(x_BSD[:, :S], positions_S[:S]), (x_BSD[:, S:], positions_S[S:])]
 
 
 def _dispatch(moe: MoE, f_BSD: torch.Tensor, i: int) -> Half:

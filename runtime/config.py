@@ -178,6 +178,7 @@ class JobConfig:
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)
             check_recompute(layout, self.training.activation_checkpoint)
+            _check_interleave(layout, [data for data, *_ in splits.values()], self.training.grad_accum)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
@@ -185,6 +186,21 @@ class JobConfig:
     def to_dict(self) -> dict:
         """Plain nested dict (for logging the resolved config next to the run)."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _check_interleave(layout: Layout, datas: list, grad_accum: int) -> None:
+    """parallel.ep_interleave (parallel/ep_interleave.py): not with document masking; a micro-batch of an odd
+    number of sequences per rank is cut by positions, which needs whole sequences (cp = 1)."""
+    if not layout.ep_interleave:
+        return
+    for data in datas:
+        if data.document_mask:
+            raise ValueError("parallel.ep_interleave with data.document_mask: not combined yet; choose one")
+        local = data.batch_size // max(1, grad_accum * layout.dp)
+        if data.source != "rollouts" and local % 2 and layout.cp > 1:
+            raise ValueError(f"parallel.ep_interleave with parallel.cp={layout.cp}: {local} sequence(s) per rank and "
+                             f"micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch "
+                             f"(data.batch_size / (training.grad_accum x dp))")
 
 
 def _plain(value):

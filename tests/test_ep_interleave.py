@@ -251,3 +251,19 @@ def test_bf16_router_units_called_per_half_get_both_halves_gradients():
                     for k in grads["fp32"] if grads["fp32"][k].numel() and grads["fp32"][k].abs().max() > 0}
         yardstick, halves = rel("bf16", "fp32"), rel("bf16_halves", "bf16")
         assert all(v <= 3 * yardstick[k] for k, v in halves.items()), halves
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data.batch_size=4"], "parallel.ep_interleave with parallel.cp=2: 1 sequence(s) per rank and micro-batch"),
+    (["--data.source=bin", "--data.path=x.bin", "--data.document_mask=true"],
+     "parallel.ep_interleave with data.document_mask: not combined yet"),
+    (["--training.activation_checkpoint=selective"],
+     "parallel.ep_interleave with training.activation_checkpoint='selective'"),
+])
+def test_the_launch_config_refuses_what_the_halves_cannot_run(argv, message):
+    """The debug config on 8 ranks (dp_shard 4 x cp 2, ep 8): refused before launch, in one line."""
+    from runtime.config import load_config
+
+    with pytest.raises(ValueError) as error:
+        load_config(["--parallel.ep_interleave=true", *argv]).layout(WORLD)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
