@@ -145,8 +145,9 @@ def _batch(vocab_size):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _reference() -> dict:
-    model = _model()
+def _reference(build=None) -> dict:
+    """The single-process step of `build()` (default: `_model`): loss, clipped gradient norm, gradients."""
+    model = (build or _model)()
     inputs, labels = _batch(model.config.vocab_size)
     loss = loss_fn(model(inputs), labels, BATCH * SEQ)
     loss.backward()
@@ -228,8 +229,12 @@ def results():
 @pytest.mark.parametrize("name", [n for n in CASES if n not in INEXACT])
 def test_step_matches_single_process(results, name):
     reference, per_rank = results
-    for rank, by_case in enumerate(per_rank):
-        got = by_case[name]
+    assert_matches_single_process(reference, [by_case[name] for by_case in per_rank])
+
+
+def assert_matches_single_process(reference: dict, per_rank: list[dict]) -> None:
+    """Every rank's loss and norm within NORM_RTOL of the reference's, every gradient within GRAD_RTOL."""
+    for rank, got in enumerate(per_rank):
         assert got["loss"] == pytest.approx(reference["loss"], rel=NORM_RTOL), f"rank {rank} loss"
         assert got["norm"] == pytest.approx(reference["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
         for fqn, (err, scale) in got["grad_err"].items():

@@ -12,7 +12,7 @@ import torch
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.layout import ParallelConfig
-from test_ep_dispatch import GRAD_RTOL, NORM_RTOL, RPN, _batch, _run_case
+from test_ep_dispatch import NORM_RTOL, RPN, _reference, _run_case, assert_matches_single_process
 
 WORLD = 8
 BY_POSITION = dict(dp_shard=8, cp=1, ep=8, edp_shard=1, ranks_per_node=RPN)  # 1 sequence per rank
@@ -56,19 +56,6 @@ def _model(alpha: float, dp: int = 1) -> Transformer:
     return model
 
 
-def _reference(alpha: float) -> dict:
-    from parallel.gradients import loss_fn
-    from test_ep_dispatch import BATCH, SEQ
-
-    model = _model(alpha)
-    inputs, labels = _batch(model.config.vocab_size)
-    loss = loss_fn(model(inputs), labels, BATCH * SEQ)
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    return {"loss": loss.item(), "norm": norm.item(), "grads": grads}
-
-
 def _run_all(rank, world, references):
     import test_ep_dispatch
 
@@ -86,7 +73,7 @@ def results():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        references = {alpha: _reference(alpha) for alpha in (0.0, ALPHA)}
+        references = {alpha: _reference(lambda alpha=alpha: _model(alpha)) for alpha in (0.0, ALPHA)}
     finally:
         torch.set_num_threads(threads)
     return references, run_ranks(_run_all, WORLD, references, timeout=300)
@@ -95,13 +82,7 @@ def results():
 @pytest.mark.parametrize("name", [n for n in CASES if n not in INEXACT])
 def test_step_matches_single_process(results, name):
     references, per_rank = results
-    reference = references[_alpha(name)]
-    for rank, by_case in enumerate(per_rank):
-        got = by_case[name]
-        assert got["loss"] == pytest.approx(reference["loss"], rel=NORM_RTOL), f"rank {rank} loss"
-        assert got["norm"] == pytest.approx(reference["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
-        for fqn, (err, scale) in got["grad_err"].items():
-            assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
+    assert_matches_single_process(references[_alpha(name)], [by_case[name] for by_case in per_rank])
 
 
 def _planned(per_rank, name) -> dict[int, tuple[int, int]]:
