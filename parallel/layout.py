@@ -54,6 +54,7 @@ class ParallelConfig:
     ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep_keep.py)
     ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep_fp8.py)
     ep_interleave: bool = False  # EP: each MoE block runs its micro-batch as two halves, one half's all-to-alls in flight while the other computes attention, experts and shared experts (parallel/ep_interleave.py)
+    ep_pair_micro_batches: bool = False  # EP: each micro-batch's backward runs paired with the next micro-batch's forward, one's all-to-alls in flight while the other computes (parallel/ep_pairing.py; needs ep_interleave or ep_overlap_chunks > 1, and training.grad_accum > 1)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -81,7 +82,7 @@ def _check_expert_inner(value) -> None:
 
 
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-            "ep_combine_grad_dtype", "ep_interleave")
+            "ep_combine_grad_dtype", "ep_interleave", "ep_pair_micro_batches")
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")
 
@@ -106,7 +107,8 @@ def _check_ep_modes(layout: "Layout") -> None:
     """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
     on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
           "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep",
-          "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave}
+          "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave,
+          "ep_pair_micro_batches": layout.ep_pair_micro_batches}
     for key, enabled in on.items():
         if enabled and layout.ep == 1:
             raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
@@ -120,6 +122,11 @@ def _check_ep_modes(layout: "Layout") -> None:
         raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with parallel.ep_capacity_factor="
                          f"{layout.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); "
                          f"choose one")
+    if layout.ep_pair_micro_batches and not (layout.ep_interleave or layout.ep_overlap_chunks > 1):
+        raise ValueError("parallel.ep_pair_micro_batches needs parallel.ep_interleave = true or parallel.ep_overlap_chunks "
+                         "> 1 (the pairing runs at their asynchronous all-to-alls' waits)")
+    if layout.ep_pair_micro_batches and layout.ep_dedup:
+        raise ValueError("parallel.ep_pair_micro_batches with parallel.ep_dedup: not combined yet; choose one")
     if layout.ep_interleave:
         others = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
                   "ep_overlap_chunks": layout.ep_overlap_chunks > 1}
@@ -180,6 +187,7 @@ class Layout:
     ep_recompute: str = "resend"
     ep_combine_grad_dtype: str = "compute"
     ep_interleave: bool = False
+    ep_pair_micro_batches: bool = False
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:

@@ -179,6 +179,9 @@ class JobConfig:
             layout.validate(self.model, *shape)
             check_recompute(layout, self.training.activation_checkpoint)
             _check_interleave(layout, [data for data, *_ in splits.values()], self.training.grad_accum)
+            if layout.ep_pair_micro_batches and self.training.grad_accum < 2:
+                raise ValueError(f"parallel.ep_pair_micro_batches with training.grad_accum={self.training.grad_accum}: "
+                                 f"nothing to pair (one micro-batch per step); set grad_accum >= 2")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
