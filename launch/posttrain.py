@@ -35,6 +35,9 @@ def check_environment(config) -> None:
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
+    if config.parallel.ep_pair_micro_batches:
+        raise ValueError("parallel.ep_pair_micro_batches: pretraining only (post-training's teacher and student "
+                         "passes are not paired); set it false")
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
         if getattr(config.parallel, key) != "compute":
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device

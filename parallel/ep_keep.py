@@ -22,10 +22,12 @@ an evaluation forward, "resend") it simply runs.
 """
 
 import contextlib
+import threading
 
 import torch
 
-_ACTIVE = None  # the Tape of the checkpointed region running now (recording or replaying), else None
+_ACTIVE = threading.local()  # .tape: the Tape of the checkpointed region running now on this thread (recording or
+# replaying), else None; per thread, as parallel/ep_pairing.py runs one micro-batch's forward beside another's backward
 
 
 class Tape:
@@ -39,26 +41,24 @@ class Tape:
 @contextlib.contextmanager
 def recording(tape: Tape):
     """Around a checkpointed region's first forward: its EP exchanges are appended to `tape`."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, tape
+    previous, _ACTIVE.tape = getattr(_ACTIVE, "tape", None), tape
     tape.cursor = None
     try:
         yield
     finally:
-        _ACTIVE = previous
+        _ACTIVE.tape = previous
 
 
 @contextlib.contextmanager
 def replaying(tape: Tape):
     """Around the region's recompute: its EP exchanges read `tape` from the start (a recompute may
     stop early, torch's checkpoint early stop: the rest is simply not read)."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, tape
+    previous, _ACTIVE.tape = getattr(_ACTIVE, "tape", None), tape
     tape.cursor = 0
     try:
         yield
     finally:
-        _ACTIVE = previous
+        _ACTIVE.tape = previous
 
 
 def contexts(keep: bool):
@@ -73,7 +73,7 @@ def contexts(keep: bool):
 def kept(kind: str, exchange):
     """`exchange()` (an EP all-to-all and whatever it reads back), kept when a region records, read
     back when it replays; simply run otherwise. Tensors are kept detached (no autograd graph)."""
-    tape = _ACTIVE
+    tape = getattr(_ACTIVE, "tape", None)
     if tape is None:
         return exchange()
     if tape.cursor is None:

@@ -38,6 +38,7 @@ from torch import nn
 from models.experts import GroupedExperts, swiglu_experts
 from parallel.ep_fp8 import decode, encode
 from parallel.ep_keep import kept
+from parallel.ep_pairing import backward_turn, forward_turn
 
 
 def apply_overlap(model: nn.Module, chunks: int) -> None:
@@ -128,7 +129,8 @@ def _start(self, name, piece, x_MD, out_splits, in_splits, group):
     """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype, the
     combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `_wait`."""
     fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
-    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8}
+    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8,
+           "block": getattr(self, "pair_block", None)}  # parallel/ep_pairing.py
     box["grad_fp8"] = name == "combine" and getattr(self, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
     link = _Start.apply(x_MD, out_splits, in_splits, group, box)
     return link, box
@@ -164,6 +166,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_link):  # the received rows' gradient is already on its way (`_Wait.backward`)
+        backward_turn(ctx.box["block"])  # a paired forward computes meanwhile (parallel/ep_pairing.py)
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]
@@ -181,6 +184,7 @@ class _Wait(torch.autograd.Function):
     def forward(ctx, link, box):
         ctx.box = box
         if box["work"] is not None:
+            forward_turn()  # a paired backward computes meanwhile (parallel/ep_pairing.py)
             box["work"].wait()
         box["mark"]("wait")
         del box["source"]

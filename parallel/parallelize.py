@@ -11,6 +11,7 @@ from torch import nn
 
 from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import apply_context_parallel
+from parallel.ep_pairing import apply_pairing
 from parallel.expert_parallel import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
@@ -25,4 +26,6 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
     apply_expert_parallel(model, meshes.ep, layout)  # experts: Shard(0) on ep, all-to-all dispatch/combine
     apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
+    if layout.ep_pair_micro_batches:
+        apply_pairing(model)  # each backward paired with the next micro-batch's forward
     return model

@@ -94,8 +94,9 @@ def test_resume_with_ema_teacher_is_exact(tmp_path):
 
 
 def _init_from_weights(rank, world_size, path):
+    run_dir = f"{path}/../../posttrain_run"  # not the default runs/debug: checkpoints there would win over init_from
     config = load_config(["--data.source=rollouts", f"--data.path={EXAMPLE}", f"--posttrain.init_from={path}",
-                          "--posttrain.teacher=initial"])
+                          "--posttrain.teacher=initial", f"--run.dir={run_dir}"])
     layout = config.layout(world_size)
     meshes = build_meshes(layout, "cpu")
     model = build_model(config, meshes, layout, torch.device("cpu"))
