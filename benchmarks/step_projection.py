@@ -56,13 +56,18 @@ the links with the EP and CP traffic (hence all bytes in the link terms); the EP
 CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
 routed experts' matmuls (`exposed_ep_s`) and what `parallel.ep_interleave`'s halves hide behind the
 other half's compute (ep = the idle compute stream of the block's two-stream program,
-benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); --overlap-ep shows the what-if
+benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); with `parallel.ep_pair_micro_batches`
+(parallel/ep_pairing.py) micro-batch m+1's forward runs inside m's backward at its gradient waits:
+F(0) alone + (M - 1) pairs (`ep_timeline.paired_program`, the crossing layers unpaired) + B(M-1) alone
+(with pieces instead of halves the pairing is not modelled: projected unpaired, an upper bound);
+--overlap-ep shows the what-if
 max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
 SYNC_S of idle device.
 MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
-with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer; otherwise
+with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer (paired
+micro-batches: `memory_bytes`); otherwise
 ("none", and "selective", counted like it: an upper bound) one layer's for every layer (the K2/V3 presets
 then need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
 """
@@ -144,8 +149,8 @@ def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_
     compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) for op, names in ops},
                  "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
                                for op, names in ops}}
-    per_layer_s = ep_timeline.exposed_s(compute_s, comm_s, activation_checkpoint, layout.ep_recompute)
-    return per_layer_s * (config.n_layers - config.n_dense_layers) * micro_batches
+    return ep_timeline.step_exposed_s(compute_s, comm_s, config.n_layers - config.n_dense_layers, micro_batches,
+                                      activation_checkpoint, layout.ep_recompute, layout.ep_pair_micro_batches)
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -202,11 +207,16 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
-                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0) -> dict:
+                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0,
+                 micro_batches: int = 1) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
     activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
     micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
-    gradients of every unit."""
+    gradients of every unit. With parallel.ep_pair_micro_batches a second micro-batch's forward runs
+    inside the backward (benchmarks/lib/ep_timeline.paired_program): two more unsharded units, one more
+    layer's working activations, the kept buffers of `paired_kept_layers` MoE layers instead of n, and
+    the layer inputs of both micro-batches' unfinished layers (n_layers + dense layers + the extra MoE
+    layers; launch/estimate_memory.py counts it block by block)."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -220,14 +230,19 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     c = config
     head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
     per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
-    kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
-        c.n_layers * per_token_layer
+    n_moe = c.n_layers - c.n_dense_layers
+    paired = layout.ep_pair_micro_batches and micro_batches > 1
+    kept_moe = ep_timeline.paired_kept_layers(n_moe) if paired else n_moe  # MoE layers' kept buffers at the peak
+    inputs = c.n_layers + (c.n_dense_layers + kept_moe - n_moe if paired else 0)  # layer inputs alive at the peak
+    working = 2 if paired else 1  # layers computing (B's recompute, F's forward)
+    kept_layers = working * per_token_layer + inputs * c.dim if activation_checkpoint == "full" else \
+        inputs * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
+    gathered *= working
     if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
         from parallel.ep_keep import kept_bytes_per_layer
 
-        activations += (c.n_layers - c.n_dense_layers) * kept_bytes_per_layer(local_tokens, c, layout, act_bytes,
-                                                                             ep_nodes_per_token)
+        activations += kept_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -278,7 +293,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
-                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token, micro)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -392,7 +407,8 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     runtime implements (`dispatch_variants`), named name+variant."""
     variants = {name: layout}
     checkpointing = resolved(job, args)["activation_checkpoint"]
-    variants |= {f"{name}+{v}": lay for v, lay in dispatch_variants(layout, checkpointing).items() if lay != layout}
+    others = dispatch_variants(layout, checkpointing, job.training.grad_accum)
+    variants |= {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
     rows = []
     for row_name, lay in variants.items():
         row = project_layout(job, lay, device, rates, args)

@@ -4,7 +4,12 @@ stream is free and the compute issued before it is done)."""
 
 import pytest
 
-from benchmarks.lib.ep_timeline import BACKWARD, FORWARD, exposed_s, recompute_ops, simulate
+import itertools
+
+from benchmarks.lib import ep_timeline
+from benchmarks.lib.ep_timeline import (BACKWARD, FORWARD, exposed_s, forward_chunks, forward_layers_started,
+                                        paired_kept_layers, paired_program, recompute_ops, simulate, step_exposed_s,
+                                        unpaired_layers)
 
 
 def _spans(attn, experts, shared, dispatch, combine):
@@ -61,3 +66,91 @@ def test_recompute_reruns_what_activation_checkpointing_wraps():
     assert {op[0] for op in recompute_ops("full", "keep")} == {"compute"}
     selective = recompute_ops("selective", "resend")  # attention + routed experts, their dispatch and combine
     assert {name for _, name, _ in selective} == {"attn", "experts", "dispatch", "combine"}
+
+
+# -- micro-batch pairing: per half, forward attn 1, experts 2, shared 1, dispatch 3, combine 3 (counts 0);
+# backward 2x the compute, gradients 3 each; no checkpointing
+PAIR_COMPUTE = {"forward": {"attn": 2, "experts": 4, "shared": 2}, "recompute": {"attn": 0, "experts": 0, "shared": 0}}
+PAIR_COMM = {"counts": (0, 0), "dispatch": (6, 6), "combine": (6, 6)}
+
+
+def test_paired_program_on_three_layers_by_hand():
+    """Alone, a layer's forward exposes 5 (span 13, compute 8: counts B behind dispatch A 2, experts B
+    for dispatch B 1, combine B 2) and its backward 1 (span 17, compute 16): 6 per layer and micro-batch.
+    Paired on 3 layers, only B's top layer (2) takes F's chunks (F's layer 0); from B's layer 1 on F's
+    next chunk touches layers 0 and 1 (the crossing), so it waits until B is done:
+      B2: combine_grad B 0-3, shared_bwd B 0-2, combine_grad A 3-6, shared_bwd A 2-4;
+          F chunk 0: attn A 4-5, counts A queued behind combine_grad A (6): 1 idle, dispatch A 6-9,
+          attn B 6-7, counts B behind dispatch A (9): 2 idle, dispatch B 9-12;
+          B waits combine_grad B (done 3), experts_bwd B 9-13, dispatch_grad B 13-16;
+          F chunk 1: dispatch A done, experts A 13-15, combine A 16-19;
+          B: experts_bwd A 15-19, dispatch_grad A 19-22;
+          F chunk 2: experts B 19-21, combine B 22-25, shared A 21-22;
+          B: attn_bwd B 22-24; F chunk 3: shared B 24-25; B waits dispatch_grad A (22): attn_bwd A 25-27;
+      B1 from 27 (comm free at 25) and B0 from 44: 1 idle each, as alone (ends 61);
+      F's layers 0 (its last combine, done at 25), 1 and 2 alone: 5 idle each (61-74, 74-87).
+    Pair: span 87 - compute 72 (B 3 x 16, F 3 x 8) = 15 against 18 unpaired. Per step with M = 2:
+    F(0) and B(1) alone (3 x 6) + the pair = 33 against 36; with M = 1 the unpaired 18."""
+    assert exposed_s(PAIR_COMPUTE, PAIR_COMM) == 6
+    program = paired_program(3)
+    assert [layer for who, layer, _ in (op[2] for op in program) if who == "F"][:8] == [0] * 8  # chunk 0 first
+    assert simulate(program, {**_pair_seconds()}) == (87, 72)
+    assert step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 2, paired=True) == 33
+    assert step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 2) == 36
+    assert step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 1, paired=True) == step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 1)
+
+
+def _pair_seconds():
+    forward, recompute, backward = ep_timeline.op_seconds(PAIR_COMPUTE, PAIR_COMM)
+    return forward | {f"re_{name}": s for name, s in recompute.items()} | backward
+
+
+def test_forward_chunks_and_the_crossing_rule():
+    """4 n + 1 chunks, cut before F's dispatch and combine waits (its count waits stay inside); on 5 layers
+    B's layers 4 and 3 take F's layers 0 and 1, F's chunk across layers 1-2 waits through B's layers 2
+    and 1 (touching B's layer or the one below it), and runs in B's layer 0."""
+    chunks = forward_chunks(5)
+    assert len(chunks) == 21 and [sorted(c[0]) for c in chunks[:6]] == [[0], [0], [0], [0], [0, 1], [1]]
+    assert all(op[0] != "wait" or op[1] == "counts" for _, ops in chunks for op in ops[1:])
+    assert forward_layers_started(5) == {4: 1, 3: 2, 2: 2, 1: 2, 0: 3}
+    assert unpaired_layers(5) == 2 and paired_kept_layers(5) == 6  # B's 5 + F's 1 at the top
+    assert (unpaired_layers(60), paired_kept_layers(60)) == (3, 61)  # K2
+    assert (unpaired_layers(58), paired_kept_layers(58)) == (3, 59)  # DeepSeek-V3
+    assert len(paired_program(60, recompute_ops("full", "keep"))) == 60 * (6 + len(BACKWARD) + len(FORWARD))
+
+
+# K2's per-op milliseconds on its config (benchmarks/step_projection.py, 1x2x128, bf16, FP8 dispatch and
+# combine gradient): compute per micro-batch, all-to-alls (forward, backward) per exchange
+K2_COMPUTE = {"attn": 2.22, "experts": 5.31, "shared": 0.52}
+K2_COMM = {"counts": (0.0, 0.0), "dispatch": (5.51, 11.01), "combine": (11.01, 5.51)}
+
+
+def test_pairing_exposes_less_around_k2s_shapes():
+    """Around K2's config (compute x 0.5..2, forward all-to-alls x 0.5..2, the combine gradient in FP8: at
+    most half the dispatch gradient), 60 layers, 4 micro-batches, full checkpointing with keep: pairing
+    never projects more exposure than without, and on K2 itself (these rounded ms; the projection: 2.43 s
+    against 3.55 s per step) 2.42 against 3.55 s."""
+    for scale_c, scale_f, scale_g in itertools.product((0.5, 1, 2), repeat=3):
+        compute = {k: v * scale_c for k, v in K2_COMPUTE.items()}
+        comm = {"counts": (0.0, 0.0), "dispatch": (5.51 * scale_f, 11.01 * scale_g),
+                "combine": (11.01 * scale_f, 5.51 * scale_g)}
+        args = ({"forward": compute, "recompute": compute}, comm, 60, 4, "full", "keep")
+        assert step_exposed_s(*args, paired=True) <= step_exposed_s(*args)
+    args = ({"forward": K2_COMPUTE, "recompute": K2_COMPUTE}, K2_COMM, 60, 4, "full", "keep")
+    assert step_exposed_s(*args) == pytest.approx(3546, abs=1)
+    assert step_exposed_s(*args, paired=True) == pytest.approx(2424, abs=1)
+
+
+def test_pairing_can_expose_more_when_the_forwards_count_exchange_queues_behind_gradients(monkeypatch):
+    """Not a theorem: F's count exchange (a host sync inside its chunk) is issued on the one comm stream
+    after B's two combine gradients, so F waits for both where B alone would have waited for the first
+    and computed behind the second. With a bf16 combine gradient twice the dispatch gradient, 4.4 / 10.6
+    / 1.0 ms of attention / experts / shared compute, pairing projects 1525 ms against 1260 unpaired;
+    without F's count exchange on that stream (a what-if, not the runtime) less than unpaired."""
+    compute = {"attn": 4.4, "experts": 10.6, "shared": 1.0}
+    comm = {"counts": (0.0, 0.0), "dispatch": (2.8, 5.5), "combine": (5.5, 11.0)}
+    args = ({"forward": compute, "recompute": compute}, comm, 60, 4, "full", "keep")
+    assert step_exposed_s(*args, paired=True) == pytest.approx(1525.05, abs=0.01)
+    assert step_exposed_s(*args) == pytest.approx(1260, abs=0.01)
+    monkeypatch.setattr(ep_timeline, "FORWARD", tuple(op for op in FORWARD if op[1] != "counts"))
+    assert step_exposed_s(*args, paired=True) < step_exposed_s(*args)

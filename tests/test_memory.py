@@ -128,3 +128,40 @@ def test_muon_step_transients_are_step_buckets_x_the_largest_bucket():
     for ratios in run_ranks(_muon_step_ratio, 2, timeout=300):
         for overlap, ratio in ratios.items():
             assert 0.8 * STEP_BUCKETS[overlap] <= ratio <= STEP_BUCKETS[overlap], (overlap, ratio)
+
+
+def test_paired_micro_batches_add_the_next_forward_to_each_backward_moment():
+    """parallel.ep_pair_micro_batches on 5 MoE layers (+ 1 dense): while B is in its MoE layer 4, 3, 2, 1, 0
+    (blocks 5..1, then the dense block 0) F has started 1, 2, 2, 2, 3, 3 MoE layers (the crossing stalls it
+    through B's layers 2 and 1; benchmarks/lib/ep_timeline.py), its current block g = 1, 2, 2, 2, 3, 3. With
+    one unit per kept layer input, 10 per block's working activations, 100 dispatch, 1000 kept per MoE layer
+    and B's moments empty, each paired moment adds F's: its units (block g and the prefetched next, in
+    param_dtype), inputs of blocks 0..g + its embedding output (t D c), 10, 100, 1000 f. With B's kept
+    buffers (1000 per MoE layer 0..l) at most 6 layers' are alive: n + 1."""
+    import dataclasses
+
+    from launch.estimate_memory import forward_buffers, paired_moments, step_peak, unit_sizes
+
+    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=6", "--training.grad_accum=2",
+                          "--parallel.dp_replicate=1", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",
+                          "--parallel.edp_replicate=1", "--parallel.edp_shard=1", "--parallel.ep_interleave=true",
+                          "--parallel.ep_pair_micro_batches=true", "--training.activation_checkpoint=full",
+                          "--parallel.ep_recompute=keep"])
+    job = Job(config, config.layout(2), 0, "cpu")
+    empty = {k: 0 for k in ("fsdp_buffers", "activations", "recompute", "dispatch", "ep_kept", "logits")}
+    out = paired_moments(job, {f"block {l}": empty for l in range(6)}, [1] * 6, [10] * 6, 100, 1000)
+    sizes = unit_sizes(config.model, job.layout)  # embedding, blocks 0..5, head
+    n_seq, s_local = job.tokens
+    t_d_c = n_seq * s_local * 64 * 4  # debug: dim 64, fp32
+    alive = []
+    for l, g in zip(range(5, -1, -1), (1, 2, 2, 2, 3, 3)):
+        f = g  # F's MoE layers started = its block index (one dense block below)
+        assert out[f"block {l} + forward block {g}"] == {
+            "fsdp_buffers": (sizes[g + 1] + sizes[g + 2]) * 4, "activations": g + 1 + t_d_c, "recompute": 10,
+            "dispatch": 100, "ep_kept": 1000 * f, "logits": 0}
+        assert forward_buffers(job)[g + 1] == (sizes[g + 1] + sizes[g + 2]) * 4
+        alive.append(l + f)  # B's MoE blocks 1..l + F's f
+    assert alive == [6, 6, 5, 4, 4, 3]
+    unpaired = Job(config, dataclasses.replace(job.layout, ep_pair_micro_batches=False), 0, "cpu")
+    (at, paired_peak), (_, peak) = (step_peak(j, [1] * 6, [10] * 6, 0) for j in (job, unpaired))
+    assert sum(paired_peak.values()) > sum(peak.values()) and "forward block" in at

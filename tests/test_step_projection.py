@@ -268,3 +268,45 @@ def test_interleave_sends_the_direct_bytes_with_less_exposed():
         assert 0 < interleaved["time_s"]["ep"] < direct["time_s"]["ep"]
         passes = 2 if checkpointing == "full" else 1  # full checkpointing reads the split sizes again
         assert interleaved["host_syncs"] == 1 + (c.n_layers - c.n_dense_layers) * 2 * passes
+
+
+def _paired_rows(micro_batches, checkpointing="full"):
+    """debug_gqa with 6 layers (5 MoE) on 8 ranks, interleaved halves with keep, unpaired and paired."""
+    import dataclasses
+
+    overrides = [f"--training.grad_accum={micro_batches}", f"--training.activation_checkpoint={checkpointing}"]
+    job = load_config(ARGS + ["--model.preset=debug_gqa", "--model.n_layers=6"] + overrides)
+    device = device_model("h200")
+    layout = dataclasses.replace(job.layout(8), ep_interleave=True, ep_recompute="keep")
+    return [project_layout(job, dataclasses.replace(layout, ep_pair_micro_batches=pair), device,
+                           compute_rates(device, None), parse_args(["--config", "-"]), optimizer=False)
+            for pair in (False, True)]
+
+
+def test_pairing_changes_only_the_exposure():
+    """parallel.ep_pair_micro_batches sends the same bytes with the same host syncs; its exposed EP is
+    F(0) and B(M-1) alone + (M - 1) pairs (benchmarks/lib/ep_timeline.py), not more than unpaired here,
+    and with one micro-batch the unpaired projection; the coarse memory adds a second micro-batch's
+    forward (one more kept layer, two more units, one more layer's working activations)."""
+    unpaired, paired = _paired_rows(2)
+    assert (paired["ep"], paired["fsdp"], paired["host_syncs"]) == (unpaired["ep"], unpaired["fsdp"],
+                                                                    unpaired["host_syncs"])
+    assert 0 < paired["time_s"]["ep"] < unpaired["time_s"]["ep"]
+    assert paired["time_s"]["compute"] == unpaired["time_s"]["compute"]
+    assert paired["memory_gib"]["activations"] > unpaired["memory_gib"]["activations"]
+    assert paired["memory_gib"]["gathered_units"] == 2 * unpaired["memory_gib"]["gathered_units"]
+    one, one_paired = _paired_rows(1)
+    assert one_paired["time_s"] == one["time_s"] and one_paired["memory_gib"] == one["memory_gib"]
+
+
+def test_pairing_variants_need_halves_and_micro_batches():
+    import dataclasses
+
+    from benchmarks.lib.ep_projection import dispatch_variants
+
+    layout = dataclasses.replace(load_config(ARGS).layout(8), ep=8, edp_shard=1)
+    paired = {name for name, lay in dispatch_variants(layout, "full", 4).items() if lay.ep_pair_micro_batches}
+    assert paired == {"interleave_pair", "interleave_fp8_pair", "interleave_fp8_fp8g_pair", "interleave_keep_pair",
+                      "interleave_fp8_keep_pair", "interleave_fp8_fp8g_keep_pair"}
+    assert all(lay.ep_interleave for lay in dispatch_variants(layout, "full", 4).values() if lay.ep_pair_micro_batches)
+    assert not any(lay.ep_pair_micro_batches for lay in dispatch_variants(layout, "full", 1).values())

@@ -18,6 +18,14 @@ all-to-alls in the same order (full: all; selective: the dispatch and combine), 
 
 The exposed EP of one layer and micro-batch = (span of the forward + span of the backward) - their
 compute: the time the compute stream stands idle waiting for all-to-alls.
+
+Paired micro-batches (`parallel.ep_pair_micro_batches`, parallel/ep_pairing.py): F(0) runs alone, then
+each backward B(m) runs with the forward F(m+1) inside it, then B(M-1) alone. At each of B's gradient
+waits (BACKWARD's waits) F runs its next chunk first (`forward_chunks`: from its pending dispatch or
+combine wait up to the next one; its count waits are host syncs inside the chunk), both issuing on the
+one comm stream in issue order: `paired_program`, B top down, F bottom up, lockstep, except where they
+cross (`may_advance`). Only the MoE layers are modelled: the dense layers' and the head's compute,
+which would hide some of the all-to-alls in flight around them, is left out (an upper bound).
 """
 
 FORWARD = (
@@ -45,6 +53,7 @@ RERUN = {"full": ("attn", "experts", "shared", "counts", "dispatch", "combine"),
 OP_PARTS = {"attn": ("norms", "attention", "sdpa", "router"), "experts": ("routed",),
             "shared": ("shared",)}  # the compute ops' parts (benchmarks/lib/block_flops.py)
 HALVED = ("dispatch", "combine")  # rows split between the halves; each half exchanges its own counts
+YIELDS = ("dispatch", "combine")  # the forward's waits where a paired forward hands the baton back
 
 
 def simulate(ops, seconds: dict) -> tuple[float, float]:
@@ -71,22 +80,115 @@ def recompute_ops(activation_checkpoint: str, ep_recompute: str) -> tuple:
     return tuple(op for op in FORWARD if op[1] in rerun and (op[0] == "compute" or ep_recompute == "resend"))
 
 
-def exposed_s(compute_s: dict, comm_s: dict, activation_checkpoint: str = "none",
-              ep_recompute: str = "resend") -> float:
-    """EP seconds on the critical path per MoE layer and micro-batch. compute_s: {"forward": {op: s},
+def op_seconds(compute_s: dict, comm_s: dict) -> tuple[dict, dict, dict]:
+    """(forward, recompute, backward) {op name: seconds} of one half. compute_s: {"forward": {op: s},
     "recompute": {op: s}} of the whole micro-batch on one rank (ops attn, experts, shared; the recompute's
     those `activation_checkpoint` reruns); comm_s: {stage: (forward s, backward s)} of one exchange of the
     whole micro-batch's rows (counts, dispatch, combine)."""
     half = lambda name, s: s / 2 if name in HALVED else s  # noqa: E731
     forward = {name: s / 2 for name, s in compute_s["forward"].items()}
     forward |= {name: half(name, s[0]) for name, s in comm_s.items()}
-    backward = {name: s / 2 for name, s in compute_s["recompute"].items()}
-    backward |= {name: half(name, s[0]) for name, s in comm_s.items()}
-    backward |= {f"{name}_bwd": 2 * s for name, s in forward.items() if name in compute_s["forward"]}
+    recompute = {name: s / 2 for name, s in compute_s["recompute"].items()}
+    recompute |= {name: half(name, s[0]) for name, s in comm_s.items()}
+    backward = {f"{name}_bwd": 2 * s for name, s in forward.items() if name in compute_s["forward"]}
     backward |= {f"{name}_grad": half(name, s[1]) for name, s in comm_s.items()}
+    return forward, recompute, backward
+
+
+def exposed_s(compute_s: dict, comm_s: dict, activation_checkpoint: str = "none",
+              ep_recompute: str = "resend") -> float:
+    """EP seconds on the critical path per MoE layer and micro-batch (arguments: `op_seconds`)."""
+    forward, recompute, backward = op_seconds(compute_s, comm_s)
     exposed = 0.0
-    recompute = recompute_ops(activation_checkpoint, ep_recompute)
-    for ops, seconds in ((FORWARD, forward), (recompute + BACKWARD, backward)):
+    rerun = recompute_ops(activation_checkpoint, ep_recompute)
+    for ops, seconds in ((FORWARD, forward), (rerun + BACKWARD, recompute | backward)):
         span, busy = simulate(ops, seconds)
         exposed += span - busy
     return exposed
+
+
+# -- micro-batch pairing (parallel.ep_pair_micro_batches, parallel/ep_pairing.py)
+
+def forward_chunks(n_layers: int) -> list[tuple[frozenset, tuple]]:
+    """F's forward over `n_layers` MoE layers, bottom up, cut before each of its dispatch and combine waits
+    (where it hands the baton back; its count waits are host syncs inside a chunk): [(the MoE layers the
+    chunk touches, its ops tagged ("F", layer, half))], 4 n + 1 chunks: the first layer's attention and
+    dispatches, then per layer 3 inside it and 1 that waits its last combine and starts the next layer."""
+    chunks, ops, layers = [], [], set()
+    for layer in range(n_layers):
+        for kind, name, half in FORWARD:
+            if kind == "wait" and name in YIELDS:
+                chunks.append((frozenset(layers), tuple(ops)))
+                ops, layers = [], set()
+            ops.append((kind, name, ("F", layer, half)))
+            layers.add(layer)
+    chunks.append((frozenset(layers), tuple(ops)))
+    return chunks
+
+
+def may_advance(layers, b: int) -> bool:
+    """The runtime's crossing rule: F runs its next chunk only if that chunk's layers are all below B's
+    next layer (b - 1) or all above B's (b), so that the two never hold the same or adjacent FSDP units."""
+    return all(layer < b - 1 for layer in layers) or all(layer > b for layer in layers)
+
+
+def paired_program(n_layers: int, recompute: tuple = ()) -> tuple:
+    """One pair's program: B(m) over `n_layers` MoE layers top down (each layer `recompute` ops, then
+    BACKWARD), with F(m+1)'s next chunk (`forward_chunks`) before each of B's gradient waits where
+    `may_advance` allows; F's chunks left when B is done run after it. Ops tagged (who, layer, half);
+    the recompute's ops renamed re_<name> (their own seconds)."""
+    chunks = forward_chunks(n_layers)
+    ops, k = [], 0
+    for b in reversed(range(n_layers)):
+        ops += [(kind, f"re_{name}", ("B", b, half)) for kind, name, half in recompute]
+        for kind, name, half in BACKWARD:
+            if kind == "wait" and k < len(chunks) and may_advance(chunks[k][0], b):
+                ops += chunks[k][1]
+                k += 1
+            ops.append((kind, name, ("B", b, half)))
+    for _, chunk in chunks[k:]:
+        ops += chunk
+    return tuple(ops)
+
+
+def unpaired_layers(n_layers: int) -> int:
+    """B's MoE layers in `paired_program` into which F inserts no chunk (the crossing; F's chunks left
+    then run after B, alone)."""
+    paired, previous = set(), None
+    for _, _, (who, layer, _) in paired_program(n_layers):
+        if who == "B" and previous == "F":
+            paired.add(layer)
+        previous = who
+    return n_layers - len(paired)
+
+
+def forward_layers_started(n_layers: int) -> dict:
+    """{B(m)'s MoE layer b: F(m+1)'s MoE layers started (their kept buffers alive) by the end of B's layer b}
+    in `paired_program` (launch/estimate_memory.py's paired moments)."""
+    out, started = {}, 0
+    for _, _, (who, layer, _) in paired_program(n_layers):
+        if who == "F":
+            started = max(started, layer + 1)
+        else:
+            out[layer] = started
+    return out
+
+
+def paired_kept_layers(n_layers: int) -> int:
+    """The most MoE layers whose kept buffers are alive at once in a pair: B's layers 0..b (freed after
+    each layer's backward) + F's started ones; n + 1 from 3 layers on (the crossing stalls F)."""
+    return max(b + 1 + f for b, f in forward_layers_started(n_layers).items())
+
+
+def step_exposed_s(compute_s: dict, comm_s: dict, n_layers: int, micro_batches: int,
+                   activation_checkpoint: str = "none", ep_recompute: str = "resend", paired: bool = False) -> float:
+    """EP seconds on the critical path per step, `n_layers` MoE layers x `micro_batches` (arguments:
+    `op_seconds`). Unpaired: n x M x `exposed_s`. Paired: F(0) alone and B(M-1) alone (n x `exposed_s`
+    together) + (M - 1) pairs, each the span of `paired_program` less its compute."""
+    per_layer = exposed_s(compute_s, comm_s, activation_checkpoint, ep_recompute)
+    if not paired:
+        return per_layer * n_layers * micro_batches
+    forward, recompute, backward = op_seconds(compute_s, comm_s)
+    seconds = forward | {f"re_{name}": s for name, s in recompute.items()} | backward
+    span, busy = simulate(paired_program(n_layers, recompute_ops(activation_checkpoint, ep_recompute)), seconds)
+    return per_layer * n_layers + (micro_batches - 1) * (span - busy)
