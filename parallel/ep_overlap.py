@@ -60,7 +60,7 @@ def overlapped_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torc
     P = dist.get_world_size(group)
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, group))  # parallel/ep_keep.py
+    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, self.ep_counts_group))  # ep_keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)

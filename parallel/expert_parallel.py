@@ -42,8 +42,9 @@ from parallel.ep_keep import kept
 EXPERT_WEIGHTS = ("w13", "w2")
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) -> None:
-    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward; with
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None, counts_group=None) -> None:
+    """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and swap its forward (the count
+    exchanges on `counts_group` when given: parallel/meshes.py `_counts_group`, else on the ep group); with
     `layout.ep_dedup`, also swap every MoE's `routed` for the node-deduplicated dispatch; with
     `layout.ep_capacity_factor` > 0, the experts' dispatch for the fixed-capacity one (no host sync).
 
@@ -67,6 +68,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, layout=None) ->
                 local = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
             module.ep_group = ep_mesh.get_group()
+            module.ep_counts_group = counts_group or module.ep_group
             module.exchange_counts = types.MethodType(expert_parallel_exchange_counts, module)
             module.forward = types.MethodType(expert_parallel_forward, module)
     if layout is not None and layout.ep_capacity_factor > 0:
@@ -139,7 +141,7 @@ def expert_parallel_exchange_counts(self: GroupedExperts, counts_E: torch.Tensor
     n_ranks = dist.get_world_size(self.ep_group)
     if n_ranks == 1:
         return counts_E
-    return kept("counts", lambda: _exchange_counts(counts_E, n_ranks, self.ep_group))  # parallel/ep_keep.py
+    return kept("counts", lambda: _exchange_counts(counts_E, n_ranks, self.ep_counts_group))  # parallel/ep_keep.py
 
 
 def _exchange_counts(counts_E: torch.Tensor, n_ranks: int, group) -> ExchangedCounts:

@@ -5,9 +5,11 @@ The block runs each micro-batch as two halves A and B (half the tokens each), so
 all-to-alls are in flight while the other half computes. Its program is DATA (`FORWARD`, `BACKWARD`:
 (kind, name, half) per op, in issue order; provisional until measured on the runtime's timeline):
   compute  on the compute stream, one after another;
-  comm     an all-to-all on the comm stream: starts when the comm stream is free AND the compute
-           issued before it is done (its input; the comm stream waits on the compute stream), runs
-           alone (issue order), as long as its slower link;
+  comm     an all-to-all on its comm stream: starts when that stream is free AND the compute issued
+           before it is done (its input; the comm stream waits on the compute stream), runs alone on
+           it (issue order), as long as its slower link. Rows (dispatch, combine, their gradients) share
+           one stream; the count exchanges have their own (their own process group under the halves
+           and the pairing, parallel/meshes.py `_counts_group`), so they never queue behind rows;
   wait     the compute stream waits until that comm op is done (`wait counts`: the host reads the
            split sizes: a host sync, charged by the step as SYNC_S, not here).
 Compute ops: attn = attention_norm + attention + residual + ffn_norm + router; experts = the routed
@@ -58,18 +60,20 @@ YIELDS = ("dispatch", "combine")  # the forward's waits where a paired forward h
 
 def simulate(ops, seconds: dict) -> tuple[float, float]:
     """(span, compute seconds) of `ops` (module docstring), `seconds[name]` each."""
-    compute = comm = busy = 0.0
+    compute = busy = 0.0
+    comm = {"rows": 0.0, "counts": 0.0}  # the count exchanges have a group of their own (parallel/meshes.py)
     done = {}
     for kind, name, half in ops:
         if kind == "compute":
             compute += seconds[name]
             busy += seconds[name]
         elif kind == "comm":
-            comm = max(comm, compute) + seconds[name]
-            done[name, half] = comm
+            stream = "counts" if name.endswith("counts") else "rows"
+            comm[stream] = max(comm[stream], compute) + seconds[name]
+            done[name, half] = comm[stream]
         else:
             compute = max(compute, done[name, half])
-    return max(compute, comm), busy
+    return max(compute, *comm.values()), busy
 
 
 def recompute_ops(activation_checkpoint: str, ep_recompute: str) -> tuple:
