@@ -5,6 +5,13 @@ the plan.
 
 Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
 relative; allowed 2e-5 on gradients, 1e-5 on the loss and the norm).
+
+The model is the debug preset without its dense block (MODEL): two MoE blocks, so every per-layer
+question (caches, kept exchanges replayed per layer under recompute) still meets a second layer, and the
+dense FFN under these layouts is tests/test_parallel_parity.py's (headline_cp2_ep8,
+hsdp_cp2_ep4_edp_shard_inner). Cases of one layout share its meshes (_meshes): the process groups are not
+what is tested here (building them per case was ~6% of the fixture, profiled). Both together took the
+fixture from 283 s to 64 s on 2 busy cores.
 """
 
 import itertools
@@ -26,6 +33,7 @@ from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
 
 WORLD, BATCH, SEQ, RPN = 8, 8, 32, 4
+MODEL = preset("debug", n_layers=2, n_dense_layers=0)  # two MoE blocks (module docstring)
 GRAD_RTOL, NORM_RTOL = 2e-5, 1e-5
 HEADLINE = dict(dp_shard=4, cp=2, ep=8, edp_shard=1, ranks_per_node=RPN)
 FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard", ranks_per_node=RPN)
@@ -133,9 +141,9 @@ def test_bad_dispatch_knobs_fail_in_one_line(argv, world, message):
 
 # -- 8 ranks, two simulated nodes
 
-def _model() -> Transformer:
+def _model(config=MODEL) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(preset("debug"))
+    model = Transformer(config)
     model.init_weights()
     return model
 
@@ -162,7 +170,7 @@ def _run_case(config, reference, checkpoint="none"):
     model = _model()
     layout = config.resolve(dist.get_world_size())
     layout.validate(model.config, SEQ, BATCH)
-    meshes = build_meshes(layout, "cpu")
+    meshes = _meshes(layout)
     parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
     routing, timeline = [], []
     experts = [m for m in model.modules() if hasattr(m, "ep_timeline")]
@@ -195,13 +203,29 @@ def _run_case(config, reference, checkpoint="none"):
             "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
 
 
+_MESHES = {}  # this rank process's meshes, by what build_meshes reads of a layout
+
+
+def _meshes(layout):
+    """build_meshes(layout), built once per rank process for each distinct set of degrees, numbering and
+    count-exchange group (parallel/meshes.py reads nothing else of the layout)."""
+    key = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep, layout.edp_replicate,
+           layout.edp_shard, layout.expert_inner, layout.ep_interleave or layout.ep_pair_micro_batches)
+    if key not in _MESHES:
+        _MESHES[key] = build_meshes(layout, "cpu")
+    return _MESHES[key]
+
+
 def _collect_tapes() -> list:
     """The tapes parallel/ep_keep.py makes from now on (this rank process only), to weigh what they keep."""
     from parallel import ep_keep
 
     tapes = []
+    base = getattr(ep_keep.Tape, "original", ep_keep.Tape)  # not a subclass of the previous case's
 
-    class Tape(ep_keep.Tape):
+    class Tape(base):
+        original = base
+
         def __init__(self):
             super().__init__()
             tapes.append(self)
@@ -247,7 +271,7 @@ def planned_bytes(per_rank, name, backward=False, stages=None) -> dict[int, tupl
     routing, summed over the MoE layers (only the named `stages` when given)."""
     from benchmarks.lib.ep_projection import layer_stages
 
-    config, out = preset("debug"), {}
+    config, out = MODEL, {}
     layout = CASES[name].resolve(WORLD)
     for ep_ranks in {tuple(r[name]["ep_ranks"]) for r in per_rank}:
         placement = Placement(config.n_routed_experts, ep_ranks, RPN)
@@ -323,7 +347,7 @@ def test_dedup_cross_node_rows_are_distinct_token_node_pairs(results):
     it sends (row, K weights, K ids) and those it answers as a gateway (the summed row back), plus the
     count exchanges' off-node ints: a plain loop over the routing."""
     _, per_rank = results
-    c = preset("debug")
+    c = MODEL
     K = c.n_activated_experts
     for layout in ("headline", "folded"):
         name = f"{layout}_dedup"
@@ -351,7 +375,7 @@ def _loop_drops(per_rank, name, rank):
     """[dropped, routed] copies of `rank` by a plain loop: its copies sorted by expert (token order
     within an expert), the first C per destination rank kept."""
     ep_ranks = per_rank[rank][name]["ep_ranks"]
-    L = preset("debug").n_routed_experts // len(ep_ranks)
+    L = MODEL.n_routed_experts // len(ep_ranks)
     dropped = routed = 0
     for experts_TK in per_rank[rank][name]["routing"]:
         copies = sorted(e for row in experts_TK.tolist() for e in row)
@@ -434,7 +458,7 @@ def test_fp8_combine_gradient_changes_only_the_backward(results, name):
     exactly the plan's saving on those stages, in-node and across nodes; the gradient norm moves (the
     FP8 path ran) by less than e4m3's largest relative rounding of one value (2^-4)."""
     _, per_rank = results
-    twin, D = name.removesuffix("_fp8g"), preset("debug").dim
+    twin, D = name.removesuffix("_fp8g"), MODEL.dim
     combines = ("combine", "fan_in", "node_combine")
     fp8, full = (planned_bytes(per_rank, n, True, combines) for n in (name, twin))
     for rank, by_case in enumerate(per_rank):
@@ -457,7 +481,7 @@ def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
     from parallel.ep_keep import kept_bytes_per_layer
 
     _, per_rank = results
-    c, layout = preset("debug"), CASES[name].resolve(WORLD)
+    c, layout = MODEL, CASES[name].resolve(WORLD)
     tokens = per_rank[0][name]["routing"][0].shape[0]
     L = c.n_routed_experts // layout.ep
     distinct = [len({r[name]["ep_ranks"][e // L] // RPN for e in row}) for r in per_rank for t in r[name]["routing"]
@@ -483,7 +507,7 @@ def _train_losses(rank, world, variants, steps):
     """Per variant (param dtype, EP knobs): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
     out = {}
     for name, (param_dtype, knobs) in variants.items():
-        model = _model()
+        model = _model(preset("debug"))  # the whole debug preset: the bf16 yardstick is measured on it
         layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, **knobs).resolve(world)
         parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype)
         opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, foreach=False)

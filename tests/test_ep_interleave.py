@@ -3,8 +3,12 @@ single-process step: the split by positions (one sequence per rank) and by seque
 context parallelism too), with full checkpointing and kept exchanges, FP8 dispatch; every all-to-all byte
 counted and compared with the direct dispatch's, host syncs counted, the overlap read from timestamps.
 
-The harness and tolerances are tests/test_ep_dispatch.py's (fp32, different summation orders).
+The harness, the model (two MoE blocks, no dense one) and tolerances are tests/test_ep_dispatch.py's (fp32,
+different summation orders). The direct dispatch on the folded layout is its folded_direct (same layout, model
+and assertions: the step against one process, forward host syncs, and its bytes against the plan).
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.layout import ParallelConfig
-from test_ep_dispatch import NORM_RTOL, RPN, _reference, _run_case, assert_matches_single_process
+from test_ep_dispatch import MODEL, NORM_RTOL, RPN, _reference, _run_case, assert_matches_single_process
 
 WORLD = 8
 BY_POSITION = dict(dp_shard=8, cp=1, ep=8, edp_shard=1, ranks_per_node=RPN)  # 1 sequence per rank
@@ -31,7 +35,6 @@ CASES = {
                                                              ep_dispatch_dtype="float8_e4m3",
                                                              ep_combine_grad_dtype="float8_e4m3"),
     "headline_interleave": ParallelConfig(**HEADLINE, ep_interleave=True),
-    "folded_direct": ParallelConfig(**FOLDED),
     "folded_interleave_full_keep": ParallelConfig(**FOLDED, ep_interleave=True, ep_recompute="keep"),
 }
 CHECKPOINT = {name: "full" for name in CASES if "_full_" in name}
@@ -46,10 +49,10 @@ def _alpha(name: str) -> float:
 
 
 def _model(alpha: float, dp: int = 1) -> Transformer:
-    """The debug model; with dp > 1 each router's balance loss is weighted by this rank's share of the
+    """MODEL (tests/test_ep_dispatch.py); with dp > 1 each router's balance loss is weighted by this rank's share of the
     sequences (as runtime/train.py does), so the gradients summed over ranks are the one-process ones."""
     torch.manual_seed(0)
-    model = Transformer(preset("debug", aux_loss_alpha=alpha))
+    model = Transformer(dataclasses.replace(MODEL, aux_loss_alpha=alpha))
     model.init_weights()
     for router in model.routers():
         router.aux_loss_weight = 1.0 / dp
@@ -92,7 +95,7 @@ def _planned(per_rank, name) -> dict[int, tuple[int, int]]:
     from benchmarks.lib.ep_projection import layer_link_bytes, layer_stages
     from parallel.ep_plan import Placement
 
-    config, layout = preset("debug"), CASES[name].resolve(WORLD)
+    config, layout = MODEL, CASES[name].resolve(WORLD)
     halves = 2 if layout.ep_interleave else 1
     ep_ranks = tuple(per_rank[0][name]["ep_ranks"])
     placement = Placement(config.n_routed_experts, ep_ranks, RPN)
@@ -124,8 +127,7 @@ def test_halves_send_the_direct_rows_and_one_more_count_exchange(results):
     """Against the direct dispatch on the same routing: the backward's bytes are equal, the forward's
     exceed them by one count exchange (L int64 to each peer) per MoE layer."""
     _, per_rank = results
-    config = preset("debug")
-    L = config.n_routed_experts // 8
+    L = MODEL.n_routed_experts // 8
     for by_case in per_rank:
         direct, halves = by_case["position_direct"], by_case["position_interleave"]
         layers = len(direct["routing"])

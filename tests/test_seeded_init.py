@@ -18,7 +18,19 @@ LAYOUTS_4 = {
     "hsdp_ep2_ehsdp": ("debug_gqa", {}, ParallelConfig(dp_replicate=2, dp_shard=2, edp_replicate=2, ep=2)),
     "few_local_experts": ("debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=4, ep=2, edp_shard=2)),
 }
-LAYOUTS_8 = {name: (p, o, layout) for name, (p, o, layout, _) in CASES.items()}
+
+
+def _distinct(cases) -> dict:
+    """tests/test_parallel_parity.py's cases as {name: (preset, overrides, layout)}, each distinct triple once
+    (the init does not see routing: empty_experts_cp2_ep8 is headline_cp2_ep8's)."""
+    out = {}
+    for name, (preset_name, overrides, layout, _) in cases.items():
+        if (preset_name, overrides, layout) not in out.values():
+            out[name] = (preset_name, overrides, layout)
+    return out
+
+
+LAYOUTS_8 = _distinct(CASES)
 
 
 def _stream_reference(full_shape, std, seed, name) -> torch.Tensor:
