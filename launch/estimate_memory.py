@@ -291,12 +291,12 @@ def paired_moments(job: Job, moments: dict, kept_L, recompute_L, disp, ep_kept) 
       dispatch      block g's dispatch buffers
       ep_kept       the kept buffers of F's f MoE layers: with B's of layers 0..l, at most n + 1 layers
                     alive (B frees one layer as F starts the next; the crossing stalls F), against n unpaired.
-    K2 on its config (rank 0, 1x2x128, bf16, one 4096-token sequence, full checkpointing, keep): B's top block
+    K2 on its previous config (rank 0, 1x2x128, bf16, one 4096-token sequence, full checkpointing, keep): B's top block
     49.35 GiB (kept 60 x 0.656 = 39.38, inputs 61 x 0.055 + 0.22 = 3.56, recompute 2.93, units 2.61, dispatch
     0.88) + F's first MoE block 5.67 (units 2 x 0.52 = 1.04, inputs 2 x 0.055 + 0.055 = 0.16, working 2.93,
     dispatch 0.88, kept 0.66) = 55.03 GiB, the most of any paired moment (B frees a layer's kept buffers and
     input as F adds one; the crossing stalls F), below the head's backward (55.46: the logits): the peak stays
-    121.2 GiB. On 1x4x64 (edp_shard inner) the units are larger and a paired moment is the peak: 122.5 GiB
+    121.2 GiB. On its config now, 1x4x64 (edp_shard inner), the units are larger and a paired moment is the peak: 122.5 GiB
     (unpaired 121.5)."""
     cfg, c = job.config.model, job.c
     n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers

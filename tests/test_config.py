@@ -148,7 +148,7 @@ def test_explicit_degrees_are_kept_and_one_unknown_left_to_infer():
 
 
 @pytest.mark.parametrize("name, world_sizes, experts", [
-    ("kimi_k2_256gpu", [256], (1, 2, 128, "ep")), ("deepseek_v3_256gpu", [256], (1, 4, 64, "ep")),
+    ("kimi_k2_256gpu", [256], (1, 4, 64, "edp_shard")), ("deepseek_v3_256gpu", [256], (1, 2, 128, "ep")),
     ("moonlight_16b", [8, 64], (None, None, 8, "ep")),
 ])
 def test_large_configs_load_and_fit_their_world_size(name, world_sizes, experts):
