@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from runtime.comm import comm_error_kind
 from runtime.errors import RunError
 
 MARKER = "COMPLETE"
@@ -236,9 +237,12 @@ def failed(error: BaseException, step: int, directory: str) -> RunError:
     full = _disk_full(error, directory)
     if _rank() == 0:
         shutil.rmtree(os.path.join(directory, f"step_{step}.tmp"), ignore_errors=True)
-    what = "no space left on device" if full else f"{failure_reason(error)}"
-    return RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
-                    f"kept (newest: {latest_checkpoint(directory) or 'none'})")
+    what = "no space left on device" if full else failure_reason(error)
+    run_error = RunError(f"{what} while writing checkpoint step_{step} to {directory}; the older checkpoints are "
+                         f"kept (newest: {latest_checkpoint(directory) or 'none'})")
+    # a peer died (or a collective timed out) mid-write: runtime/train.py reports it as that collective failure
+    run_error.__cause__ = next((e for e in _causes(error) if comm_error_kind(e)), None)
+    return run_error
 
 
 def _disk_full(error: BaseException, directory: str) -> bool:

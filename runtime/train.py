@@ -337,9 +337,14 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
                                 pin_memory=device.type == "cuda")
     try:
         _train(config, layout, meshes, device, build_objective, checkpointer, watch)
-    except (RunError, KeyboardInterrupt):
-        checkpointer.close(wait=True)
-        raise
+    except (RunError, KeyboardInterrupt) as e:
+        cause = e.__cause__ if isinstance(e, RunError) else None  # a checkpoint write a dead peer failed
+        failure = watch.failure(cause) if cause is not None else None
+        if failure is None:
+            checkpointer.close(wait=True)
+            raise
+        failure.abandoned_write = checkpointer.close(wait=False)
+        raise failure from None
     except Exception as e:
         abandoned = checkpointer.close(wait=False)
         failure = watch.failure(e)

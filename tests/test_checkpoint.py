@@ -165,3 +165,13 @@ def test_checkpoint_config_schedule():
     config = CheckpointConfig(interval=3, keep=1)
     assert [s for s in range(10) if config.due(s)] == [3, 6, 9]
     assert not any(CheckpointConfig(interval=0).due(s) for s in range(10))
+
+
+def test_a_write_a_dead_peer_failed_keeps_the_collective_error_for_the_report(tmp_path):
+    """runtime/train.py turns such a RunError into the comm report ("rank N: a peer rank died ...", exit 4)."""
+    from runtime.checkpoint import failed
+
+    dead = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2433")
+    error = failed(dead, 4, str(tmp_path))
+    assert error.__cause__ is dead and "Connection closed by peer" in str(error) and "step_4" in str(error)
+    assert failed(RuntimeError("disk on fire"), 4, str(tmp_path)).__cause__ is None
