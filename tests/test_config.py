@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from models import preset
 from runtime.config import (ConfigError, JobConfig, default_layout, field_help, fill_layout, help_text,
@@ -227,3 +228,37 @@ def test_the_256_gpu_configs_prefetch_as_the_projections_assume(name):
     deeper = dataclasses.replace(config, training=dataclasses.replace(config.training, fsdp_prefetch=2))
     one, two = (fsdp_buffers(Job(c, c.layout(256), 0, "h200")) for c in (config, deeper))
     assert all(b >= a for a, b in zip(one, two)) and sum(two) > sum(one)
+
+
+# moved from tests/test_ep_dispatch.py (EP knobs of the configs and of the launch)
+@pytest.mark.parametrize("key", ["ep_dispatch_dtype", "ep_combine_grad_dtype"])
+def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys, key):
+    """Before any process group: a CUDA device of capability 8.0 (A100) has no float8."""
+    from launch.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert main(["--training.device=cuda", "--parallel.ep=2", f"--parallel.{key}=float8_e4m3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"config error: parallel.{key}='float8_e4m3' needs a GPU with float8 support (compute "
+                   "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
+
+
+@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
+def test_large_configs_set_the_recommended_dispatch(model):
+    """The 256-GPU configs' layout and EP knobs are the row benchmarks/step_projection.py recommends
+    among every layout and dispatch combination (its committed --compare 256 JSON, bf16)."""
+    import json
+
+    from benchmarks.lib.ep_projection import degrees_only, dispatch_knobs
+    from benchmarks.step_projection import describe
+    from runtime.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    layout = load_config(["--config", os.path.join(root, "configs", f"{model}_256gpu.toml")]).layout(256)
+    path = os.path.join(root, "benchmarks", "results", f"step_projection_{model}_bf16_dispatch_compare.json")
+    with open(path) as f:
+        (best,) = [r for r in json.load(f)["rows"] if r.get("recommended")]
+    knobs = dispatch_knobs(degrees_only(layout)) | best["dispatch"]  # a knob newer than the file: its default
+    assert (best["layout"], knobs, best["fits"]) == (describe(layout), dispatch_knobs(layout), True)

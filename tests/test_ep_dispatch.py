@@ -590,37 +590,3 @@ def test_forward_host_syncs_are_the_plans(results, name):
     expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))
     for by_case in per_rank:
         assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]
-
-
-@pytest.mark.parametrize("key", ["ep_dispatch_dtype", "ep_combine_grad_dtype"])
-def test_fp8_dispatch_on_a_gpu_without_float8_fails_in_one_line_with_exit_2(monkeypatch, capsys, key):
-    """Before any process group: a CUDA device of capability 8.0 (A100) has no float8."""
-    from launch.pretrain import main
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert main(["--training.device=cuda", "--parallel.ep=2", f"--parallel.{key}=float8_e4m3"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == (f"config error: parallel.{key}='float8_e4m3' needs a GPU with float8 support (compute "
-                   "capability >= 8.9: Ada, Hopper or newer); this one is 8.0")
-
-
-@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3"])
-def test_large_configs_set_the_recommended_dispatch(model):
-    """The 256-GPU configs' layout and EP knobs are the row benchmarks/step_projection.py recommends
-    among every layout and dispatch combination (its committed --compare 256 JSON, bf16)."""
-    import json
-    import os
-
-    from benchmarks.lib.ep_projection import degrees_only, dispatch_knobs
-    from benchmarks.step_projection import describe
-    from runtime.config import load_config
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    layout = load_config(["--config", os.path.join(root, "configs", f"{model}_256gpu.toml")]).layout(256)
-    path = os.path.join(root, "benchmarks", "results", f"step_projection_{model}_bf16_dispatch_compare.json")
-    with open(path) as f:
-        (best,) = [r for r in json.load(f)["rows"] if r.get("recommended")]
-    knobs = dispatch_knobs(degrees_only(layout)) | best["dispatch"]  # a knob newer than the file: its default
-    assert (best["layout"], knobs, best["fits"]) == (describe(layout), dispatch_knobs(layout), True)
