@@ -55,6 +55,7 @@ class ParallelConfig:
     ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep_fp8.py)
     ep_interleave: bool = False  # EP: each MoE block runs its micro-batch as two halves, one half's all-to-alls in flight while the other computes attention, experts and shared experts (parallel/ep_interleave.py)
     ep_pair_micro_batches: bool = False  # EP: each micro-batch's backward runs paired with the next micro-batch's forward, one's all-to-alls in flight while the other computes (parallel/ep_pairing.py; needs ep_interleave or ep_overlap_chunks > 1, and training.grad_accum > 1)
+    ep_recompute_ahead: bool = False  # EP under training.activation_checkpoint = "full" with ep_interleave: the block below starts its recompute while this block's dispatch gradient crosses (parallel/recompute_ahead.py; one more block's recomputed activations alive)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -82,7 +83,7 @@ def _check_expert_inner(value) -> None:
 
 
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-            "ep_combine_grad_dtype", "ep_interleave", "ep_pair_micro_batches")
+            "ep_combine_grad_dtype", "ep_interleave", "ep_pair_micro_batches", "ep_recompute_ahead")
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")
 
@@ -108,7 +109,7 @@ def _check_ep_modes(layout: "Layout") -> None:
     on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
           "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep",
           "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave,
-          "ep_pair_micro_batches": layout.ep_pair_micro_batches}
+          "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
     for key, enabled in on.items():
         if enabled and layout.ep == 1:
             raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
@@ -137,13 +138,17 @@ def _check_ep_modes(layout: "Layout") -> None:
 
 
 def check_recompute(layout, activation_checkpoint: str) -> None:
-    """ValueError (one line) for parallel.ep_recompute='keep' where nothing is recomputed."""
+    """ValueError (one line) for a recompute knob that does not apply to `activation_checkpoint`."""
     if layout.ep_recompute == "keep" and activation_checkpoint == "none":
         raise ValueError("parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none' "
                          "(nothing is recomputed); use 'full' or 'selective', or ep_recompute='resend'")
     if layout.ep_interleave and activation_checkpoint == "selective":
         raise ValueError("parallel.ep_interleave with training.activation_checkpoint='selective': not combined (the "
                          "experts' region would rerun a dispatch another region waits for); use 'full' or 'none'")
+    if layout.ep_recompute_ahead and not (activation_checkpoint == "full" and layout.ep_interleave):
+        raise ValueError(f"parallel.ep_recompute_ahead needs training.activation_checkpoint='full' (got "
+                         f"{activation_checkpoint!r}) and parallel.ep_interleave = true (it starts at their dispatch "
+                         f"gradients' waits)")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -188,6 +193,7 @@ class Layout:
     ep_combine_grad_dtype: str = "compute"
     ep_interleave: bool = False
     ep_pair_micro_batches: bool = False
+    ep_recompute_ahead: bool = False
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:
