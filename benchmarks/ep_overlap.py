@@ -7,6 +7,8 @@
                           one sequence per rank: the split by positions)
         [--pair M]   (both variants run the halves over M micro-batches per step (--interleave implied); the
                       overlapped one pairs each backward with the next forward: parallel.ep_pair_micro_batches)
+        [--ahead]   (both variants run the halves under full checkpointing with kept exchanges, paired if --pair;
+                     the overlapped one recomputes ahead: parallel.ep_recompute_ahead)
 
 Gloo on CPU: the debug preset widened (dim 256, 16 experts, top-4) so the grouped matmuls and the
 all-to-alls both take time; ep over all ranks, FSDP over all ranks. The variants alternate step by
@@ -45,16 +47,16 @@ BATCH, SEQ = 4, 128
 
 
 def build(chunks: int, dispatch_dtype: str = "compute", dedup: bool = False, interleave: bool = False,
-          pair: bool = False) -> Transformer:
+          pair: bool = False, checkpoint: str = "none", ahead: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(preset("debug", **SHAPE))
     model.init_weights()
     world = dist.get_world_size()
     layout = ParallelConfig(dp_shard=world, ep=world, edp_shard=1, ep_overlap_chunks=1 if interleave else chunks,
                             ep_interleave=interleave, ep_dispatch_dtype=dispatch_dtype, ep_dedup=dedup,
-                            ep_pair_micro_batches=pair,
-                            ranks_per_node=max(1, world // 2)).resolve(world)
-    parallelize(model, build_meshes(layout, "cpu"), layout)
+                            ep_pair_micro_batches=pair, ep_recompute="keep" if checkpoint != "none" else "resend",
+                            ep_recompute_ahead=ahead, ranks_per_node=max(1, world // 2)).resolve(world)
+    parallelize(model, build_meshes(layout, "cpu"), layout, activation_checkpoint=checkpoint)
     return model
 
 
@@ -100,17 +102,20 @@ def main(argv=None) -> dict:
     p.add_argument("--dedup", action="store_true")
     p.add_argument("--interleave", action="store_true")
     p.add_argument("--pair", type=int, default=0, help="micro-batches per step, paired in the overlapped variant")
+    p.add_argument("--ahead", action="store_true", help="in order vs recompute ahead (full checkpointing, halves)")
     args = p.parse_args(argv)
     if args.pair == 1 or args.pair < 0:
         p.error(f"--pair {args.pair}: needs at least 2 micro-batches (0: off)")
-    args.interleave = args.interleave or args.pair > 1
+    args.interleave = args.interleave or args.pair > 1 or args.ahead
     if args.interleave and args.dedup:
         p.error("--interleave with --dedup: parallel.ep_interleave does not combine with parallel.ep_dedup")
     check_outputs([("--json", args.json)])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     pair, M = args.pair > 1, max(1, args.pair)
-    models = {c: build(c, args.dispatch_dtype, args.dedup, args.interleave and (c > 1 or pair), pair and c > 1)
+    both = args.ahead  # --ahead: the halves (and the pairing) in both variants, only the recompute's time differs
+    models = {c: build(c, args.dispatch_dtype, args.dedup, args.interleave and (c > 1 or pair or both),
+                       pair and (c > 1 or both), "full" if both else "none", both and c > 1)
               for c in (1, args.chunks)}
     tokens = torch.randint(0, 256, (BATCH * M, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     times = {c: [] for c in models}
@@ -121,11 +126,11 @@ def main(argv=None) -> dict:
     [m for m in models[args.chunks].modules() if hasattr(m, "ep_timeline")][0].ep_timeline = timeline
     step(models[args.chunks], tokens, M)
     medians = {c: statistics.median(v[1:]) for c, v in times.items()}
-    out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "interleave": args.interleave, "pair_micro_batches": args.pair, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
+    out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "interleave": args.interleave, "pair_micro_batches": args.pair, "ahead": args.ahead, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,
            "median_step_s": {str(c): m for c, m in medians.items()},
            "ratio_overlap_over_none": medians[args.chunks] / medians[1],
            # the paired forward's and backward's marks share the timeline: tests/test_ep_pairing.py reads that overlap
-           "forward_matmul_time_covered_by_other_pieces_all_to_all": None if pair else overlap_fraction(timeline)}
+           "forward_matmul_time_covered_by_other_pieces_all_to_all": None if pair or both else overlap_fraction(timeline)}
     if dist.get_rank() == 0:
         print(json.dumps(out, indent=1))
         if args.json:

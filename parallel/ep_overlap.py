@@ -39,6 +39,7 @@ from models.experts import GroupedExperts, swiglu_experts
 from parallel.ep_fp8 import decode, encode
 from parallel.ep_keep import kept
 from parallel.ep_pairing import backward_turn, forward_turn
+from parallel.recompute_ahead import below
 
 
 def apply_overlap(model: nn.Module, chunks: int) -> None:
@@ -130,7 +131,8 @@ def _start(self, name, piece, x_MD, out_splits, in_splits, group):
     combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `_wait`."""
     fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
     box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8,
-           "block": getattr(self, "pair_block", None)}  # parallel/ep_pairing.py
+           "block": getattr(self, "pair_block", None),  # parallel/ep_pairing.py
+           "below": below() if name == "dispatch" else None}  # parallel/recompute_ahead.py
     box["grad_fp8"] = name == "combine" and getattr(self, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
     link = _Start.apply(x_MD, out_splits, in_splits, group, box)
     return link, box
@@ -167,6 +169,8 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_link):  # the received rows' gradient is already on its way (`_Wait.backward`)
         backward_turn(ctx.box["block"])  # a paired forward computes meanwhile (parallel/ep_pairing.py)
+        if ctx.box["below"] is not None:
+            ctx.box["below"].start()  # the block below recomputes meanwhile (parallel/recompute_ahead.py)
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]

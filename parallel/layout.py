@@ -146,9 +146,9 @@ def check_recompute(layout, activation_checkpoint: str) -> None:
         raise ValueError("parallel.ep_interleave with training.activation_checkpoint='selective': not combined (the "
                          "experts' region would rerun a dispatch another region waits for); use 'full' or 'none'")
     if layout.ep_recompute_ahead and not (activation_checkpoint == "full" and layout.ep_interleave):
-        raise ValueError(f"parallel.ep_recompute_ahead needs training.activation_checkpoint='full' (got "
-                         f"{activation_checkpoint!r}) and parallel.ep_interleave = true (it starts at their dispatch "
-                         f"gradients' waits)")
+        raise ValueError(f"parallel.ep_recompute_ahead needs training.activation_checkpoint='full' and "
+                         f"parallel.ep_interleave = true (got {activation_checkpoint!r} and {layout.ep_interleave}): "
+                         f"the block below reruns inside the halves' dispatch-gradient waits")
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:

@@ -24,7 +24,7 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
     check_recompute(layout, activation_checkpoint)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
     apply_expert_parallel(model, meshes.ep, layout, meshes.ep_counts)  # experts: Shard(0) on ep, all-to-all dispatch/combine
-    apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
+    apply_activation_checkpoint(model, activation_checkpoint, layout.ep_recompute_ahead)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
     if layout.ep_pair_micro_batches:
         apply_pairing(model)  # each backward paired with the next micro-batch's forward

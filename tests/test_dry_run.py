@@ -119,9 +119,12 @@ def test_a_broken_layout_fails_with_the_launchs_line(tmp_path, capfd):
 def test_halves_bytes_equal_the_projections_terms(tmp_path):
     """parallel.ep_interleave (parallel/ep_interleave.py) dry-runs as configured: its second count exchange
     per layer (ep term) and the bf16 run's router units gathered once per half (4 gathers per micro-batch,
-    benchmarks/lib/fsdp_traffic.py) equal the projection's terms to the byte."""
+    benchmarks/lib/fsdp_traffic.py) equal the projection's terms to the byte; with the recompute ahead as the
+    256-GPU configs set it (parallel/recompute_ahead.py: the dense block's recompute inside the MoE block's
+    dispatch-gradient wait, the same collectives)."""
     out = tmp_path / "dry.json"
-    step = [a for a in STEP if "ep_overlap_chunks" not in a] + ["--parallel.ep_interleave=true"]
+    step = [a for a in STEP if "ep_overlap_chunks" not in a] + ["--parallel.ep_interleave=true",
+                                                                 "--parallel.ep_recompute_ahead=true"]
     run_ranks(_dry_run, 1, [*ARGS, *step, "--ranks", "0", "--json", str(out)], timeout=300, as_torchrun=True)
     r = json.load(open(out))
     assert r["step_dispatch"] == "as configured"

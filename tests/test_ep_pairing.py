@@ -5,14 +5,21 @@ with the halves and full checkpointing + kept exchanges (split by positions; by 
 folded HSDP layout with the gradients all-reduced once per step), and with the pieces; the bytes every
 all-to-all moved and the host syncs equal the unpaired run's; recorded timestamps show the next micro-batch's
 forward all-to-alls in flight while the backward computes, and the backward's while the forward computes.
+Recompute ahead (parallel/recompute_ahead.py), paired and not, in the folded layout with FSDP prefetch and with
+K2's knobs: each block below reruns inside the block above's dispatch-gradient waits, and the losses, gradients,
+parameters, all-to-all bytes, host syncs and FSDP all-gathers per unit are the in-order run's to the bit.
 """
 
+import collections
 import os
 import threading
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
@@ -25,6 +32,7 @@ from parallel.overlap import set_fsdp_prefetch
 from parallel.parallelize import parallelize
 from runtime.syncs import count_syncs
 from runtime.train import forward_backward
+from test_recompute_prefetch import _counting_unshard
 
 WORLD, SEQ, RPN = 8, 32, 4
 MICRO = 8  # sequences per micro-batch (all ranks)
@@ -37,10 +45,13 @@ CASES = {  # name: (layout knobs, activation checkpoint, grad sync, FSDP prefetc
     "position_halves_full_keep": (dict(BY_POSITION, ep_interleave=True, ep_recompute="keep"), "full", "every", 0, 2, 3),
     "folded_halves_full_keep": (dict(FOLDED, ep_interleave=True, ep_recompute="keep"), "full", "replicas_last", 1, 1, 2),
     "position_pieces": (dict(BY_POSITION, ep_overlap_chunks=2), "none", "every", 0, 1, 2),
+    "folded_halves_full_keep_ahead": (dict(FOLDED, ep_interleave=True, ep_recompute="keep", ep_recompute_ahead=True),
+                                      "full", "replicas_last", 1, 1, 2),
     "position_k2_knobs": (dict(BY_POSITION, ep_interleave=True, ep_recompute="keep", ep_dispatch_dtype="float8_e4m3",
-                               ep_combine_grad_dtype="float8_e4m3"), "full", "every", 1, 1, 2),
+                               ep_combine_grad_dtype="float8_e4m3", ep_recompute_ahead=True), "full", "every", 1, 1, 2),
 }
 INEXACT = ("position_k2_knobs",)  # FP8 rows: compared with its unpaired run only (bitwise)
+AHEAD = {"folded_halves_full_keep_ahead": "folded_halves_full_keep"}  # recompute ahead: its in-order twin
 
 
 def _model() -> Transformer:
@@ -97,9 +108,10 @@ def _run(knobs: dict, checkpoint: str, grad_sync: str, prefetch: int, steps: int
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
     batches = [(x[rows][:, positions], y[rows][:, positions], positions)
                for x, y in _batches(model.config.vocab_size, steps, M)]
-    losses, norms, grads, calls = [], [], {}, []
+    losses, norms, grads, calls, gathers = [], [], {}, [], collections.Counter()
     for step in range(steps):
-        with count_all_to_all() as step_calls, count_syncs() as syncs:
+        with (count_all_to_all() as step_calls, count_syncs() as syncs,
+              mock.patch.object(FSDPParamGroup, "unshard", _counting_unshard(gathers))):
             local = forward_backward(model, batches[step * M:(step + 1) * M], M * MICRO * SEQ, torch.device("cpu"),
                                      grad_sync)
         calls += step_calls
@@ -113,7 +125,7 @@ def _run(knobs: dict, checkpoint: str, grad_sync: str, prefetch: int, steps: int
     first = dist.get_rank() == 0
     return {"losses": losses, "norms": norms, "grads": grads if first else None, "params": params if first else None,
             "bytes": split_by_node(calls, RPN), "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"},
-            "timeline": list(timeline)}
+            "timeline": list(timeline), "gathers": dict(gathers)}
 
 
 def _run_all(rank, world):
@@ -162,11 +174,12 @@ def test_paired_equals_unpaired_bitwise(results, name):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_same_bytes_and_host_syncs(results, name):
+def test_same_bytes_host_syncs_and_fsdp_gathers(results, name):
     _, ranks = results
     for out in ranks:
         assert out[name, True]["bytes"] == out[name, False]["bytes"] != (0, 0)
         assert out[name, True]["syncs"] == out[name, False]["syncs"]
+        assert out[name, True]["gathers"] == out[name, False]["gathers"]
 
 
 def _in_flight(timeline, forward: bool) -> int:
@@ -197,6 +210,52 @@ def test_each_side_computes_while_the_others_all_to_alls_cross(results, name):
         assert _in_flight(paired, forward=False) > 0, name
 
 
+def _recomputes_inside_dispatch_gradient_waits(timeline) -> int:
+    """Attention starts (forward or recompute) that the backward (main thread) marks while one of its dispatch
+    gradients is in flight (started, not yet waited for): in order none, ahead every recompute below the top."""
+    in_flight, count = set(), 0
+    for event, piece, _, main in timeline:
+        if main and event == "dispatch_grad_start":
+            in_flight.add(piece)
+        elif main and event == "dispatch_grad_wait":
+            in_flight.discard(piece)
+        elif main and event == "attention_start":
+            count += bool(in_flight)
+    return count
+
+
+@pytest.mark.parametrize("name", [*AHEAD, "position_k2_knobs"])
+@pytest.mark.parametrize("paired", [False, True])
+def test_recompute_ahead_runs_the_block_below_inside_the_dispatch_gradient_waits(results, name, paired):
+    """Per micro-batch's backward, each MoE block with a MoE block below starts that block's recompute (its
+    two halves' attention) inside its own dispatch-gradient wait; in order (the twin) none does."""
+    _, ranks = results
+    *_, steps, M = CASES[name]
+    moe_below = N_LAYERS - 2  # MoE blocks 1..4 (block 0 is dense): 3 have a MoE block below
+    for out in ranks:
+        assert _recomputes_inside_dispatch_gradient_waits(out[name, paired]["timeline"]) == steps * M * moe_below * 2
+    for twin in AHEAD.values():
+        for out in ranks:
+            assert _recomputes_inside_dispatch_gradient_waits(out[twin, paired]["timeline"]) == 0
+
+
+@pytest.mark.parametrize("name", AHEAD)
+@pytest.mark.parametrize("paired", [False, True])
+def test_recompute_ahead_equals_in_order_bitwise(results, name, paired):
+    """Only the time of each recompute moves: every loss, norm, gradient, parameter after SGD, all-to-all byte,
+    host sync and FSDP all-gather per unit is the in-order run's."""
+    _, ranks = results
+    for out in ranks:
+        ahead, twin = out[name, paired], out[AHEAD[name], paired]
+        assert (ahead["losses"], ahead["norms"], ahead["bytes"], ahead["syncs"]) == \
+            (twin["losses"], twin["norms"], twin["bytes"], twin["syncs"])
+        assert ahead["gathers"] == twin["gathers"] and sum(twin["gathers"].values()) > 0
+    ahead, twin = ranks[0][name, paired], ranks[0][AHEAD[name], paired]
+    for fqn in twin["grads"]:
+        assert torch.equal(ahead["grads"][fqn], twin["grads"][fqn]), fqn
+        assert torch.equal(ahead["params"][fqn], twin["params"][fqn]), fqn
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "parallel.ep_pair_micro_batches needs parallel.ep_interleave = true or parallel.ep_overlap_chunks > 1"),
     (["--parallel.ep_interleave=true", "--training.grad_accum=1"],
@@ -213,6 +272,20 @@ def test_the_launch_config_refuses_what_pairing_cannot_run(argv, message):
     with pytest.raises(ValueError) as error:
         load_config(["--parallel.ep_pair_micro_batches=true", "--data.batch_size=16", *argv]).layout(WORLD)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv, got", [(["--training.activation_checkpoint=none"], "'none' and True"),
+                                       (["--parallel.ep_interleave=false"], "'full' and False")])
+def test_the_launch_config_refuses_recompute_ahead_without_full_checkpointing_and_halves(argv, got):
+    from runtime.config import load_config
+
+    argv = ["--parallel.ep_recompute_ahead=true", "--parallel.ep_interleave=true", "--training.activation_checkpoint=full",
+            "--data.batch_size=16", *argv]
+    with pytest.raises(ValueError) as error:
+        load_config(argv).layout(WORLD)
+    assert str(error.value) == ("parallel.ep_recompute_ahead needs training.activation_checkpoint='full' and "
+                                f"parallel.ep_interleave = true (got {got}): the block below reruns inside the halves' "
+                                "dispatch-gradient waits")
 
 
 def test_post_training_refuses_pairing_in_one_line():
