@@ -36,7 +36,7 @@ from torch import nn
 
 from models.moe import expert_counts
 from parallel.ep_keep import kept
-from parallel.ep_overlap import _mark, _start, _wait
+from parallel.ep_overlap import mark, start_rows, wait_rows
 from parallel.ep_plan import expert_nodes, index_tensor, pairs_per_node
 
 
@@ -112,7 +112,7 @@ def node_pipeline(self, x_QD: torch.Tensor, w_QK: torch.Tensor, ids_QK: torch.Te
 
     def hop(i):  # communication: node hop (dispatch) of piece i, across nodes
         x, w, ids = pieces[i]
-        return [_start(self, name, i, t, plan.recv[i], plan.send[i], group)
+        return [start_rows(self, name, i, t, plan.recv[i], plan.send[i], group)
                 for name, t in (("dispatch", x), ("weights", w), ("ids", ids))]
 
     started = [hop(0)] + [None] * (n - 1)
@@ -120,12 +120,13 @@ def node_pipeline(self, x_QD: torch.Tensor, w_QK: torch.Tensor, ids_QK: torch.Te
     for i in range(n):
         if i + 1 < n:
             started[i + 1] = hop(i + 1)
-        x_RD, w_RK, ids_RK = (_wait(self, name, i, *s) for name, s in zip(("dispatch", "weights", "ids"), started[i]))
-        _mark(self, "compute_start", i)
+        x_RD, w_RK, ids_RK = (wait_rows(self, name, i, *s)
+                              for name, s in zip(("dispatch", "weights", "ids"), started[i]))
+        mark(self, "compute_start", i)
         partial_RD = _fan_out(self, x_RD, w_RK, ids_RK, plan.copies[i], plan.n_experts)  # inside the node
-        _mark(self, "compute_end", i)
-        combined.append(_start(self, "combine", i, partial_RD, plan.send[i], plan.recv[i], group))
-    return torch.cat([_wait(self, "combine", i, *c) for i, c in enumerate(combined)])
+        mark(self, "compute_end", i)
+        combined.append(start_rows(self, "combine", i, partial_RD, plan.send[i], plan.recv[i], group))
+    return torch.cat([wait_rows(self, "combine", i, *c) for i, c in enumerate(combined)])
 
 
 def _fan_out(self, x_RD, w_RK, ids_RK, n_copies: int, n_experts: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from models.attention import LocalKV
 from models.kv_cache import LayerCache
 from models.model import TransformerBlock
 from models.moe import MoE, expert_counts
-from parallel.ep_overlap import _experts, _mark, _start, _wait
+from parallel.ep_overlap import local_experts, mark, start_rows, wait_rows
 
 
 def apply_interleave(model: nn.Module) -> None:
@@ -81,16 +81,16 @@ def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S
     moe.router.split_dim = dim
     try:
         for i, (x, p) in enumerate(_split(x_BSD, positions_S, dim)):
-            _mark(experts, "attention_start", i)
+            mark(experts, "attention_start", i)
             a = self.attention_norm(x)
             h = x + self.attention(a, p, **keys)
             f = self.ffn_norm(h)
             if experts.ep_timeline is not None and torch.is_grad_enabled():  # the backward's order, for tests
-                h.register_hook(lambda grad, i=i: _mark(experts, "attention_grad_start", i))
-                a.register_hook(lambda grad, i=i: _mark(experts, "attention_grad_end", i))
+                h.register_hook(lambda grad, i=i: mark(experts, "attention_grad_start", i))
+                a.register_hook(lambda grad, i=i: mark(experts, "attention_grad_end", i))
             halves.append(_dispatch(moe, f, i))
             hidden.append((h, f))
-            _mark(experts, "attention_end", i)
+            mark(experts, "attention_end", i)
     finally:
         moe.router.split_dim = None
     links = experts([half.dispatch[0] for half in halves], halves)
@@ -98,7 +98,7 @@ def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S
     for i, ((h, f), half, link) in enumerate(zip(hidden, halves, links)):
         B, S, D = f.shape
         shared = None if moe.shared_experts is None else moe.shared_experts(f.reshape(B * S, D))
-        y_TD = moe.combine(_wait(experts, "combine", i, link, half.combine_box), half.order_N, half.weights_TK)
+        y_TD = moe.combine(wait_rows(experts, "combine", i, link, half.combine_box), half.order_N, half.weights_TK)
         out.append(h + (y_TD if shared is None else y_TD + shared).view(B, S, D))
     return torch.cat(out, dim)
 
@@ -120,7 +120,7 @@ def _dispatch(moe: MoE, f_BSD: torch.Tensor, i: int) -> Half:
     order_N = torch.argsort(experts_TK.flatten(), stable=True)  # as MoE.routed
     counts = moe.experts.exchange_counts(expert_counts(experts_TK, moe.router.n_experts))
     send, recv = counts.split_sizes()  # host sync
-    dispatch = _start(moe.experts, "dispatch", i, f_BSD.reshape(B * S, D)[order_N // K], recv, send,
+    dispatch = start_rows(moe.experts, "dispatch", i, f_BSD.reshape(B * S, D)[order_N // K], recv, send,
                       moe.experts.ep_group)
     return Half(order_N, weights_TK, counts, dispatch)
 
@@ -136,12 +136,12 @@ def _halves_or_one(one_call):
         w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
         links = []
         for i, (link, half) in enumerate(zip(x, counts)):
-            x_RD = _wait(self, "dispatch", i, link, half.dispatch[1])
-            _mark(self, "compute_start", i)
-            y_RD = _experts(x_RD, half.counts.recv_counts_PL, w13, w2)
-            _mark(self, "compute_end", i)
+            x_RD = wait_rows(self, "dispatch", i, link, half.dispatch[1])
+            mark(self, "compute_start", i)
+            y_RD = local_experts(x_RD, half.counts.recv_counts_PL, w13, w2)
+            mark(self, "compute_end", i)
             send, recv = half.counts.split_sizes()
-            link, half.combine_box = _start(self, "combine", i, y_RD, send, recv, self.ep_group)
+            link, half.combine_box = start_rows(self, "combine", i, y_RD, send, recv, self.ep_group)
             links.append(link)
         return links
 

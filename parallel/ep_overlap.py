@@ -99,20 +99,20 @@ def _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Ten
     send, recv = sizes
     n, group = len(x_pieces), self.ep_group
     dispatched = [None] * n
-    dispatched[0] = _start(self, "dispatch", 0, x_pieces[0], recv[0], send[0], group)
+    dispatched[0] = start_rows(self, "dispatch", 0, x_pieces[0], recv[0], send[0], group)
     combined = []
     for i in range(n):
         if i + 1 < n:
-            dispatched[i + 1] = _start(self, "dispatch", i + 1, x_pieces[i + 1], recv[i + 1], send[i + 1], group)
-        x_RD = _wait(self, "dispatch", i, *dispatched[i])
-        _mark(self, "compute_start", i)
-        y_RD = _experts(x_RD, recv_counts_nPL[i], w13, w2)
-        _mark(self, "compute_end", i)
-        combined.append(_start(self, "combine", i, y_RD, send[i], recv[i], group))
-    return [_wait(self, "combine", i, *c) for i, c in enumerate(combined)]
+            dispatched[i + 1] = start_rows(self, "dispatch", i + 1, x_pieces[i + 1], recv[i + 1], send[i + 1], group)
+        x_RD = wait_rows(self, "dispatch", i, *dispatched[i])
+        mark(self, "compute_start", i)
+        y_RD = local_experts(x_RD, recv_counts_nPL[i], w13, w2)
+        mark(self, "compute_end", i)
+        combined.append(start_rows(self, "combine", i, y_RD, send[i], recv[i], group))
+    return [wait_rows(self, "combine", i, *c) for i, c in enumerate(combined)]
 
 
-def _experts(x_RD, recv_counts_PL, w13, w2) -> torch.Tensor:
+def local_experts(x_RD, recv_counts_PL, w13, w2) -> torch.Tensor:
     """Received rows (source rank, local expert) regrouped by local expert, SwiGLU, original order."""
     P, L = recv_counts_PL.shape
     expert_of_row_R = torch.arange(L, device=x_RD.device).repeat(P).repeat_interleave(
@@ -121,16 +121,16 @@ def _experts(x_RD, recv_counts_PL, w13, w2) -> torch.Tensor:
     return swiglu_experts(x_RD[order_R], w13, w2, recv_counts_PL.sum(0))[torch.argsort(order_R)]
 
 
-def _mark(self, event: str, piece: int) -> None:
+def mark(self, event: str, piece: int) -> None:
     if self.ep_timeline is not None:
         self.ep_timeline.append((event, piece, time.perf_counter()))
 
 
-def _start(self, name, piece, x_MD, out_splits, in_splits, group):
+def start_rows(self, name, piece, x_MD, out_splits, in_splits, group):
     """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype, the
-    combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `_wait`."""
+    combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `wait_rows`."""
     fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
-    box = {"mark": lambda event: _mark(self, f"{name}_{event}", piece), "fp8": fp8,
+    box = {"mark": lambda event: mark(self, f"{name}_{event}", piece), "fp8": fp8,
            "block": getattr(self, "pair_block", None),  # parallel/ep_pairing.py
            "below": below() if name == "dispatch" else None}  # parallel/recompute_ahead.py
     box["grad_fp8"] = name == "combine" and getattr(self, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
@@ -138,8 +138,8 @@ def _start(self, name, piece, x_MD, out_splits, in_splits, group):
     return link, box
 
 
-def _wait(self, name, piece, link, box):
-    """The received rows of the all-to-all `_start` issued, in x's dtype (FP8 rows decoded)."""
+def wait_rows(self, name, piece, link, box):
+    """The received rows of the all-to-all `start_rows` issued, in x's dtype (FP8 rows decoded)."""
     return _Wait.apply(link, box)
 
 
