@@ -38,6 +38,9 @@ def check_environment(config) -> None:
     if config.parallel.ep_pair_micro_batches:
         raise ValueError("parallel.ep_pair_micro_batches: pretraining only (post-training's teacher and student "
                          "passes are not paired); set it false")
+    if config.parallel.ep_recompute_ahead:
+        raise ValueError("parallel.ep_recompute_ahead: pretraining only (not tested with post-training's teacher "
+                         "and student passes); set it false")
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
         if getattr(config.parallel, key) != "compute":
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device

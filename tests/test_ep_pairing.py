@@ -288,7 +288,7 @@ def test_the_launch_config_refuses_recompute_ahead_without_full_checkpointing_an
                                 "dispatch-gradient waits")
 
 
-def test_post_training_refuses_pairing_in_one_line():
+def test_post_training_refuses_pairing_and_recompute_ahead_in_one_line():
     from launch import posttrain
     from runtime.config import load_config
 
@@ -296,4 +296,8 @@ def test_post_training_refuses_pairing_in_one_line():
     config = load_config(["--data.source=rollouts", f"--data.path={rollouts}", "--parallel.ep_interleave=true",
                           "--parallel.ep_pair_micro_batches=true", "--training.grad_accum=2"])
     with pytest.raises(ValueError, match="parallel.ep_pair_micro_batches: pretraining only"):
+        posttrain.check_environment(config)
+    config = load_config(["--data.source=rollouts", f"--data.path={rollouts}", "--parallel.ep_interleave=true",
+                          "--parallel.ep_recompute_ahead=true", "--training.activation_checkpoint=full"])
+    with pytest.raises(ValueError, match="parallel.ep_recompute_ahead: pretraining only"):
         posttrain.check_environment(config)
