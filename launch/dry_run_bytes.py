@@ -38,9 +38,22 @@ SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep_", "ep"), ("/par
            ("/optim/", "optimizer"))
 
 
+aten = torch.ops.aten
+MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default)
+
+
+def fp32_matmul(func, args, kwargs):
+    """`func` (a matmul) on bf16 CPU tensors, computed in fp32 and returned in the dtype it would return:
+    CPUs without bf16 matrix units run bf16 GEMMs ~50x slower than fp32 (K2's output head's weight gradient,
+    64 tokens: 72 s against ~1 s), and the dry run counts bytes and memory, not values."""
+    up = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a  # noqa: E731
+    return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
+
+
 class CollectiveLog(TorchDispatchMode):
     """Every collective dispatched (module docstring) -> rows {kind, op, mesh, source, bytes, count,
-    wire_intra_bytes, wire_inter_bytes}; `memory`: the live-storage count of every op."""
+    wire_intra_bytes, wire_inter_bytes}; `memory`: the live-storage count of every op. Matmuls of bf16
+    CPU tensors run in fp32 (`fp32_matmul`)."""
 
     def __init__(self, names: dict, ranks_per_node: int, legal=None):
         super().__init__()
@@ -52,7 +65,12 @@ class CollectiveLog(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
             self._add(func.namespace, name, args)
             args = self.legal(func, args)
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in MATMULS and args[0].dtype == torch.bfloat16 and args[0].device.type == "cpu" \
+                and "out_dtype" not in kwargs:
+            out = fp32_matmul(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         self.memory.track(args, out)
         return out
 

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from launch import dry_run, pretrain  # imported once here, not in each forked process
 from multirank import run_ranks
@@ -129,3 +130,23 @@ def test_halves_bytes_equal_the_projections_terms(tmp_path):
     r = json.load(open(out))
     assert r["step_dispatch"] == "as configured"
     assert r["projection_comparison"] and all(c["equal"] for c in r["projection_comparison"]), r["projection_comparison"]
+
+
+def test_bf16_matmuls_run_in_fp32_and_come_back_in_bf16():
+    """The dry run's matmuls of bf16 CPU tensors (launch/dry_run_bytes.py `fp32_matmul`): fp32 products rounded
+    once to bf16, against the bf16 kernel within one bf16 rounding of the output; grouped ones too."""
+    from launch.dry_run_bytes import CollectiveLog
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 64, generator=g).bfloat16(), torch.randn(64, 32, generator=g).bfloat16()
+    w = torch.randn(2, 64, 32, generator=g).bfloat16()
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with CollectiveLog({}, 8):
+        got = {"mm": torch.mm(a, b), "grouped": torch._grouped_mm(a, w, offs=offs)}
+    want = {"mm": torch.mm(a, b), "grouped": torch._grouped_mm(a, w, offs=offs)}  # the bf16 kernels
+    exact = {"mm": a.float() @ b.float(),
+             "grouped": torch.cat([a[:8].float() @ w[0].float(), a[8:].float() @ w[1].float()])}
+    for k in got:
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], exact[k].bfloat16()), k
+        # one bf16 rounding (2^-7 relative at most) + fp32 sums of 64 products in another order (< 1e-3 here)
+        assert torch.allclose(got[k].float(), want[k].float(), rtol=2 ** -7, atol=1e-3), k
