@@ -60,6 +60,8 @@ benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); with `parallel.ep_
 (parallel/ep_pairing.py) micro-batch m+1's forward runs inside m's backward at its gradient waits:
 F(0) alone + (M - 1) pairs (`ep_timeline.paired_program`, the crossing layers unpaired) + B(M-1) alone
 (with pieces instead of halves the pairing is not modelled: projected unpaired, an upper bound);
+with `parallel.ep_recompute_ahead` the block below's recompute runs at this block's first dispatch-gradient
+wait (`ep_timeline.backward_program`, and inside the pairs);
 --overlap-ep shows the what-if
 max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
 SYNC_S of idle device.
@@ -67,7 +69,7 @@ MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
 with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer (paired
-micro-batches: `memory_bytes`); otherwise
+micro-batches, recompute ahead: `memory_bytes`); otherwise
 ("none", and "selective", counted like it: an upper bound) one layer's for every layer (the K2/V3 presets
 then need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
 """
@@ -150,7 +152,8 @@ def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_
                  "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
                                for op, names in ops}}
     return ep_timeline.step_exposed_s(compute_s, comm_s, config.n_layers - config.n_dense_layers, micro_batches,
-                                      activation_checkpoint, layout.ep_recompute, layout.ep_pair_micro_batches)
+                                      activation_checkpoint, layout.ep_recompute, layout.ep_pair_micro_batches,
+                                      layout.ep_recompute_ahead)
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -216,7 +219,8 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     inside the backward (benchmarks/lib/ep_timeline.paired_program): two more unsharded units, one more
     layer's working activations, the kept buffers of `paired_kept_layers` MoE layers instead of n, and
     the layer inputs of both micro-batches' unfinished layers (n_layers + dense layers + the extra MoE
-    layers; launch/estimate_memory.py counts it block by block)."""
+    layers; launch/estimate_memory.py counts it block by block). With parallel.ep_recompute_ahead one more
+    layer's working activations: the block below recomputes while this block's backward still runs."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -234,11 +238,11 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     paired = layout.ep_pair_micro_batches and micro_batches > 1
     kept_moe = ep_timeline.paired_kept_layers(n_moe) if paired else n_moe  # MoE layers' kept buffers at the peak
     inputs = c.n_layers + (c.n_dense_layers + kept_moe - n_moe if paired else 0)  # layer inputs alive at the peak
-    working = 2 if paired else 1  # layers computing (B's recompute, F's forward)
+    working = (2 if paired else 1) + layout.ep_recompute_ahead  # layers computing: B's, F's, ahead the one below
     kept_layers = working * per_token_layer + inputs * c.dim if activation_checkpoint == "full" else \
         inputs * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
-    gathered *= working
+    gathered *= 2 if paired else 1  # F's units too
     if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
         from parallel.ep_keep import kept_bytes_per_layer
 

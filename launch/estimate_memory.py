@@ -19,7 +19,8 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
                 norm. On a GPU the S^2 term (attention probabilities, where the CPU runs the math SDPA
                 kernel: GQA with a mask) is dropped: the fused kernels keep only a log-sum-exp per row.
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
-                (selective) while it is recomputed in backward
+                (selective) while it is recomputed in backward; with parallel.ep_recompute_ahead an MoE
+                block's backward also holds the block below's, recomputed at its dispatch gradient's wait
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
   ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
                 receive buffers until its backward (parallel/ep_keep.kept_bytes_per_layer, the mean over
@@ -263,15 +264,18 @@ def activations(job: Job) -> tuple[list, list, int, dict]:
 
 def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
     """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
-    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute),
-    with paired micro-batches that block's backward with the next micro-batch's forward inside it."""
+    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute and,
+    an MoE block with parallel.ep_recompute_ahead, the block below's), with paired micro-batches that
+    block's backward with the next micro-batch's forward inside it."""
     buffers, lg, disp, ep_kept = fsdp_buffers(job), logits(job), dispatch(job), kept_rows(job)
     moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
     moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
                         "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": lg}}
+    ahead = [job.layout.ep_recompute_ahead and moe[l] and l > 0 for l in range(len(kept_L))]  # l - 1's recompute
     for l in range(len(kept_L)):
         moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
-                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
+                                 "recompute": recompute_L[l] + ahead[l] * recompute_L[l - 1],
+                                 "dispatch": disp if moe[l] else 0,
                                  "ep_kept": ep_kept * sum(moe[: l + 1]), "logits": 0}
     if job.layout.ep_pair_micro_batches and job.config.training.grad_accum > 1:
         moments |= paired_moments(job, moments, kept_L, recompute_L, disp, ep_kept)
@@ -291,13 +295,14 @@ def paired_moments(job: Job, moments: dict, kept_L, recompute_L, disp, ep_kept) 
       dispatch      block g's dispatch buffers
       ep_kept       the kept buffers of F's f MoE layers: with B's of layers 0..l, at most n + 1 layers
                     alive (B frees one layer as F starts the next; the crossing stalls F), against n unpaired.
+    (B's moment holds block l - 1's recompute too with parallel.ep_recompute_ahead: `step_peak`.)
     K2 on its previous config (rank 0, 1x2x128, bf16, one 4096-token sequence, full checkpointing, keep): B's top block
     49.35 GiB (kept 60 x 0.656 = 39.38, inputs 61 x 0.055 + 0.22 = 3.56, recompute 2.93, units 2.61, dispatch
     0.88) + F's first MoE block 5.67 (units 2 x 0.52 = 1.04, inputs 2 x 0.055 + 0.055 = 0.16, working 2.93,
     dispatch 0.88, kept 0.66) = 55.03 GiB, the most of any paired moment (B frees a layer's kept buffers and
     input as F adds one; the crossing stalls F), below the head's backward (55.46: the logits): the peak stays
     121.2 GiB. On its config now, 1x4x64 (edp_shard inner), the units are larger and a paired moment is the peak: 122.5 GiB
-    (unpaired 121.5)."""
+    (unpaired 121.5), 125.4 with parallel.ep_recompute_ahead (unpaired: the head's backward, 121.5)."""
     cfg, c = job.config.model, job.c
     n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
     started = ep_timeline.forward_layers_started(n_moe)

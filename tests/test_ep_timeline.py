@@ -7,9 +7,9 @@ import pytest
 import itertools
 
 from benchmarks.lib import ep_timeline
-from benchmarks.lib.ep_timeline import (BACKWARD, FORWARD, exposed_s, forward_chunks, forward_layers_started,
-                                        paired_kept_layers, paired_program, recompute_ops, simulate, step_exposed_s,
-                                        unpaired_layers)
+from benchmarks.lib.ep_timeline import (AHEAD, BACKWARD, FORWARD, backward_program, exposed_s, forward_chunks,
+                                        forward_layers_started, paired_kept_layers, paired_program, recompute_ops,
+                                        simulate, step_exposed_s, unpaired_layers)
 
 
 def _spans(attn, experts, shared, dispatch, combine):
@@ -101,9 +101,41 @@ def test_paired_program_on_three_layers_by_hand():
     assert step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 1, paired=True) == step_exposed_s(PAIR_COMPUTE, PAIR_COMM, 3, 1)
 
 
-def _pair_seconds():
-    forward, recompute, backward = ep_timeline.op_seconds(PAIR_COMPUTE, PAIR_COMM)
+def _pair_seconds(compute=PAIR_COMPUTE):
+    forward, recompute, backward = ep_timeline.op_seconds(compute, PAIR_COMM)
     return forward | {f"re_{name}": s for name, s in recompute.items()} | backward
+
+
+def test_recompute_ahead_by_hand():
+    """parallel.ep_recompute_ahead, the durations above with full checkpointing and keep (the recompute
+    reruns the forward's compute: attn 1, experts 2, shared 1 per half, 8 per layer; backward 16; every
+    all-to-all 3). B alone on 2 layers: re(1) 0-8; layer 1's backward from 8 as before (cg B 8-11,
+    shared_bwd 8-12, cg A 11-14, experts_bwd B 12-16, dg B 16-19, experts_bwd A 16-20, dg A 20-23), then
+    at its dispatch-gradient B wait re(0) 20-28, attn_bwd B 28-30, attn_bwd A 30-32 (dg A done at 23: no
+    idle, against 1 at 20-23 before); layer 0 from 32 waits dg A (1 idle): span 49 - compute 48 = 1
+    against 2. Unpaired, M = 2: 2 x (F 2 x 5 + B 1) = 22 against 24.
+    Paired on 3 layers: in B's layer 2 F's chunk 2 (experts B 24-26, combine B 29-32, shared A 26-27),
+    then re(1) 27-35, then B waits dg B (23): B runs 0-40 without idle; B1 (no recompute at its start)
+    40-64 with re(0) 52-60, no idle; B0 64-81, 1 idle (dg A 76-79); F's layers 1 and 2 alone, 5 each:
+    span 107 - compute 96 (B 3 x 24, F 3 x 8) = 11 against 12. Step with M = 2: 15 + 1 + 11 = 27 against 30."""
+    compute = {"forward": PAIR_COMPUTE["forward"], "recompute": PAIR_COMPUTE["forward"]}
+    rerun = recompute_ops("full", "keep")
+    seconds = _pair_seconds(compute)
+    program = paired_program(3, rerun, ahead=True)
+    tags = [(name, who, layer) for _, name, (who, layer, _) in program]
+    assert AHEAD == ("wait", "dispatch_grad", "B")
+    wait = program.index(("wait", "dispatch_grad", ("B", 2, "B")))
+    assert tags[wait - 8:wait - 6] == [("combine", "F", 0), ("shared", "F", 0)]  # F's chunk 2's end, then
+    assert tags[wait - 6:wait] == [(f"re_{name}", "B", 1) for _, name, _ in rerun]  # layer 1's recompute
+    assert [layer for name, who, layer in tags if name.startswith("re_")] == [2] * 6 + [1] * 6 + [0] * 6
+    assert simulate(backward_program(2, rerun), seconds) == (50, 48)
+    assert simulate(backward_program(2, rerun, ahead=True), seconds) == (49, 48)
+    assert (step_exposed_s(compute, PAIR_COMM, 2, 2, "full", "keep", ahead=True),
+            step_exposed_s(compute, PAIR_COMM, 2, 2, "full", "keep")) == (22, 24)
+    assert simulate(program, seconds) == (107, 96)
+    assert simulate(paired_program(3, rerun), seconds) == (108, 96)
+    args = (compute, PAIR_COMM, 3, 2, "full", "keep")
+    assert (step_exposed_s(*args, paired=True, ahead=True), step_exposed_s(*args, paired=True)) == (27, 30)
 
 
 def test_forward_chunks_and_the_crossing_rule():
@@ -136,9 +168,13 @@ def test_pairing_exposes_less_around_k2s_shapes():
                 "combine": (11.01 * scale_f, 5.51 * scale_g)}
         args = ({"forward": compute, "recompute": compute}, comm, 60, 4, "full", "keep")
         assert step_exposed_s(*args, paired=True) <= step_exposed_s(*args)
+        for paired in (False, True):  # the recompute ahead neither
+            assert step_exposed_s(*args, paired=paired, ahead=True) <= step_exposed_s(*args, paired=paired)
     args = ({"forward": K2_COMPUTE, "recompute": K2_COMPUTE}, K2_COMM, 60, 4, "full", "keep")
     assert step_exposed_s(*args) == pytest.approx(3546, abs=1)
     assert step_exposed_s(*args, paired=True) == pytest.approx(1988, abs=1)
+    assert step_exposed_s(*args, ahead=True) == pytest.approx(2725, abs=1)
+    assert step_exposed_s(*args, paired=True, ahead=True) == pytest.approx(951, abs=1)
 
 
 def test_the_count_exchanges_own_stream_keeps_the_forwards_host_sync_off_the_gradients():

@@ -165,3 +165,26 @@ def test_paired_micro_batches_add_the_next_forward_to_each_backward_moment():
     unpaired = Job(config, dataclasses.replace(job.layout, ep_pair_micro_batches=False), 0, "cpu")
     (at, paired_peak), (_, peak) = (step_peak(j, [1] * 6, [10] * 6, 0) for j in (job, unpaired))
     assert sum(paired_peak.values()) > sum(peak.values()) and "forward block" in at
+
+
+def test_recompute_ahead_adds_the_block_below_s_recompute_to_each_moe_backward_moment():
+    """parallel.ep_recompute_ahead: the block below recomputes while an MoE block's backward waits for its
+    dispatch gradient, so block l's moment holds block l - 1's working activations too: with recompute_L
+    4^l TiB (it dominates every moment) the top block's (unpaired, and paired with F's forward block 1) is
+    the peak, with block 4's 256 TiB more."""
+    import dataclasses
+
+    from launch.estimate_memory import step_peak
+
+    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=6", "--training.grad_accum=2",
+                          "--parallel.dp_replicate=1", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",
+                          "--parallel.edp_replicate=1", "--parallel.edp_shard=1", "--parallel.ep_interleave=true",
+                          "--parallel.ep_pair_micro_batches=true", "--training.activation_checkpoint=full",
+                          "--parallel.ep_recompute_ahead=true"])
+    recompute_L = [2**40 * 4**l for l in range(6)]
+    for paired in (False, True):
+        ahead = Job(config, dataclasses.replace(config.layout(2), ep_pair_micro_batches=paired), 0, "cpu")
+        not_ahead = Job(config, dataclasses.replace(ahead.layout, ep_recompute_ahead=False), 0, "cpu")
+        (at, peak), (at_before, before) = (step_peak(j, [1] * 6, recompute_L, 0) for j in (ahead, not_ahead))
+        assert at == at_before and at.startswith("block 5") and ("forward block" in at) == paired
+        assert peak["recompute"] - before["recompute"] == recompute_L[4]

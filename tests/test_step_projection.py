@@ -270,14 +270,15 @@ def test_interleave_sends_the_direct_bytes_with_less_exposed():
         assert interleaved["host_syncs"] == 1 + (c.n_layers - c.n_dense_layers) * 2 * passes
 
 
-def _paired_rows(micro_batches, checkpointing="full"):
-    """debug_gqa with 6 layers (5 MoE) on 8 ranks, interleaved halves with keep, unpaired and paired."""
+def _paired_rows(micro_batches, checkpointing="full", ahead=False):
+    """debug_gqa with 6 layers (5 MoE) on 8 ranks, interleaved halves with keep (and the recompute
+    `ahead`), unpaired and paired."""
     import dataclasses
 
     overrides = [f"--training.grad_accum={micro_batches}", f"--training.activation_checkpoint={checkpointing}"]
     job = load_config(ARGS + ["--model.preset=debug_gqa", "--model.n_layers=6"] + overrides)
     device = device_model("h200")
-    layout = dataclasses.replace(job.layout(8), ep_interleave=True, ep_recompute="keep")
+    layout = dataclasses.replace(job.layout(8), ep_interleave=True, ep_recompute="keep", ep_recompute_ahead=ahead)
     return [project_layout(job, dataclasses.replace(layout, ep_pair_micro_batches=pair), device,
                            compute_rates(device, None), parse_args(["--config", "-"]), optimizer=False)
             for pair in (False, True)]
@@ -299,14 +300,32 @@ def test_pairing_changes_only_the_exposure():
     assert one_paired["time_s"] == one["time_s"] and one_paired["memory_gib"] == one["memory_gib"]
 
 
+def test_recompute_ahead_changes_the_exposure_and_one_layers_working_activations():
+    """parallel.ep_recompute_ahead sends the same bytes with the same host syncs and exposes no more EP,
+    unpaired or paired; the coarse memory holds one more layer's working activations (the block below
+    recomputes inside this block's backward): one layer's activations, as without checkpointing."""
+    rows, ahead = _paired_rows(2), _paired_rows(2, ahead=True)
+    one_layer = _paired_rows(2, "none")[0]["memory_gib"]["activations"] / 6  # unpaired: all 6 layers' alive
+    for row, row_ahead in zip(rows, ahead):
+        assert (row_ahead["ep"], row_ahead["host_syncs"]) == (row["ep"], row["host_syncs"])
+        assert row_ahead["time_s"]["ep"] <= row["time_s"]["ep"]
+        assert row_ahead["memory_gib"]["activations"] - row["memory_gib"]["activations"] == pytest.approx(one_layer)
+        assert row_ahead["memory_gib"]["gathered_units"] == row["memory_gib"]["gathered_units"]
+
+
 def test_pairing_variants_need_halves_and_micro_batches():
     import dataclasses
 
     from benchmarks.lib.ep_projection import dispatch_variants
 
     layout = dataclasses.replace(load_config(ARGS).layout(8), ep=8, edp_shard=1)
-    paired = {name for name, lay in dispatch_variants(layout, "full", 4).items() if lay.ep_pair_micro_batches}
+    paired = {name for name, lay in dispatch_variants(layout, "full", 4).items()
+              if lay.ep_pair_micro_batches and not lay.ep_recompute_ahead}
     assert paired == {"interleave_pair", "interleave_fp8_pair", "interleave_fp8_fp8g_pair", "interleave_keep_pair",
                       "interleave_fp8_keep_pair", "interleave_fp8_fp8g_keep_pair"}
     assert all(lay.ep_interleave for lay in dispatch_variants(layout, "full", 4).values() if lay.ep_pair_micro_batches)
     assert not any(lay.ep_pair_micro_batches for lay in dispatch_variants(layout, "full", 1).values())
+    ahead = {name for name, lay in dispatch_variants(layout, "full", 4).items() if lay.ep_recompute_ahead}
+    assert ahead == {f"{name}_ahead" for name, lay in dispatch_variants(layout, "full", 4).items()
+                     if lay.ep_interleave and not lay.ep_recompute_ahead}  # interleaved ones, paired or not
+    assert not any(lay.ep_recompute_ahead for lay in dispatch_variants(layout, "selective", 4).values())

@@ -153,14 +153,15 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
 def dispatch_knobs(layout) -> dict:
     return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
                                             "ep_recompute", "ep_interleave", "ep_combine_grad_dtype",
-                                            "ep_pair_micro_batches")}
+                                            "ep_pair_micro_batches", "ep_recompute_ahead")}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
                                ep_dispatch_dtype="compute", ep_recompute="resend", ep_interleave=False,
-                               ep_combine_grad_dtype="compute", ep_pair_micro_batches=False)
+                               ep_combine_grad_dtype="compute", ep_pair_micro_batches=False,
+                               ep_recompute_ahead=False)
 
 
 def dispatch_variants(layout, activation_checkpoint: str = "none", micro_batches: int = 1) -> dict:
@@ -170,7 +171,8 @@ def dispatch_variants(layout, activation_checkpoint: str = "none", micro_batches
     uses, parallel/ep_fp8.py; not alone, to keep the list short); under activation checkpointing each
     also with ep_recompute = "keep"; with more than one micro-batch each interleaved one also with
     ep_pair_micro_batches (`_pair`: no other bytes, less exposed, benchmarks/lib/ep_timeline.py; the
-    pairing of pieces is not modelled, so not listed)."""
+    pairing of pieces is not modelled, so not listed); under full checkpointing each interleaved one also
+    with ep_recompute_ahead (`_ahead`: the block below recomputes while the dispatch gradient crosses)."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
@@ -189,6 +191,9 @@ def dispatch_variants(layout, activation_checkpoint: str = "none", micro_batches
     if micro_batches > 1:
         combos |= {f"{name}_pair": knobs | {"ep_pair_micro_batches": True} for name, knobs in combos.items()
                    if "ep_interleave" in knobs}
+    if activation_checkpoint == "full":
+        combos |= {f"{name}_ahead": knobs | {"ep_recompute_ahead": True} for name, knobs in combos.items()
+                   if "ep_interleave" in knobs}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
 
 
@@ -200,5 +205,6 @@ def describe_knobs(knobs: dict) -> str:
              ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
              ("fp8 combine gradient" if knobs.get("ep_combine_grad_dtype", "compute") != "compute" else ""),
              ("recompute keeps" if knobs.get("ep_recompute") == "keep" else ""),
-             ("micro-batches paired" if knobs.get("ep_pair_micro_batches") else "")]
+             ("micro-batches paired" if knobs.get("ep_pair_micro_batches") else ""),
+             ("recompute ahead" if knobs.get("ep_recompute_ahead") else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"

@@ -28,6 +28,12 @@ combine wait up to the next one; its count waits are host syncs inside the chunk
 one comm stream in issue order: `paired_program`, B top down, F bottom up, lockstep, except where they
 cross (`may_advance`). Only the MoE layers are modelled: the dense layers' and the head's compute,
 which would hide some of the all-to-alls in flight around them, is left out (an upper bound).
+
+Recompute ahead (`parallel.ep_recompute_ahead`, parallel/recompute_ahead.py; full checkpointing): the
+layer below (b - 1) reruns its forward at B's layer b's first dispatch-gradient wait (`AHEAD`; paired,
+after F's chunk there), while that gradient crosses, instead of at the start of its own backward; the top
+layer's recompute stays at its start. The step is then simulated whole: F alone, B alone over all its
+layers (`backward_program`), and the pairs.
 """
 
 FORWARD = (
@@ -56,6 +62,7 @@ OP_PARTS = {"attn": ("norms", "attention", "sdpa", "router"), "experts": ("route
             "shared": ("shared",)}  # the compute ops' parts (benchmarks/lib/block_flops.py)
 HALVED = ("dispatch", "combine")  # rows split between the halves; each half exchanges its own counts
 YIELDS = ("dispatch", "combine")  # the forward's waits where a paired forward hands the baton back
+AHEAD = next(op for op in BACKWARD if op[:2] == ("wait", "dispatch_grad"))  # where the layer below recomputes, ahead
 
 
 def simulate(ops, seconds: dict) -> tuple[float, float]:
@@ -136,23 +143,33 @@ def may_advance(layers, b: int) -> bool:
     return all(layer < b - 1 for layer in layers) or all(layer > b for layer in layers)
 
 
-def paired_program(n_layers: int, recompute: tuple = ()) -> tuple:
+def paired_program(n_layers: int, recompute: tuple = (), ahead: bool = False) -> tuple:
     """One pair's program: B(m) over `n_layers` MoE layers top down (each layer `recompute` ops, then
     BACKWARD), with F(m+1)'s next chunk (`forward_chunks`) before each of B's gradient waits where
-    `may_advance` allows; F's chunks left when B is done run after it. Ops tagged (who, layer, half);
-    the recompute's ops renamed re_<name> (their own seconds)."""
+    `may_advance` allows; F's chunks left when B is done run after it. With `ahead`, layer b - 1's
+    recompute runs at layer b's `AHEAD` wait (after F's chunk there), the top layer's at its start. Ops
+    tagged (who, layer, half); the recompute's ops renamed re_<name> (their own seconds)."""
     chunks = forward_chunks(n_layers)
+    rerun = lambda b: [(kind, f"re_{name}", ("B", b, half)) for kind, name, half in recompute]  # noqa: E731
     ops, k = [], 0
     for b in reversed(range(n_layers)):
-        ops += [(kind, f"re_{name}", ("B", b, half)) for kind, name, half in recompute]
+        if not ahead or b == n_layers - 1:
+            ops += rerun(b)
         for kind, name, half in BACKWARD:
             if kind == "wait" and k < len(chunks) and may_advance(chunks[k][0], b):
                 ops += chunks[k][1]
                 k += 1
+            if ahead and b > 0 and (kind, name, half) == AHEAD:
+                ops += rerun(b - 1)
             ops.append((kind, name, ("B", b, half)))
     for _, chunk in chunks[k:]:
         ops += chunk
     return tuple(ops)
+
+
+def backward_program(n_layers: int, recompute: tuple = (), ahead: bool = False) -> tuple:
+    """B's backward alone over `n_layers` MoE layers: `paired_program` without F's ops."""
+    return tuple(op for op in paired_program(n_layers, recompute, ahead) if op[2][0] == "B")
 
 
 def unpaired_layers(n_layers: int) -> int:
@@ -185,14 +202,24 @@ def paired_kept_layers(n_layers: int) -> int:
 
 
 def step_exposed_s(compute_s: dict, comm_s: dict, n_layers: int, micro_batches: int,
-                   activation_checkpoint: str = "none", ep_recompute: str = "resend", paired: bool = False) -> float:
+                   activation_checkpoint: str = "none", ep_recompute: str = "resend", paired: bool = False,
+                   ahead: bool = False) -> float:
     """EP seconds on the critical path per step, `n_layers` MoE layers x `micro_batches` (arguments:
-    `op_seconds`). Unpaired: n x M x `exposed_s`. Paired: F(0) alone and B(M-1) alone (n x `exposed_s`
-    together) + (M - 1) pairs, each the span of `paired_program` less its compute."""
-    per_layer = exposed_s(compute_s, comm_s, activation_checkpoint, ep_recompute)
-    if not paired:
-        return per_layer * n_layers * micro_batches
+    `op_seconds`). Unpaired: M x (F alone + B alone); paired: F(0) alone and B(M-1) alone + (M - 1)
+    pairs, each the span of `paired_program` less its compute. F alone is n x `exposed_s`'s forward; B
+    alone is n x its backward, or with `ahead` (its recomputes run early) `backward_program` simulated."""
     forward, recompute, backward = op_seconds(compute_s, comm_s)
     seconds = forward | {f"re_{name}": s for name, s in recompute.items()} | backward
-    span, busy = simulate(paired_program(n_layers, recompute_ops(activation_checkpoint, ep_recompute)), seconds)
-    return per_layer * n_layers + (micro_batches - 1) * (span - busy)
+    rerun = recompute_ops(activation_checkpoint, ep_recompute)
+
+    def idle(ops):
+        span, busy = simulate(ops, seconds)
+        return span - busy
+
+    if ahead:
+        alone = n_layers * idle(FORWARD) + idle(backward_program(n_layers, rerun, ahead))
+    else:
+        alone = exposed_s(compute_s, comm_s, activation_checkpoint, ep_recompute) * n_layers
+    if not paired:
+        return alone * micro_batches
+    return alone + (micro_batches - 1) * idle(paired_program(n_layers, rerun, ahead))
