@@ -265,15 +265,19 @@ def activations(job: Job) -> tuple[list, list, int, dict]:
 def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
     """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
     and the logits alive) or a block's backward (the blocks before it still saved, its own recompute and,
-    an MoE block with parallel.ep_recompute_ahead, the block below's), with paired micro-batches that
+    an MoE block with parallel.ep_recompute_ahead, the block below's and the unit that one's early
+    pre-backward prefetches), with paired micro-batches that
     block's backward with the next micro-batch's forward inside it."""
     buffers, lg, disp, ep_kept = fsdp_buffers(job), logits(job), dispatch(job), kept_rows(job)
     moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
     moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
                         "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": lg}}
     ahead = [job.layout.ep_recompute_ahead and moe[l] and l > 0 for l in range(len(kept_L))]  # l - 1's recompute
+    # ... which runs l - 1's FSDP pre-backward early: its prefetch of one more unit below (units: embedding first)
+    sizes, depth = unit_sizes(job.config.model, job.layout), max(1, job.config.training.fsdp_prefetch)
+    early = [ahead[l] * sizes[l - depth] * job.c if l >= depth else 0 for l in range(len(kept_L))]
     for l in range(len(kept_L)):
-        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1] + early[l], "activations": sum(kept_L[: l + 1]) + edges,
                                  "recompute": recompute_L[l] + ahead[l] * recompute_L[l - 1],
                                  "dispatch": disp if moe[l] else 0,
                                  "ep_kept": ep_kept * sum(moe[: l + 1]), "logits": 0}
@@ -302,7 +306,7 @@ def paired_moments(job: Job, moments: dict, kept_L, recompute_L, disp, ep_kept) 
     dispatch 0.88, kept 0.66) = 55.03 GiB, the most of any paired moment (B frees a layer's kept buffers and
     input as F adds one; the crossing stalls F), below the head's backward (55.46: the logits): the peak stays
     121.2 GiB. On its config now, 1x4x64 (edp_shard inner), the units are larger and a paired moment is the peak: 122.5 GiB
-    (unpaired 121.5), 125.4 with parallel.ep_recompute_ahead (unpaired: the head's backward, 121.5)."""
+    (unpaired 121.5), 126.2 with parallel.ep_recompute_ahead (its recompute and early prefetch; unpaired: the head's backward, 121.5)."""
     cfg, c = job.config.model, job.c
     n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
     started = ep_timeline.forward_layers_started(n_moe)

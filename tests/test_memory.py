@@ -169,12 +169,13 @@ def test_paired_micro_batches_add_the_next_forward_to_each_backward_moment():
 
 def test_recompute_ahead_adds_the_block_below_s_recompute_to_each_moe_backward_moment():
     """parallel.ep_recompute_ahead: the block below recomputes while an MoE block's backward waits for its
-    dispatch gradient, so block l's moment holds block l - 1's working activations too: with recompute_L
+    dispatch gradient, so block l's moment holds block l - 1's working activations too (and the unit block
+    l - 1's early pre-backward prefetched, with fsdp_prefetch 0: FSDP2's one): with recompute_L
     4^l TiB (it dominates every moment) the top block's (unpaired, and paired with F's forward block 1) is
     the peak, with block 4's 256 TiB more."""
     import dataclasses
 
-    from launch.estimate_memory import step_peak
+    from launch.estimate_memory import step_peak, unit_sizes
 
     config = load_config(["--config", "configs/debug.toml", "--model.n_layers=6", "--training.grad_accum=2",
                           "--parallel.dp_replicate=1", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",
@@ -188,3 +189,6 @@ def test_recompute_ahead_adds_the_block_below_s_recompute_to_each_moe_backward_m
         (at, peak), (at_before, before) = (step_peak(j, [1] * 6, recompute_L, 0) for j in (ahead, not_ahead))
         assert at == at_before and at.startswith("block 5") and ("forward block" in at) == paired
         assert peak["recompute"] - before["recompute"] == recompute_L[4]
+        # block 4's early FSDP pre-backward prefetches one more unit: block 3's (units: embedding, blocks, head)
+        sizes = unit_sizes(config.model, ahead.layout)
+        assert peak["fsdp_buffers"] - before["fsdp_buffers"] == sizes[4] * ahead.c > 0
