@@ -25,7 +25,7 @@ from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.lib.counters import _LiveMemory as LiveMemory  # live storages of dispatched ops
-from benchmarks.lib.counters import _total
+from benchmarks.lib.counters import _MATMULS, _total
 from benchmarks.lib.wire_bytes import KINDS, wire_bytes
 
 KIND = {"_allgather_base": "all_gather", "allgather": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
@@ -38,14 +38,13 @@ SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep_", "ep"), ("/par
            ("/optim/", "optimizer"))
 
 
-aten = torch.ops.aten
-MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default)
+MATMULS = _MATMULS | {torch.ops.aten._grouped_mm}  # op packets (benchmarks/lib/counters.py's, + grouped)
 
 
 def fp32_matmul(func, args, kwargs):
-    """`func` (a matmul) on bf16 CPU tensors, computed in fp32 and returned in the dtype it would return:
-    CPUs without bf16 matrix units run bf16 GEMMs ~50x slower than fp32 (K2's output head's weight gradient,
-    64 tokens: 72 s against ~1 s), and the dry run counts bytes and memory, not values."""
+    """`func` (a matmul's default overload: no out= tensor) on bf16 CPU tensors, computed in fp32 and returned in the dtype it would return:
+    CPUs without bf16 matrix units run bf16 GEMMs far slower (K2's output head's weight gradient, 64 tokens:
+    72 s in bf16, 10 s this way, measured), and the dry run counts bytes and memory, not values."""
     up = lambda a: a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a  # noqa: E731
     return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
 
@@ -66,8 +65,8 @@ class CollectiveLog(TorchDispatchMode):
             self._add(func.namespace, name, args)
             args = self.legal(func, args)
         kwargs = kwargs or {}
-        if func in MATMULS and args[0].dtype == torch.bfloat16 and args[0].device.type == "cpu" \
-                and "out_dtype" not in kwargs:
+        if func.overloadpacket in MATMULS and func is func.overloadpacket.default and "out_dtype" not in kwargs \
+                and args[0].dtype == torch.bfloat16 and args[0].device.type == "cpu":
             out = fp32_matmul(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
