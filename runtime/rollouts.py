@@ -19,7 +19,9 @@ Which trajectories make up step t (a pure function of the file, the seed and t, 
 the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
 seeded by (seed, epoch), and cut greedily into steps of at most `data.batch_tokens` tokens (student
 tokens plus teacher tokens; a trajectory over the budget makes a step alone). Steps run on across
-epoch boundaries, so a budget larger than the file holds some trajectories twice.
+epoch boundaries, but a step never holds a trajectory twice: it ends where the order comes back to one
+it holds (a budget larger than the file makes steps of one epoch each). Otherwise the losses, means over
+the step's tokens, would weigh the repeated trajectories more (26 copies of one, 25 of the other).
 
 How a step is split (runtime/posttrain.py turns a slot into tensors): the step's trajectories, longest
 first, are dealt in snake order to grad_accum x dp slots (micro-batch m, dp rank d is slot m*dp + d).
@@ -257,11 +259,13 @@ class StepPlan:
         return i
 
     def _next_step(self) -> list[int]:
+        """Greedy cut; the step also ends where the order comes back to a trajectory it already holds."""
         ids = [self._next_id(False)]
-        used = self.costs[ids[0]]
-        while used + self.costs[self._next_id(True)] <= self.batch_tokens:
+        held, used = set(ids), self.costs[ids[0]]
+        while (nxt := self._next_id(True)) not in held and used + self.costs[nxt] <= self.batch_tokens:
             ids.append(self._next_id(False))
-            used += self.costs[ids[-1]]
+            held.add(nxt)
+            used += self.costs[nxt]
         return ids
 
 
