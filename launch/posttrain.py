@@ -2,8 +2,9 @@
 
 The same config, layouts, optimizers, checkpoints, metrics and training loop as launch/pretrain.py,
 with the post-training objective (runtime/posttrain.py) on rollout data (`data.source = "rollouts"`).
-The whole rollout file is read and validated on every rank before any collective: a bad file exits
-with status 2 and one line naming the line of the file.
+Before any collective every rank builds or checks the rollout file's line index (runtime/rollout_file.py);
+then each rank validates its share of the lines, and one all-gather that every rank reaches makes a
+bad line anywhere one line naming the file and the line, on every rank (exit status 2).
 """
 
 import dataclasses
@@ -20,14 +21,14 @@ from parallel.ep_fp8 import check_fp8_device  # noqa: E402
 from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
-from runtime.rollouts import read_rollouts  # noqa: E402
+from runtime.rollout_file import line_offsets  # noqa: E402
 from runtime.paths import check_outside  # noqa: E402
 from runtime.run_lock import check_run_dir  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
 
 def check_environment(config) -> None:
-    """The device exists and the rollout file is valid for the model (ValueError naming the key otherwise)."""
+    """The device exists and the rollout file is readable, with its line index (ValueError naming the key otherwise)."""
     if config.data.source != "rollouts":
         raise ValueError(f"data.source={config.data.source!r}: post-training reads rollouts (data.source='rollouts')")
     if config.model.aux_loss_alpha > 0:
@@ -46,7 +47,7 @@ def check_environment(config) -> None:
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device
     check_run_dir(config.run.dir)
     check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
-    read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
+    line_offsets(config.data.path)  # the index; the lines are validated by the loader, a share per rank
     pretrain.check_token_sources(config)  # eval.path, when given
     if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)
         pretrained.check_init_from(config)

@@ -28,7 +28,7 @@ from runtime import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 from runtime.rollouts import trajectory_from_record  # noqa: E402
-from runtime.transcripts import (check_logprobs, insert_hint, parse_conversation, render_conversation,  # noqa: E402
+from runtime.transcripts import (check_logprobs, check_template, insert_hint, parse_conversation, render_conversation,  # noqa: E402
                                  to_record, user_turns)
 
 GRPO_EPS = 1e-6
@@ -40,6 +40,7 @@ def load_tokenizer(path: str, trust_remote_code: bool):
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"--tokenizer {path} has no chat template (no chat_template in tokenizer_config.json "
                          f"and no chat_template.jinja)")
+    check_template(tokenizer, f"--tokenizer {path}")
     return tokenizer, end_of_turn_ids(tokenizer, path)
 
 

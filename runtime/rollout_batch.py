@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from parallel.context_parallel import load_balanced_positions
-from runtime.rollouts import StepPlan, Trajectory, deal, read_rollouts
+from runtime.rollout_file import RolloutFile
+from runtime.rollouts import StepPlan, Trajectory, deal
 
 
 class RolloutMicroBatch(NamedTuple):
@@ -153,18 +154,21 @@ class RolloutLoader:
     def __init__(self, data, seed: int, *, vocab_size: int, max_seq_len: int, dp_rank: int = 0,
                  dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1,
                  trajectories: list[Trajectory] | None = None):
-        """Reads and validates the whole file `data.path` (ValueError naming it and the line), unless
-        `trajectories` are given (in memory, e.g. fresh on-policy rollouts)."""
-        self.trajs = trajectories if trajectories is not None else read_rollouts(data.path, vocab_size, max_seq_len)
+        """Reads `data.path` by its line index, this rank validating its share (runtime/rollout_file.py;
+        RunError naming the file and the line), unless `trajectories` are given (in memory, e.g. fresh
+        on-policy rollouts)."""
+        self.trajs = trajectories if trajectories is not None else RolloutFile(data.path, vocab_size, max_seq_len)
         self.path = data.path if trajectories is None else "(in memory)"
-        self.plan = StepPlan([t.cost() for t in self.trajs], seed, data.batch_tokens)
+        costs = self.trajs.costs() if trajectories is None else [t.cost() for t in trajectories]
+        self.tokens = self.trajs.token_count() if trajectories is None else sum(len(t.tokens) for t in trajectories)
+        self.plan = StepPlan(costs, seed, data.batch_tokens)
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp_degree, cp_rank, cp_degree
         self.grad_accum = grad_accum
         self.step = 0
 
     def describe(self) -> str:
         """What this loader reads, for the start-up line."""
-        return (f"rollouts data.path={self.path}: {sum(len(t.tokens) for t in self.trajs):,} tokens, "
+        return (f"rollouts data.path={self.path}: {self.tokens:,} tokens, "
                 f"{len(self.trajs):,} trajectories, at most {self.plan.batch_tokens:,} tokens a step")
 
     def batch(self, step: int) -> RolloutStep:

@@ -93,20 +93,23 @@ def read_rollouts(path: str, vocab_size: int, max_seq_len: int) -> list[Trajecto
             lines = f.readlines()
     except OSError as e:
         raise ValueError(f"data.path: cannot read rollouts file {path!r}: {e.strerror}") from None
-    out = []
-    for number, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-            if line.strip():
-                out.append(_parse(line, vocab_size, max_seq_len))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"data.path: {path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                             f"{e.start + 1})") from None
-        except ValueError as e:
-            raise ValueError(f"data.path: {path} line {number}: {e}") from None
+    out = [t for number, raw in enumerate(lines, start=1)
+           if (t := parse_line(raw, number, path, vocab_size, max_seq_len)) is not None]
     if not out:
         raise ValueError(f"data.path: rollouts file {path} holds no trajectory")
     return out
+
+
+def parse_line(raw: bytes, number: int, path: str, vocab_size: int, max_seq_len: int) -> Trajectory | None:
+    """The trajectory of line `number` (its bytes), None for a blank line; ValueError naming data.path and the line."""
+    try:
+        line = raw.decode("utf-8")
+        return _parse(line, vocab_size, max_seq_len) if line.strip() else None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.path: {path} line {number}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                         f"{e.start + 1})") from None
+    except ValueError as e:
+        raise ValueError(f"data.path: {path} line {number}: {e}") from None
 
 
 def _parse(line: str, vocab_size: int, max_seq_len: int) -> Trajectory:

@@ -10,11 +10,14 @@ and of its prefixes, never from tokenizing messages on their own:
                 and tokens (a token may not straddle the cut); templates that render earlier messages
                 differently once later ones follow (e.g. dropping old reasoning) are refused, naming the
                 message.
-  assistant i   only the generated tokens: from the end of messages[:i] rendered with the generation
-                prompt (the role header is not generated) to just after the first end-of-turn token in
-                the message's rendering, where generation stopped (the glue a template writes after it,
-                such as a newline or another stop token, is not generated); without an end-of-turn token
-                there, to the message's end.
+  assistant i   only the generated tokens. A template with `{% generation %}` marks says which they are:
+                the tokens of transformers' `return_assistant_tokens_mask` inside the message's rendering
+                (one contiguous run per message). Without marks: from the end of messages[:i] rendered
+                with the generation prompt (the role header is not generated) to just after the first
+                end-of-turn token in the message's rendering, where generation stopped (the glue a
+                template writes after it, such as a newline or another stop token, is not generated);
+                without an end-of-turn token there, to the message's end. A template with neither marks
+                nor a generation prompt is refused: its role headers would be trained as generated.
   cost          a cut is found without tokenizing each prefix whole: the text between the tokenizer's
                 added (control) tokens is tokenized once, and only the piece around each cut again. This
                 relies on tokenizers isolating added tokens before tokenizing the rest; the tokens of the
@@ -33,6 +36,7 @@ import re
 from typing import NamedTuple
 
 ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 KEYS = ("messages", "tools", "reward", "advantage", "group", "feedback", "logprobs")
 
 
@@ -165,6 +169,45 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool, wha
         raise ValueError(f"the chat template failed on {what} ({type(e).__name__}: {detail})") from None
 
 
+def has_generation_marks(tokenizer) -> bool:
+    """Whether the chat template marks the generated part of assistant messages (`{% generation %}`)."""
+    return bool(_GENERATION_MARK.search(str(tokenizer.chat_template or "")))
+
+
+def check_template(tokenizer, name: str) -> None:
+    """ValueError naming `name` unless the template can tell generated tokens from role headers:
+    `{% generation %}` marks or a generation-prompt branch."""
+    if not has_generation_marks(tokenizer) and "add_generation_prompt" not in str(tokenizer.chat_template or ""):
+        raise ValueError(f"{name}: the chat template has neither {{% generation %}} marks nor an "
+                         f"add_generation_prompt branch, so the generated tokens of an assistant message cannot be "
+                         f"told from its role header (which would be trained); add either to the template")
+
+
+def _assistant_mask(tokenizer, conv: Conversation, tokens: list[int]) -> list[int]:
+    """transformers' `return_assistant_tokens_mask` of the conversation (1: inside `{% generation %}`)."""
+    try:
+        out = tokenizer.apply_chat_template(conv.messages, tools=conv.tools, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except Exception as e:  # jinja2 errors, the template's own raise_exception, a slow tokenizer
+        detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"the assistant mask of the conversation failed ({type(e).__name__}: {detail})") from None
+    if list(out["input_ids"]) != tokens:
+        raise ValueError(f"transformers' assistant mask comes with {len(out['input_ids'])} tokens that are not the "
+                         f"conversation's {len(tokens)} tokens")
+    return list(out["assistant_masks"])
+
+
+def _marked(mask: list[int], begin: int, end: int, i: int) -> tuple[int, int]:
+    """[first, one past the last) marked token of assistant message i's rendering [begin, end)."""
+    marked = [j for j in range(begin, end) if mask[j]]
+    if not marked:
+        raise ValueError(f"message {i}: no token of its rendering [{begin}, {end}) is inside {{% generation %}}")
+    if marked[-1] + 1 - marked[0] != len(marked):
+        raise ValueError(f"message {i}: its {len(marked)} tokens inside {{% generation %}} are not one run (tokens "
+                         f"{marked[0]} to {marked[-1]}); one contiguous generated range per message is needed")
+    return marked[0], marked[-1] + 1
+
+
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of rendered texts, as `apply_chat_template(tokenize=True)` makes them (no added specials)."""
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
@@ -246,11 +289,13 @@ def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int], tr
     if assistants and assistants[0] == 0:
         raise ValueError("messages[0] is an assistant message: its role header has nothing to follow "
                          "(start with a system or user message)")
+    marks = has_generation_marks(tokenizer)
+    prompted = [] if marks else assistants  # marked templates: the mask says what is generated
     cut_at = [i for i in tracked if i > 0]  # message i starts where messages[:i] ends
     prefixes = [_render(tokenizer, messages[:i], conv.tools, False, f"messages[:{i}]") for i in cut_at]
     prefixes += [_render(tokenizer, messages[:i], conv.tools, True, f"messages[:{i}] with the generation prompt")
-                 for i in assistants]
-    names = [f"message {i}" for i in cut_at] + [f"message {i} (generation prompt)" for i in assistants]
+                 for i in prompted]
+    names = [f"message {i}" for i in cut_at] + [f"message {i} (generation prompt)" for i in prompted]
     for text, what in zip(prefixes, names):
         _check_prefix(text, full, what)
     tokens = encode(tokenizer, [full])[0]
@@ -259,11 +304,14 @@ def render_conversation(tokenizer, conv: Conversation, end_of_turn: set[int], tr
         cuts = _cuts_exact(tokenizer, tokens, prefixes, names)
     starts = [None] * n
     starts[tracked_from:] = ([0] if tracked_from == 0 else []) + cuts[:len(cut_at)]
-    prompt_ends = dict(zip(assistants, cuts[len(cut_at):]))
+    prompt_ends = dict(zip(prompted, cuts[len(cut_at):]))
+    mask = _assistant_mask(tokenizer, conv, tokens) if marks and assistants else None
     ranges = [None] * n
     for i in tracked:
         start, end = starts[i], starts[i + 1] if i + 1 < n else len(tokens)
-        if i in prompt_ends:
+        if mask is not None and messages[i]["role"] == "assistant":
+            start, end = _marked(mask, start, end, i)
+        elif i in prompt_ends:
             start, end = _generated(tokens, start, prompt_ends[i], end, end_of_turn, i)
         if start >= end:
             raise ValueError(f"message {i} ({messages[i]['role']}) renders no tokens of its own")
@@ -277,6 +325,9 @@ def _generated(tokens: list[int], begin: int, prompt_end: int, end: int, end_of_
     if not begin <= prompt_end <= end:
         raise ValueError(f"message {i}: the generation prompt ends at token {prompt_end}, outside the message's "
                          f"rendering [{begin}, {end})")
+    if prompt_end == begin:
+        raise ValueError(f"message {i}: the chat template renders no generation prompt before it and has no "
+                         f"{{% generation %}} marks, so its role header cannot be told from its generated tokens")
     stop = next((j for j in range(prompt_end, end) if tokens[j] in end_of_turn), end - 1)
     return prompt_end, stop + 1
 

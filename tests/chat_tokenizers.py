@@ -18,6 +18,9 @@ Templates (transformers renders them with trim_blocks and lstrip_blocks, hence t
   FIRST_SYSTEM CHATML that renders a system message only in first place (as many templates do): a system
                hint renders as nothing (must be refused; a user hint works).
   LAST_MARKED  renders the final message differently: prefixes are not prefixes (must be refused).
+  MARKS_ONLY   CHATML without the generation-prompt branch: only its `{% generation %}` marks tell the
+               role header from the generated tokens.
+  NO_PROMPT    MARKS_ONLY without the marks: nothing tells them apart (must be refused).
 """
 
 import json
@@ -84,6 +87,11 @@ assert FIRST_SYSTEM != CHATML
 LAST_MARKED = ("{%- for message in messages %}<|im_start|>{{ message.role }}{{ '\\n' }}{{ message.content or '' }}"
                "{% if loop.last %} (last){% endif %}<|im_end|>{{ '\\n' }}{%- endfor %}"
                "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
+
+MARKS_ONLY = CHATML.replace("{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}", "")
+assert MARKS_ONLY != CHATML
+NO_PROMPT = MARKS_ONLY.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+assert "generation" not in NO_PROMPT
 
 TOOLS = ("search", "calc", "weather", "clock", "translate", "maps")
 

@@ -65,12 +65,13 @@ def test_bad_rollouts_name_the_line(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["malformed_json", "teacher_too_long", "empty_file"])
 def test_bad_rollouts_exit_2_on_every_rank_with_rank0s_line(tmp_path, capfd, name):
-    """The entry point checks the file on every rank before the process group exists (no rank enters a
-    collective); rank 0 prints the one line."""
+    """Each rank validates its share of the lines (runtime/rollout_file.py) and one all-gather that every
+    rank reaches agrees on the first bad line: every rank stops, rank 0 prints the one line (the bad
+    line of malformed_json is in rank 1's share, that of teacher_too_long in rank 0's)."""
     path = _write(tmp_path / "r.jsonl", BAD[name][0])
     codes, _ = run_pretrain(tmp_path, 2, ["--data.source=rollouts", f"--data.path={path}"], timeout=60, entry=main)
     assert codes == [2, 2]
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("config error")]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("data.path")]
     assert len(lines) == 1 and BAD[name][1] in lines[0], lines
 
 

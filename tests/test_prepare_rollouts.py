@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from chat_tokenizers import CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, conversations, make_tokenizer_dir
+from chat_tokenizers import (CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, MARKS_ONLY, NO_PROMPT,
+                             conversations, make_tokenizer_dir)
 from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
 from runtime import transcripts
 from runtime.transcripts import parse_conversation, render_conversation
@@ -30,6 +31,8 @@ def dirs(tmp_path_factory):
             "thinking": make_tokenizer_dir(str(root / "thinking"), KIMI_THINKING, eos="[EOS]", generation_eos="<|im_end|>"),
             "last": make_tokenizer_dir(str(root / "last"), LAST_MARKED),
             "first_system": make_tokenizer_dir(str(root / "first_system"), FIRST_SYSTEM),
+            "marks_only": make_tokenizer_dir(str(root / "marks_only"), MARKS_ONLY),
+            "no_prompt": make_tokenizer_dir(str(root / "no_prompt"), NO_PROMPT),
             "none": make_tokenizer_dir(str(root / "none"), None)}
 
 
@@ -67,11 +70,12 @@ def _expected_generation(template: str, message: dict) -> str:
         + "<|im_end|>"
 
 
-@pytest.mark.parametrize("template", ["chatml", "chatml_eos"])
+@pytest.mark.parametrize("template", ["chatml", "chatml_eos", "marks_only"])
 def test_assistant_ranges_equal_transformers_mask(tmp_path, dirs, template):
     """Template oracle: with `{% generation %}`, the assistant turns are exactly transformers' assistant mask
     (system prompts, tool calls, several calls in one message, tool answers, multi-turn; chatml_eos: a
-    second stop token the template writes after <|im_end|> stays outside the turn)."""
+    second stop token the template writes after <|im_end|> stays outside the turn; marks_only: no
+    generation-prompt branch, so only the marks keep the role header out of the turn)."""
     chats = _chats()
     code, records = _prepare(tmp_path, dirs[template], chats)
     assert code == 0 and len(records) == len(chats)
@@ -199,7 +203,8 @@ BAD = {  # name: (mutation of the third conversation, words the one-line error m
 }
 
 
-@pytest.mark.parametrize("case", list(BAD) + ["invalid_json", "no_template", "not_a_prefix", "hint_not_rendered"])
+@pytest.mark.parametrize("case", list(BAD) + ["invalid_json", "no_template", "not_a_prefix", "hint_not_rendered",
+                                  "no_generation_prompt"])
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, dirs, capsys, case):
     chats = conversations(4)
     assert chats[2]["messages"][2]["role"] == "assistant"
@@ -213,6 +218,9 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, dirs, capsys, case)
         words = ["line 3: malformed JSON"]
     elif case == "no_template":
         tokenizer, words = dirs["none"], ["has no chat template"]
+    elif case == "no_generation_prompt":
+        tokenizer, words = dirs["no_prompt"], ["--tokenizer", "neither {% generation %} marks nor an "
+                                               "add_generation_prompt branch", "role header"]
     elif case == "not_a_prefix":
         tokenizer, words = dirs["last"], ["line 1: message 1:", "renders the earlier messages differently"]
     elif case == "hint_not_rendered":
@@ -316,3 +324,12 @@ def test_split_user_turns(tmp_path, dirs, capsys):
         second["tokens"][:item["at"]] + item["hint"] + second["tokens"][item["at"]:]
     expected = 0.5 / (2 ** -0.5 + GRPO_EPS)  # rewards 1 and 0: mean 0.5, sample std 2 ** -0.5 (each counted once)
     assert [r["advantage"] for r in records] == pytest.approx([expected, expected, -expected, -expected], rel=1e-12)
+
+
+def test_template_without_generation_prompt_or_marks_is_refused_per_message(dirs):
+    """The rendering-level check behind --tokenizer's: a template whose generation prompt renders nothing
+    and that has no marks names the first assistant message instead of training its role header."""
+    tokenizer = AutoTokenizer.from_pretrained(dirs["no_prompt"], local_files_only=True)
+    conv = parse_conversation(conversations(1)[0])
+    with pytest.raises(ValueError, match="^message 2: the chat template renders no generation prompt"):
+        render_conversation(tokenizer, conv, {tokenizer.eos_token_id})
