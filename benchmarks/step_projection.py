@@ -88,7 +88,7 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 import torch
 
 from benchmarks.lib import ep_projection, ep_timeline
-from benchmarks.lib.block_flops import RECOMPUTED, block_parts, recompute_flops, seconds
+from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, RECOMPUTED, block_parts, flops_split, recompute_flops, seconds
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from benchmarks.lib.fsdp_traffic import (GPUS_PER_NODE, Link, all_gather, all_reduce, fsdp_traffic, fsdp_units,  # noqa: F401
                                          groups, on_wire, peers, unit_shard_numel)
@@ -97,10 +97,6 @@ from runtime.paths import check_outputs, config_inputs
 
 SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
 FIT_FRACTION = 0.9
-# Compute rates as fractions of the bf16 peak, until gpu_check measures them (assumptions):
-# large GEMMs reach ~70%, grouped expert GEMMs with a few hundred rows per expert ~55%,
-# causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
-DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MEMORY_NOTE = ("memory: a coarse model (sharded fp32 states, 2 unsharded units, per-token activation formula) that "
                "ranks layouts; launch/estimate_memory.py also counts logits, EP dispatch, the Muon step's buffers, "
@@ -175,21 +171,6 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
     kv = all_gather(local_tokens * values * act_bytes, size, stride).scale(2 * per_step)  # keys, their gradients
     positions = Link() if gather == "latent" else all_gather(seq_len // layout.cp * 8, size, stride).scale(per_step)
     return {"kv": kv, "positions": positions}
-
-
-def flops_split(config, seq_len: int) -> dict:
-    """Training FLOPs per token: {"attention", "experts", "dense"} (sum = runtime.metrics.flops_per_token)."""
-    from runtime.metrics import flops_per_token
-
-    total = flops_per_token(config, seq_len)
-    if config.attn == "mla":
-        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    else:
-        qk = v = config.head_dim
-    attention = 3.0 * config.n_layers * config.n_heads * seq_len * (qk + v)
-    n_moe = config.n_layers - config.n_dense_layers
-    experts = 6.0 * n_moe * config.n_activated_experts * 3 * config.dim * config.moe_inter_dim
-    return {"attention": attention, "experts": experts, "dense": total - attention - experts}
 
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
