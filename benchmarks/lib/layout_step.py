@@ -238,6 +238,29 @@ def bubble_fraction(r: Run) -> float:
     return (r.pp - 1) / (m * (r.virtual_stages if r.pp_schedule == "interleaved" else 1))
 
 
+def memory_gib(r: Run) -> float:
+    """A coarse peak per GPU (for ranking layouts, like step_projection's): bf16 weights (DualPipe: two
+    copies) and fp32 gradients of the GPU's parameters, fp32 master weights and two optimizer states sharded
+    over the data-parallel group (ZeRO-1) or everything over it (FSDP), and the activations of the micro-batches
+    in flight on the first stage (1f1b, interleaved: pp; dualpipe: pp + 1; no PP: 1) for its layers: per token
+    and layer step_projection's formula (every input kept), or the layer input alone under full checkpointing."""
+    c = r.model
+    dense, expert = stage_params(r)
+    groups = ((dense, r.dp * r.cp), (expert, max(1, r.dp * r.cp * r.tp // (r.ep * r.etp))))
+    copies = 2 if r.pp_schedule == "dualpipe" and r.pp > 1 else 1
+    if r.dp_sharding == "zero1":
+        states = sum(p * (2 * copies + 4 + 12 / g) for p, g in groups)
+    else:
+        states = sum(p * (2 * copies + 4 + 12) / g for p, g in groups)
+    head = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim if c.attn == "mla" else 2 * c.head_dim
+    per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
+    kept = c.dim if r.activation_checkpoint == "full" else per_token_layer
+    in_flight = 1 if r.pp == 1 else r.pp + (r.pp_schedule == "dualpipe")
+    tokens = r.micro_batch * r.seq_len / (r.cp * r.tp)
+    activations = in_flight * c.n_layers / r.pp * kept * tokens * 2 + per_token_layer * tokens * 2
+    return (states + activations) / 2**30
+
+
 def step_terms(r: Run) -> dict:
     """Every term of the step (seconds per GPU) and the throughput it implies (module docstring)."""
     compute, experts = compute_s(r)
@@ -259,4 +282,5 @@ def step_terms(r: Run) -> dict:
     return {"compute": compute, "compute_contended": busy_compute, "experts": experts, "ep": ep,
             "ep_overlapped": overlap_ep, "tp": tp, "fsdp": fsdp, "fsdp_exposed": fsdp_exposed, "zero1": zero1,
             "syncs": syncs * SYNC_S, "bubble": bubble, "step": step, "tokens_per_gpu": tokens,
-            "tokens_per_gpu_s": tokens / step, "mfu_bf16": model_flops / (step * r.device.peak_tflops * 1e12)}
+            "tokens_per_gpu_s": tokens / step, "mfu_bf16": model_flops / (step * r.device.peak_tflops * 1e12),
+            "memory_gib": memory_gib(r)}
