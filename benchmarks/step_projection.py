@@ -88,7 +88,8 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 import torch
 
 from benchmarks.lib import ep_projection, ep_timeline
-from benchmarks.lib.block_flops import RECOMPUTED, block_parts, recompute_flops, seconds
+from benchmarks.lib import network_model as net
+from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, RECOMPUTED, block_parts, flops_split, recompute_flops, seconds
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from benchmarks.lib.fsdp_traffic import (GPUS_PER_NODE, Link, all_gather, all_reduce, fsdp_traffic, fsdp_units,  # noqa: F401
                                          groups, on_wire, peers, unit_shard_numel)
@@ -96,11 +97,11 @@ from runtime.cli import user_errors
 from runtime.paths import check_outputs, config_inputs
 
 SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
+SKEW_LOW = 1.2  # the band's low side: the busiest expert rank at 1.2x the mean (routing skew, no run's statistics)
+BAND_RESTS_ON = ("low: routing skew 1.2 and the calibration's most optimistic ratio; central: the calibrated "
+                 "device and network (benchmarks/calibrate.py), balanced routing; high: the calibration's most "
+                 "pessimistic ratio")
 FIT_FRACTION = 0.9
-# Compute rates as fractions of the bf16 peak, until gpu_check measures them (assumptions):
-# large GEMMs reach ~70%, grouped expert GEMMs with a few hundred rows per expert ~55%,
-# causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
-DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MEMORY_NOTE = ("memory: a coarse model (sharded fp32 states, 2 unsharded units, per-token activation formula) that "
                "ranks layouts; launch/estimate_memory.py also counts logits, EP dispatch, the Muon step's buffers, "
@@ -124,31 +125,51 @@ def ep_traffic(config, layout, local_tokens: int, micro_batches: int, act_bytes:
     return {name: Link(*b) for name, b in by_stage.items()}, nodes
 
 
-def ep_seconds(stages: dict, device, expert_s: float, chunks: int) -> float:
+def ep_seconds(stages: dict, device, expert_s: float, chunks: int, nodes: int, collectives: dict) -> float:
     """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
-    the previous one's data), each as long as its slower link; with pieces, the pipelined stages hide
-    behind the routed experts' matmuls as `exposed_ep_s` says: the direct dispatch and combine, or with
-    dedup its node hop (parallel/ep_dedup_overlap.py: each piece's fan-out stays serial)."""
-    seconds = {name: max(_link_seconds(link, device)) for name, link in stages.items()}
+    the previous one's data), each as long as its slower link at the calibrated all-to-all efficiency of
+    an EP group over `nodes` nodes, plus a latency per collective (`collectives[name]` per step); with
+    pieces, the pipelined stages hide behind the routed experts' matmuls as `exposed_ep_s` says: the
+    direct dispatch and combine, or with dedup its node hop (parallel/ep_dedup_overlap.py: each piece's
+    fan-out stays serial)."""
+    seconds = {name: max(_ep_link_seconds(link, device, nodes)) + collectives[name] * net.LATENCY_S
+               for name, link in stages.items()}
     pipelined = ep_projection.NODE_HOP_STAGES if "node_dispatch" in stages else ep_projection.PIPELINED_STAGES
     piped = sum(t for name, t in seconds.items() if name in pipelined) if chunks > 1 else 0.0
     return sum(seconds.values()) - piped + (exposed_ep_s(piped, expert_s, chunks) if piped else 0.0)
 
 
+def ep_collectives(config, layout, micro_batches: int, activation_checkpoint: str, names) -> dict:
+    """{stage: all-to-alls per step}: per MoE layer and micro-batch its forward passes
+    (ep_projection.forward_passes) and its gradient (not the integer count exchanges), each in
+    `ep_overlap_chunks` pieces where pipelined."""
+    n = (config.n_layers - config.n_dense_layers) * micro_batches
+    pipelined = ep_projection.NODE_HOP_STAGES if "node_dispatch" in names else ep_projection.PIPELINED_STAGES
+    out = {}
+    for name in names:
+        calls = ep_projection.forward_passes(name, activation_checkpoint, layout)
+        calls += name not in ep_projection.INTEGER_STAGES
+        pieces = layout.ep_overlap_chunks if name in pipelined and layout.ep_overlap_chunks > 1 else 1
+        out[name] = n * calls * pieces
+    return out
+
+
 def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_bytes: int, seq_len: int,
-                     activation_checkpoint: str, device, rates: dict) -> float:
+                     activation_checkpoint: str, device, rates: dict, skew: float = 1.0) -> float:
     """EP seconds on the critical path per step with `parallel.ep_interleave`: the interleaved MoE
     block's program (benchmarks/lib/ep_timeline.py) with each compute op's seconds from its parts'
     forward FLOPs (benchmarks/lib/block_flops.py) x the local tokens at their rates, and each
     all-to-all's from one exchange's bytes per direction (ep_projection.layer_bytes: the dispatch plan,
     gradients as they cross), each as long as its slower link; x MoE layers x micro-batches."""
-    per_layer = ep_projection.layer_bytes(config, layout, ep_placement(config, layout), local_tokens, act_bytes)
-    comm_s = {name: tuple(max(_link_seconds(Link(*b), device)) for b in directions)
-              for name, directions in per_layer.items()}
+    placement = ep_placement(config, layout)
+    per_layer = ep_projection.layer_bytes(config, layout, placement, local_tokens, act_bytes)
+    comm_s = {name: tuple(max(_ep_link_seconds(Link(*b).scale(skew), device, placement.n_nodes)) + net.LATENCY_S
+                          for b in directions) for name, directions in per_layer.items()}
     parts = next(p for p in block_parts(config, seq_len) if "routed" in p)  # every MoE block has the same shapes
     rerun = RECOMPUTED[activation_checkpoint]
     ops = ep_timeline.OP_PARTS.items()
-    compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) for op, names in ops},
+    compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) * (skew if op == "experts" else 1)
+                             for op, names in ops},
                  "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
                                for op, names in ops}}
     return ep_timeline.step_exposed_s(compute_s, comm_s, config.n_layers - config.n_dense_layers, micro_batches,
@@ -175,21 +196,6 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
     kv = all_gather(local_tokens * values * act_bytes, size, stride).scale(2 * per_step)  # keys, their gradients
     positions = Link() if gather == "latent" else all_gather(seq_len // layout.cp * 8, size, stride).scale(per_step)
     return {"kv": kv, "positions": positions}
-
-
-def flops_split(config, seq_len: int) -> dict:
-    """Training FLOPs per token: {"attention", "experts", "dense"} (sum = runtime.metrics.flops_per_token)."""
-    from runtime.metrics import flops_per_token
-
-    total = flops_per_token(config, seq_len)
-    if config.attn == "mla":
-        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    else:
-        qk = v = config.head_dim
-    attention = 3.0 * config.n_layers * config.n_heads * seq_len * (qk + v)
-    n_moe = config.n_layers - config.n_dense_layers
-    experts = 6.0 * n_moe * config.n_activated_experts * 3 * config.dim * config.moe_inter_dim
-    return {"attention": attention, "experts": experts, "dense": total - attention - experts}
 
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
@@ -283,18 +289,19 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
                + split["attention"] / rates["attention_bf16"]) + recompute_s
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
-    expert_s = split["experts"] / rates["grouped_mm_bf16"]
-    if layout.ep_interleave:
-        ep_s = interleaved_ep_s(c, layout, local_tokens, micro, act_bytes, seq, checkpointing, device, rates)
-    else:
-        ep_s = ep_seconds(ep_stages, device, expert_s, layout.ep_overlap_chunks)
-    cp_s = max(_link_seconds(cp, device))
-    fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
-    nvlink_s, network_s = _link_seconds(fsdp_total + ep + cp, device)  # all traffic shares the links
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro, checkpointing)
-    exposed = compute + ep_s + cp_s if not args.overlap_ep else max(compute, ep_s + cp_s)
-    step = max(exposed, nvlink_s, network_s) + opt_s + syncs * SYNC_S
+    shapes = {"local_tokens": local_tokens, "micro": micro, "act_bytes": act_bytes, "seq": seq,
+              "checkpointing": checkpointing, "expert_s": split["experts"] / rates["grouped_mm_bf16"],
+              "fsdp_collectives": 3 * len(units) * micro, "cp_collectives": 2 * c.n_layers * micro * (layout.cp > 1)}
+    times = {skew: step_times(c, layout, device, rates, args, compute, ep_stages, fsdp_total, cp, shapes, skew)
+             for skew in (1.0, SKEW_LOW)}
+    t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": syncs * SYNC_S}
+    t["step"] += opt_s + syncs * SYNC_S
+    step = t["step"]
+    per_gpu = tokens / layout.world_size
+    band = (per_gpu / (times[SKEW_LOW]["step"] + opt_s + syncs * SYNC_S) / max(net.CALIBRATION_RATIOS),
+            per_gpu / step, per_gpu / step / min(net.CALIBRATION_RATIOS))
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
                           DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token, micro)
@@ -307,13 +314,56 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
         "fsdp": {m: {k: gb(v) for k, v in d.items()} for m, d in fsdp.items()},
         "dispatch": dispatch_knobs(layout), "ep_nodes_per_token": nodes_per_token,
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
-        "time_s": {"compute": compute, "recompute": recompute_s, "ep": ep_s, "cp": cp_s,
-                   "fsdp_nvlink": fsdp_nvlink_s, "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s,
-                   "all_network": network_s, "optimizer": opt_s, "syncs": syncs * SYNC_S, "step": step},
-        "mfu": flops / (step * device.peak_tflops * 1e12),
+        "time_s": t, "mfu": flops / (step * device.peak_tflops * 1e12),
+        "tokens_per_gpu_s_band": band, "mfu_band": tuple(b * flops / per_gpu / (device.peak_tflops * 1e12) for b in band),
+        "band_rests_on": BAND_RESTS_ON, "cpu_paths": cpu_paths(layout),
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * args.memory_gib * 2**30,
     }
+
+
+def step_times(c, layout, device, rates, args, compute: float, ep_stages: dict, fsdp_total, cp, shapes: dict,
+               skew: float) -> dict:
+    """The time terms of one row (module docstring) with the busiest EP rank at `skew` x the mean bytes
+    and routed-expert compute; without the optimizer and host syncs."""
+    compute = compute + (skew - 1) * shapes["expert_s"]
+    stages = {name: link.scale(skew) for name, link in ep_stages.items()}
+    nodes = ep_placement(c, layout).n_nodes if layout.ep > 1 else 1
+    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes,
+                        ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
+    if layout.ep_interleave:
+        ep_s = interleaved_ep_s(c, layout, shapes["local_tokens"], shapes["micro"], shapes["act_bytes"], shapes["seq"],
+                                shapes["checkpointing"], device, rates, skew)
+    else:
+        ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes,
+                          ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
+    cp_s = max(_link_seconds(cp, device)) + shapes["cp_collectives"] * net.LATENCY_S
+    fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
+    fsdp_network_s += shapes["fsdp_collectives"] * net.LATENCY_S
+    ep_network_s = _ep_link_seconds(sum(stages.values(), Link()), device, nodes)[1]
+    nvlink_s = _link_seconds(fsdp_total + sum(stages.values(), Link()) + cp, device)[0]
+    network_s = fsdp_network_s + ep_network_s + _link_seconds(cp, device)[1]  # all traffic shares the NIC
+    hidden = max(0.0, serial - ep_s) if not args.overlap_ep else min(compute, ep_s + cp_s)
+    contended = net.contended_compute_s(compute, hidden + min(compute, max(fsdp_nvlink_s, fsdp_network_s)))
+    exposed = contended + ep_s + cp_s if not args.overlap_ep else max(contended, ep_s + cp_s)
+    return {"compute": compute, "compute_contended": contended, "ep": ep_s, "ep_serial": serial, "cp": cp_s,
+            "fsdp_nvlink": fsdp_nvlink_s, "fsdp_network": fsdp_network_s, "all_nvlink": nvlink_s,
+            "all_network": network_s, "step": max(exposed, nvlink_s, network_s)}
+
+
+def cpu_paths(layout) -> list[str]:
+    """The CPU-tested runtime paths a row's figure depends on (their tests count its bytes and syncs)."""
+    knobs = dispatch_knobs(layout)
+    paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
+    if layout.ep > 1:
+        paths.append("parallel/ep_plan.py (tests/test_ep_dispatch.py: EP bytes)")
+    names = {"ep_dedup": "parallel/ep_dedup*.py", "ep_interleave": "parallel/ep_interleave.py",
+             "ep_pair_micro_batches": "parallel/ep_pairing.py", "ep_recompute_ahead": "parallel/recompute_ahead.py"}
+    paths += [path for knob, path in names.items() if knobs.get(knob)]
+    paths += ["parallel/ep_overlap.py"] * (knobs["ep_overlap_chunks"] > 1)
+    paths += ["parallel/ep_fp8.py"] * (knobs["ep_dispatch_dtype"] != "compute")
+    paths += ["parallel/ep_keep.py"] * (knobs.get("ep_recompute") == "keep")
+    return paths
 
 
 def resolved(job, args) -> dict:
@@ -325,8 +375,16 @@ def resolved(job, args) -> dict:
 
 
 def _link_seconds(link: Link, device) -> tuple[float, float]:
-    """(NVLink seconds, network seconds) of one rank's bytes."""
-    return link.intra / (device.nvlink_gbs * 1e9), link.inter / (device.network_gbs * 1e9)
+    """(NVLink seconds, network seconds) of one rank's bytes in ring collectives (FSDP, CP)."""
+    return (link.intra / (device.nvlink_line_gbs * 1e9 * net.NVLINK_EFFICIENCY),
+            link.inter / (device.nic_line_gbs * 1e9 * net.RING_EFFICIENCY))
+
+
+def _ep_link_seconds(link: Link, device, nodes: int) -> tuple[float, float]:
+    """(NVLink seconds, network seconds) of one rank's all-to-all bytes in an EP group over `nodes` nodes:
+    the runtime's all_to_all_single, at the calibrated NCCL efficiency (benchmarks/lib/network_model.py)."""
+    return (link.intra / (device.nvlink_line_gbs * 1e9 * net.NVLINK_EFFICIENCY),
+            link.inter / (device.nic_line_gbs * 1e9 * net.inter_efficiency("all_to_all", nodes, "nccl")))
 
 
 @functools.lru_cache(maxsize=None)  # the same layout recurs across dtypes and what-ifs; planning K2 takes seconds

@@ -21,6 +21,10 @@ import functools
 
 import torch
 
+# Compute rates as fractions of the bf16 peak, until gpu_check measures them (assumptions):
+# large GEMMs reach ~70%, grouped expert GEMMs with a few hundred rows per expert ~55%,
+# causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
+DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
 RATE = {"norms": "matmul_bf16", "attention": "matmul_bf16", "sdpa": "attention_bf16", "router": "matmul_bf16",
         "routed": "grouped_mm_bf16", "shared": "matmul_bf16", "ffn": "matmul_bf16"}  # compute rate of each part
 # what each mode reruns in backward (parallel/activation_checkpoint.checkpoint_regions): full, every block;
@@ -71,3 +75,18 @@ def recompute_flops(config, seq_len: int, mode: str) -> dict:
 def seconds(parts: dict, names, rates: dict) -> float:
     """Seconds of the `names` parts of one block's forward per token at `rates` (FLOP/s per RATE value)."""
     return sum(parts.get(name, 0) / rates[RATE[name]] for name in names)
+
+
+def flops_split(config, seq_len: int) -> dict:
+    """Training FLOPs per token: {"attention", "experts", "dense"} (sum = runtime.metrics.flops_per_token)."""
+    from runtime.metrics import flops_per_token
+
+    total = flops_per_token(config, seq_len)
+    if config.attn == "mla":
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    else:
+        qk = v = config.head_dim
+    attention = 3.0 * config.n_layers * config.n_heads * seq_len * (qk + v)
+    n_moe = config.n_layers - config.n_dense_layers
+    experts = 6.0 * n_moe * config.n_activated_experts * 3 * config.dim * config.moe_inter_dim
+    return {"attention": attention, "experts": experts, "dense": total - attention - experts}

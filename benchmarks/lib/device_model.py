@@ -59,11 +59,30 @@ class DeviceModel:
     latency_us: float = 50.0
     gpus_per_node: int = 8
     source: str = "datasheet + assumptions (benchmarks/lib/device_model.py)"
+    peak_fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (datasheet; 2x bf16 on Hopper and Blackwell)
+    nvlink_line_gbs: float = 450.0  # NVLink per direction, line rate (benchmarks/lib/network_model.py)
+    nic_line_gbs: float = 50.0  # network per GPU per direction, line rate: one 400 Gb/s NIC
+    memory_gib: float = 80.0  # usable HBM (datasheet)
 
 
+# Datasheets (dense tensor-core peaks: the sparse figures halved), per GPU:
+#   H100 SXM5: bf16 989, fp8 1,979 TFLOP/s; HBM3 3.35 TB/s, 80 GB; NVLink 4 900 GB/s bidirectional.
+#   H200 SXM: the H100's compute; HBM3e 4.8 TB/s, 141 GB; NVLink 900 GB/s.
+#   H800 SXM5: the H100's compute; NVLink 400 GB/s bidirectional (200 per direction; DeepSeek-V3 report:
+#       160 GB/s achievable); HBM3 3.35 TB/s, 80 GB.
+#   B200 (HGX B200, 8 GPUs: 36 PFLOP/s bf16 / 72 fp8 with sparsity): bf16 2,250, fp8 4,500; HBM3e 8 TB/s,
+#       180 GB; NVLink 5 1.8 TB/s bidirectional.
+# Every node: one 400 Gb/s NIC per GPU (ConnectX-7 NDR; DeepSeek-V3's H800 cluster and the torchtitan B200 run).
 DEVICES = {
-    "h100": DeviceModel("H100 SXM5 80GB", 989.0, 600.0, 360.0, 40.0, 3350.0),
-    "h200": DeviceModel("H200 SXM 141GB", 989.0, 600.0, 360.0, 40.0, 4800.0),
+    "h100": DeviceModel("H100 SXM5 80GB", 989.0, 600.0, 360.0, 40.0, 3350.0, peak_fp8_tflops=1979.0,
+                        memory_gib=80.0, source="NVIDIA H100 datasheet"),
+    "h200": DeviceModel("H200 SXM 141GB", 989.0, 600.0, 360.0, 40.0, 4800.0, peak_fp8_tflops=1979.0,
+                        memory_gib=139.0, source="NVIDIA H200 datasheet"),
+    "h800": DeviceModel("H800 SXM5 80GB", 989.0, 600.0, 160.0, 40.0, 3350.0, peak_fp8_tflops=1979.0,
+                        nvlink_line_gbs=200.0, memory_gib=80.0,
+                        source="NVIDIA H800 datasheet; DeepSeek-V3 technical report (NVLink 160 GB/s achieved)"),
+    "b200": DeviceModel("B200 180GB", 2250.0, 1365.0, 720.0, 40.0, 8000.0, peak_fp8_tflops=4500.0,
+                        nvlink_line_gbs=900.0, memory_gib=180.0, source="NVIDIA HGX B200 datasheet"),
 }
 
 
