@@ -93,8 +93,8 @@ def grad_norm(parameters, group=None) -> torch.Tensor:
     mesh axes of total size n is held by n ranks, so it is counted 1/n times. One `_foreach_norm`
     per (device, dtype, replica count) group of local shards (fp32 per-shard norms, as
     torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64, then one
-    all-reduce of one scalar (communication). No host sync. `torch._foreach_norm`/`_foreach_mul_`
-    are private (checked on torch 2.13.0); torch.nn.utils.clip_grad_norm_ uses them too."""
+    all-reduce of one scalar (communication). No host sync. The foreach kernels are private torch
+    (parallel/_torch_private.py); torch.nn.utils.clip_grad_norm_ uses them too."""
     sq = None  # created on the gradients' device: a CPU scalar copied over would be a blocking copy
     for (device, _, replicas), shards in _local_grads(parameters, group).items():
         part = torch.stack(_torch_private.foreach_norm(shards)).double().square().sum() / replicas
