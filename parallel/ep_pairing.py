@@ -52,7 +52,7 @@ def apply_pairing(model: nn.Module) -> None:
     """Number the blocks (embedding -1, blocks 0..n-1, norm/output n) for the crossing rule, and put `_enter`
     ahead of FSDP's pre-forward hook of every unit. After fully_shard; the MoE blocks' dispatchers know
     their block index (parallel/ep/dispatcher.py), which the gradient waits hand to `backward_turn`."""
-    _torch_private.check_fsdp_unit_states("parallel.ep_pair_micro_batches")
+    _torch_private.check_fsdp_unit_states("ep_pair_micro_batches", model.layers[0])
     n = len(model.layers)
     _PAIRED.add(model)
     positions = {model: -1, model.tok_embeddings: -1, model.norm: n, model.output: n}

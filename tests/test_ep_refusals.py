@@ -64,3 +64,18 @@ def test_private_torch_names_only_in_the_private_module():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(re.sub(r"_torch_private\.\w+", "", line.split("#")[0]))]
     assert hits == []
+
+
+def test_fsdp_probe_refuses_in_one_line_naming_the_torch_version():
+    """A unit without FSDP2's state stands for a torch whose internals moved: the knob is refused."""
+    import torch
+    from torch import nn
+
+    from parallel._torch_private import check_fsdp_unit_states
+
+    check_fsdp_unit_states("ep_recompute_ahead")  # this torch: the states and methods are there
+    with pytest.raises(ValueError) as error:
+        check_fsdp_unit_states("ep_recompute_ahead", nn.Linear(2, 2))
+    message = str(error.value)
+    assert message.startswith(f"parallel.ep_recompute_ahead: FSDP2 internals it relies on differ in torch "
+                              f"{torch.__version__}") and "\n" not in message
