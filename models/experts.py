@@ -28,8 +28,9 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts: out_t = w2[e] (silu(w1[e] x_t) * w3[e] x_t) for token t routed to expert e.
 
     Parameters: w13 [E, 2F, D] (w1[e] rows then w3[e] rows), w2 [E, D, F] (each expert's matrix is
-    [out, in], like nn.Linear). Expert parallelism swaps `forward` for a version that all-to-alls the
-    sorted tokens to the ranks owning each expert; the parameter names and shapes stay.
+    [out, in], like nn.Linear). Under expert parallelism the MoE layer passes its dispatcher
+    (parallel/ep/dispatcher.py), which all-to-alls the sorted tokens to the ranks owning each expert
+    inside this call (so FSDP gathers the weights once per call); the parameter names and shapes stay.
     """
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
@@ -38,17 +39,15 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, counts_E, dispatcher=None) -> torch.Tensor:
         """x_TD: token copies sorted by expert; counts_E (int64, len E): tokens of each expert in
-        order (sum = T). Returns out_TD in the same order. Experts with no tokens still get a
-        (zero) gradient, so every rank steps the same optimizer state."""
+        order (sum = T), or what `dispatcher.exchange` made of them. Returns out_TD in the same order.
+        Experts with no tokens still get a (zero) gradient, so every rank steps the same optimizer
+        state. `dispatcher` (None: every expert here) runs the call: `dispatcher.run(self, x, counts)`."""
+        if dispatcher is not None:
+            return dispatcher.run(self, x_TD, counts_E)
         assert counts_E.shape == (self.w13.shape[0],), (counts_E.shape, self.w13.shape)
         return swiglu_experts(x_TD, self.w13, self.w2, counts_E)
-
-    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """Start whatever `forward` needs to know about the other ranks' counts; here nothing (the
-        counts are forward's input as they are). Expert parallelism swaps this for an all-to-all."""
-        return counts_E
 
     def init_streams(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
         """(stream name, parameter, its rows [lo, hi) on dim 1 or None for all) of each random stream

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.experts import GroupedExperts
+from models.experts import GroupedExperts, swiglu_experts
 from models.layers import FeedForward
 from models.splits import WHOLE, MatrixSplit
 
@@ -45,7 +45,7 @@ class Router(nn.Module):
         # d(training loss)/d(aux loss) of one forward: the runtime sets it to this micro-batch's share
         # of the global batch's sequences, so the aux loss is the mean over ALL sequences of the step.
         self.aux_loss_weight = 1.0
-        # parallel/ep_interleave.py: the micro-batch arrives in two calls, halves along this dim (0: sequences,
+        # parallel/ep/halves.py: the micro-batch arrives in two calls, halves along this dim (0: sequences,
         # 1: positions); the balance loss waits for the second and is computed once over both.
         self.split_dim, self._first_half = None, None
 
@@ -161,12 +161,36 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad_TK, torch.full_like(aux_loss, ctx.weight), None
 
 
+class LocalDispatcher:
+    """The dispatch interface of one MoE layer, single-process: every expert is on this rank.
+
+    `route(moe, x_TD, weights_TK, experts_TK) -> out_TD`: sort the token copies by expert,
+    `exchange(counts_E)`, run the experts' call (`run(experts, x, counts)`: dispatch -> grouped
+    matmul -> combine), unsort and weight. Expert parallelism gives each MoE layer a dispatcher with
+    the same calls that moves the rows to the ranks owning their experts (parallel/ep/dispatcher.py)."""
+
+    def route(self, moe: "MoE", x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        K = experts_TK.shape[1]
+        # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
+        order_N = torch.argsort(experts_TK.flatten(), stable=True)
+        counts = self.exchange(expert_counts(experts_TK, moe.router.n_experts))
+        return moe.combine(moe.experts(x_TD[order_N // K], counts, self), order_N, weights_TK)
+
+    def exchange(self, counts_E: torch.Tensor):
+        """What the experts' call needs to know of the other ranks' counts: here nothing."""
+        return counts_E
+
+    def run(self, experts: GroupedExperts, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return swiglu_experts(x_TD, experts.w13, experts.w2, counts_E)
+
+
 class MoE(nn.Module):
     """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts.
 
-    Under expert parallelism the count exchange (`exchange_counts`: an all-to-all and a
+    The routed part runs through `dispatcher` (`LocalDispatcher` here; expert parallelism builds one
+    per layer from its config). Under expert parallelism the count exchange (an all-to-all and a
     non-blocking copy of the split sizes to the host) is queued before the routed experts' FSDP
-    all-gather is issued; their forward then waits for the copy only (the layer's one host sync)
+    all-gather is issued; their call then waits for the copy only (the layer's one host sync)
     while the all-gather proceeds. (Issuing the shared experts in between would hide more, but
     changes the order in which bf16 gradients of the layer input accumulate.)"""
 
@@ -177,24 +201,16 @@ class MoE(nn.Module):
         self.shared_experts = (
             FeedForward(c.dim, c.moe_inter_dim * c.n_shared_experts) if c.n_shared_experts > 0 else None
         )
+        self.dispatcher = LocalDispatcher()  # not a module: no parameters, no state dict entries
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         weights_TK, experts_TK = self.router(x_BSD)
-        out_TD = self.routed(x_TD, weights_TK, experts_TK)
+        out_TD = self.dispatcher.route(self, x_TD, weights_TK, experts_TK)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(B, S, D)
-
-    def routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum for each token (out_TD). The dispatch interface: expert
-        parallelism may swap this method for one that moves tokens differently (parallel/ep_dedup.py)."""
-        K = experts_TK.shape[1]
-        # Stable sort keeps each expert's tokens in token order (deterministic, EP-friendly).
-        order_N = torch.argsort(experts_TK.flatten(), stable=True)
-        counts = self.experts.exchange_counts(expert_counts(experts_TK, self.router.n_experts))
-        return self.combine(self.experts(x_TD[order_N // K], counts), order_N, weights_TK)
 
     @staticmethod
     def combine(y_sorted_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ parallel/ep_keep.py). Every rank recomputes the same regions in
 the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
-`tokens_per_expert` a second time; the recompute restores every router of the region afterwards.
+`tokens_per_expert` a second time; the recompute restores every router of the region afterwards (and
+the drop counters of the EP dispatchers whose experts' call it reruns, parallel/ep_capacity.py).
 QK-clip maxima (optim/qk_clip.py): the original forward recorded them; the recompute of the same
 logits records nothing (it would cost one more Q K^T per layer for the same maxima).
 """
@@ -37,9 +38,10 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import CausalAttention
 from models.experts import GroupedExperts
-from models.moe import Router
-from parallel.overlap import forward_prefetch_paused
+from models.moe import MoE, Router
 from parallel import ep_keep, recompute_ahead
+from parallel.ep.dispatcher import Dispatcher
+from parallel.overlap import forward_prefetch_paused
 
 MODES = ("none", "full", "selective")
 
@@ -54,7 +56,7 @@ def apply_activation_checkpoint(model: nn.Module, mode: str, ahead: bool = False
         return
     for block in model.layers:
         for module in checkpoint_regions(block, mode):
-            _checkpoint_forward(module, ahead and mode == "full")
+            _checkpoint_forward(module, block, ahead and mode == "full")
 
 
 def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
@@ -64,12 +66,16 @@ def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
     return [block.attention] + [m for m in block.modules() if isinstance(m, GroupedExperts)]
 
 
-def _checkpoint_forward(module: nn.Module, ahead: bool) -> None:
-    inner = module.forward  # the class forward, or the one expert parallelism swapped in
+def _checkpoint_forward(module: nn.Module, block: nn.Module, ahead: bool) -> None:
+    inner = module.forward
     routers = [m for m in module.modules() if isinstance(m, Router)]
     recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
-    dropping = [m for m in module.modules() if hasattr(m, "ep_drop_counts")]  # parallel/ep_capacity.py
-    keep = any(getattr(m, "ep_recompute", "resend") == "keep" for m in module.modules())  # parallel/ep_keep.py
+    inside = set(module.modules())
+    # the EP dispatchers (parallel/ep/dispatcher.py) whose experts' call the region reruns
+    dispatchers = [m.dispatcher for m in block.modules() if isinstance(m, MoE) and m.experts in inside
+                   and isinstance(m.dispatcher, Dispatcher)]
+    dropping = [d for d in dispatchers if d.config.capacity_factor > 0]  # parallel/ep_capacity.py
+    keep = any(d.config.keep for d in dispatchers)  # parallel/ep_keep.py
 
     def context_fn():
         forward_context, replay = ep_keep.contexts(keep)
@@ -100,8 +106,8 @@ def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: l
     left them (read when the recompute starts: the drop counters exist from the first forward on),
     record no QK-clip maxima (the original forward recorded the same logits), and inside `replay`
     (parallel/ep_keep.py: the EP exchanges read back from the forward, or nothing)."""
-    counters = [r.tokens_per_expert for r in routers] + [m.ep_drop_counts for m in dropping
-                                                         if m.ep_drop_counts is not None]
+    counters = [r.tokens_per_expert for r in routers] + [d.drop_counts for d in dropping
+                                                         if d.drop_counts is not None]
     saved = [counter.clone() for counter in counters]
     recording = [recorder.record_max_logits for recorder in recorders]
     for recorder in recorders:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models.block_attention import pad_values, prefix_causal_attention
 from models.document_attention import document_attention
+from parallel import _torch_private
 
 
 def load_balanced_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -109,7 +110,7 @@ class GatheredKV(nn.Module):
         shift = positions_S[:1] - expected_S[:1]
         message = "context parallelism needs each rank's positions to be load_balanced_positions (+ a constant)"
         try:
-            torch._assert_async((positions_S - shift == expected_S).all(), message)
+            _torch_private.assert_async((positions_S - shift == expected_S).all(), message)
         except RuntimeError as e:
             raise ValueError(f"{message}; cp rank {r} of {P} got {positions_S.tolist()[:16]}...") from e
         return torch.arange(L, device=positions_S.device) + shift

@@ -4,7 +4,7 @@ The direct dispatch (parallel/expert_parallel.py) needs the split sizes on the h
 all-to-all takes them as integers, so each MoE layer waits for the device once. Here every rank
 sends exactly C rows to every ep peer, C = ceil(factor x T K / P) (T K token copies of this rank),
 so the split sizes are the constant [C] * P and nothing is read back:
-  1. each copy (sorted by expert, as MoE.routed gives them) takes slot `position in its
+  1. each copy (sorted by expert, as the dispatcher's `route` gives them) takes slot `position in its
      destination rank's rows` of that rank's C-row block; copies at position >= C are dropped (their
      expert output is zero, so the token keeps its residual and the other experts' outputs);
   2. one all-to-all of the [P C, D] slot buffer (unused slots are zero rows) and one of the slots'
@@ -17,7 +17,7 @@ Every rank must pass the same T (true for the fixed-shape micro-batches the runt
 C sizes the receive buffer. With C >= T K (factor >= P) nothing can drop and the outputs equal the
 direct path's up to the grouped matmul's extra zero rows (exact zeros).
 
-Dropped copies are counted on the device (`ep_drop_counts`: [dropped, routed] of this rank since
+Dropped copies are counted on the device (the dispatcher's `drop_counts`: [dropped, routed] of this rank since
 the last read); runtime/train.py sums them across ranks with the loss and logs
 `ep_dropped_fraction` at the step's one readback.
 
@@ -25,53 +25,33 @@ Shape letters: N token copies of this rank (sorted by expert), D model dim, P ep
 experts, C slots per peer, S = P C slots.
 """
 
-import types
-
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from models.experts import GroupedExperts, swiglu_experts
+from models.experts import swiglu_experts
 from parallel.ep_plan import capacity_slots
+from parallel.expert_parallel import all_to_all, dispatch_rows
 
 
-def apply_capacity(model: nn.Module, factor: float) -> None:
-    """Swap every GroupedExperts' exchange_counts/forward (already on the ep mesh) for the fixed-capacity ones."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            module.ep_capacity_factor = factor
-            module.ep_drop_counts = None  # made on the first forward's device (the model may be on meta here)
-            module.exchange_counts = types.MethodType(_keep_counts, module)
-            module.forward = types.MethodType(capacity_forward, module)
-
-
-def _keep_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-    """No count exchange: the receiver learns each slot's expert from the slot ids."""
-    return counts_E
-
-
-def capacity_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Drop-in GroupedExperts.forward (module docstring); same inputs and output as the direct path."""
-    from parallel.expert_parallel import EXPERT_WEIGHTS, _all_to_all, _local, combine_grad_fp8, dispatch_rows
-
-    w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
-    group = self.ep_group
-    P = dist.get_world_size(group)
+def capacity_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2, training: bool) -> torch.Tensor:
+    """The experts' call of dispatcher `d` under a fixed capacity (module docstring); same inputs and
+    output as the direct path. `training`: the experts module's mode (drops are counted in training)."""
+    P = d.n_ranks
     L = counts_E.shape[0] // P
-    C = capacity_slots(x_ND.shape[0], P, self.ep_capacity_factor)
+    C = capacity_slots(x_ND.shape[0], P, d.config.capacity_factor)
     slot_N, local_expert_N, kept_N = _slots(counts_E, P, L, C, x_ND.shape[0])
-    _count_drops(self, kept_N)
+    if training:
+        _count_drops(d, kept_N)
     send_SD = x_ND.new_zeros(P * C + 1, x_ND.shape[1]).index_copy(0, slot_N, x_ND)[:-1]  # row P C: the dropped
     ids_S = torch.full((P * C + 1,), L, dtype=torch.int64, device=x_ND.device).index_copy(0, slot_N, local_expert_N)
     splits = [C] * P
-    x_SD = dispatch_rows(self, send_SD, splits, splits, group)  # communication: dispatch (fixed splits)
-    ids_S = _all_to_all(ids_S[:-1], splits, splits, group)
+    x_SD = dispatch_rows(d, send_SD, splits, splits)  # communication: dispatch (fixed splits)
+    ids_S = all_to_all(ids_S[:-1], splits, splits, d.group)
     order_S = torch.argsort(ids_S, stable=True)
     sizes_L = torch.zeros(L + 1, dtype=torch.int64, device=x_ND.device).index_add_(0, ids_S, torch.ones_like(ids_S))
     sizes_L = sizes_L[:L].clone()
     sizes_L[-1] += sizes_L.new_full((), P * C) - sizes_L.sum()  # empty slots join the last group
     y_SD = swiglu_experts(x_SD[order_S], w13, w2, sizes_L)[torch.argsort(order_S)]
-    back_SD = _all_to_all(y_SD, splits, splits, group, combine_grad_fp8(self))  # communication: combine (fixed splits)
+    back_SD = all_to_all(y_SD, splits, splits, d.group, d.config.combine_grad_fp8)  # communication: combine (fixed splits)
     return torch.cat([back_SD, back_SD.new_zeros(1, back_SD.shape[1])]).index_select(0, slot_N)
 
 
@@ -87,27 +67,10 @@ def _slots(counts_E, P: int, L: int, C: int, N: int):
     return slot_N, expert_N % L, kept_N
 
 
-def _count_drops(self, kept_N: torch.Tensor) -> None:
+def _count_drops(d, kept_N: torch.Tensor) -> None:
     """Training-mode forwards only, like the routers' token counts (evaluation drops are not the step's)."""
-    if not self.training:
-        return
-    if self.ep_drop_counts is None:
-        self.ep_drop_counts = torch.zeros(2, dtype=torch.int64, device=kept_N.device)
+    if d.drop_counts is None:
+        d.drop_counts = torch.zeros(2, dtype=torch.int64, device=kept_N.device)
     with torch.no_grad():
-        self.ep_drop_counts[0] += (~kept_N).sum()
-        self.ep_drop_counts[1] += kept_N.numel()
-
-
-def read_drop_counts(model: nn.Module) -> torch.Tensor | None:
-    """[dropped, routed] token copies summed over this rank's MoE layers since the last call (device,
-    float64), or None when no layer drops; resets the counters."""
-    modules = [m for m in model.modules() if hasattr(m, "ep_drop_counts")]
-    if not modules:
-        return None
-    counters = [m.ep_drop_counts for m in modules if m.ep_drop_counts is not None]
-    if not counters:
-        return torch.zeros(2, dtype=torch.float64)
-    total = torch.stack(counters).sum(0).double()
-    for c in counters:
-        c.zero_()
-    return total
+        d.drop_counts[0] += (~kept_N).sum()
+        d.drop_counts[1] += kept_N.numel()

@@ -1,6 +1,6 @@
 """Node-deduplicated EP dispatch (`parallel.ep_dedup`): a token crosses to each destination node once.
 
-Swapped in for `MoE.routed` (the dispatch interface, models/moe.py) by `apply_expert_parallel`. For
+The `route` of parallel/ep/dispatcher.py `DedupDispatcher` (the dispatch interface, models/moe.py). For
 one MoE layer, on each rank (the plan: parallel/ep_plan.py, "dedup"):
   1. pairs: the distinct (token, node) pairs of this rank's routing, ordered by node then token;
      their counts and their expert copies' counts are exchanged with the gateways (all-to-all of 2
@@ -22,7 +22,7 @@ summation order of the K weighted outputs (node partial sums, then across nodes)
 the direct path's to a few ulps (tests/test_ep_dispatch.py).
 
 A GPU backend (DeepEP's internode dispatch/combine, or a symmetric-memory dispatcher) slots in here:
-it replaces steps 1-4 behind the same `routed(x_TD, weights_TK, experts_TK) -> out_TD` signature.
+it replaces steps 1-4 behind the same `route(moe, x_TD, weights_TK, experts_TK) -> out_TD` signature.
 
 Shape letters: T tokens of this rank, K top-k, D model dim, N nodes, P ep ranks, Q pairs this rank
 sends, R pairs it receives as a gateway, C expert copies it fans out.
@@ -34,31 +34,31 @@ import torch.distributed as dist
 from models.moe import expert_counts
 from parallel.ep_keep import kept
 from parallel.ep_plan import Placement, expert_nodes, index_tensor, pair_order, pairs_per_node
+from parallel.expert_parallel import all_to_all, dispatch_rows
 
 
-def dedup_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
-    """Drop-in MoE.routed under `ep_dedup` (module docstring). `self.ep_placement`, `self.ep_group` and
-    `self.ep_rank` are set by apply_expert_parallel."""
-    from parallel.expert_parallel import _all_to_all, combine_grad_fp8, dispatch_rows
-
-    placement, group = self.ep_placement, self.ep_group
+def dedup_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+    """The route of dispatcher `d` (a DedupDispatcher: placement, group, rank) for MoE layer `moe`
+    (module docstring)."""
+    placement, group = d.placement, d.group
     T, K = experts_TK.shape
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
     copies_N = torch.zeros_like(pairs_N).index_add_(0, node_TK.flatten(), torch.ones_like(node_TK.flatten()))
     send_splits, recv_splits, n_copies = kept("pair_counts", lambda: _exchange_pair_counts(
-        pairs_N, copies_N, placement, self.ep_rank, group))  # host sync (none when a recompute replays it)
+        pairs_N, copies_N, placement, d.rank, group))  # host sync (none when a recompute replays it)
     token_Q, node_Q = pair_order(present_TN, sum(send_splits))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]
     ids_QK = experts_TK[token_Q].masked_fill(~on_node_QK, -1)
-    w_QK = weights_TK[token_Q].to(x_TD.dtype) * on_node_QK  # rounded to the compute dtype, as MoE.routed does
+    w_QK = weights_TK[token_Q].to(x_TD.dtype) * on_node_QK  # rounded to the compute dtype, as MoE.combine does
 
-    x_RD = dispatch_rows(self, x_TD[token_Q], recv_splits, send_splits, group)  # communication: node hop (dispatch)
-    w_RK = _all_to_all(w_QK, recv_splits, send_splits, group)
-    ids_RK = _all_to_all(ids_QK, recv_splits, send_splits, group)
-    partial_RD = _fan_out(self, x_RD, w_RK, ids_RK, n_copies)  # communication: inside the node
-    back_QD = _all_to_all(partial_RD, send_splits, recv_splits, group,
-                          combine_grad_fp8(self))  # communication: node hop (combine)
+    x_RD = dispatch_rows(d, x_TD[token_Q], recv_splits, send_splits)  # communication: node hop (dispatch)
+    w_RK = all_to_all(w_QK, recv_splits, send_splits, group)
+    ids_RK = all_to_all(ids_QK, recv_splits, send_splits, group)
+    partial_RD = fan_out(d, x_RD, w_RK, ids_RK, n_copies, moe.router.n_experts,
+                         lambda x, counts: moe.experts(x, counts, d))  # communication: inside the node
+    back_QD = all_to_all(partial_RD, send_splits, recv_splits, group,
+                         d.config.combine_grad_fp8)  # communication: node hop (combine)
     return back_QD.new_zeros(T, back_QD.shape[1]).index_add(0, token_Q, back_QD)
 
 
@@ -75,17 +75,14 @@ def _exchange_pair_counts(pairs_N, copies_N, placement: Placement, ep_rank: int,
     return send, recv, sum(copies)
 
 
-def _fan_out(self, x_RD, w_RK, ids_RK, n_copies: int) -> torch.Tensor:
+def fan_out(d, x_RD, w_RK, ids_RK, n_copies: int, n_experts: int, experts_call) -> torch.Tensor:
     """At the gateway: every received copy (pair, k with an expert on this node; `n_copies` of them,
-    known on the host from the hop's count exchange) through the EP experts (direct, or pipelined in
-    pieces under parallel.ep_overlap_chunks), weighted and summed per pair (partial_RD)."""
+    known on the host from the hop's count exchange) through the EP experts (`experts_call(x, counts)`:
+    the direct dispatch inside the node), weighted and summed per pair (partial_RD)."""
     R, K = ids_RK.shape
-    E = self.router.n_experts
-    valid_RK = ids_RK >= 0
-    key_N = ids_RK.masked_fill(~valid_RK, E).flatten()  # invalid copies sort last
-    counts = self.experts.exchange_counts(expert_counts(key_N, E + 1)[:E])  # the experts' own count exchange
+    key_N = ids_RK.masked_fill(ids_RK < 0, n_experts).flatten()  # copies for other nodes sort last
+    counts = d.exchange(expert_counts(key_N, n_experts + 1)[:n_experts])  # the experts' own count exchange
     order_C = torch.argsort(key_N, stable=True)[:n_copies]
-    y_CD = self.experts(x_RD[order_C // K], counts)
+    y_CD = experts_call(x_RD[order_C // K], counts)  # host sync: the fan-out's split sizes
     weighted_CD = y_CD * w_RK.flatten()[order_C][:, None]
     return weighted_CD.new_zeros(R, weighted_CD.shape[1]).index_add(0, order_C // K, weighted_CD)
-

@@ -2,9 +2,9 @@
 one piece's node hop (the all-to-alls that cross nodes) in flight while another piece fans out, computes
 and sums inside the gateway's node.
 
-Swapped in by `apply_expert_parallel` for `MoE.routed` (parallel/ep_dedup.py's plan, the pairs cut into
-pieces) and for the experts' forward (the pipeline, inside ONE GroupedExperts call, so FSDP gathers the
-experts once per micro-batch, not once per piece). For one MoE layer, on each rank:
+The route of parallel/ep/dispatcher.py `DedupDispatcher` when `chunks` > 1 (parallel/ep_dedup.py's plan,
+the pairs cut into pieces), the pipeline running inside ONE call of the experts (FSDP gathers them once
+per micro-batch, not once per piece). For one MoE layer, on each rank:
   1. pairs: the distinct (token, node) pairs as in ep_dedup; those bound for each node are cut into n
      consecutive slices (pair at position `pos` of node m's c_m pairs -> piece floor(pos n / c_m)), so
      every piece goes to every gateway; the pairs are sent ordered by (piece, node, token);
@@ -27,28 +27,17 @@ Shape letters: T tokens of this rank, K top-k, D model dim, N nodes, P ep ranks,
 sends (all pieces), R pairs of one piece a gateway receives, C their expert copies, n pieces.
 """
 
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from models.moe import expert_counts
+from parallel.ep_dedup import fan_out
 from parallel.ep_keep import kept
-from parallel.ep_overlap import mark, start_rows, wait_rows
+from parallel.ep_overlap import start_rows, wait_rows
 from parallel.ep_plan import expert_nodes, index_tensor, pairs_per_node
-
-
-def apply_dedup_overlap(model: nn.Module, chunks: int) -> None:
-    """Swap every MoE's `routed` (already the dedup one) and its experts' forward for the pipelined ones."""
-    from models.moe import MoE
-
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.routed = types.MethodType(pipelined_routed, module)
-            module.experts.ep_overlap_chunks, module.experts.ep_timeline = chunks, None
-            module.experts.forward = types.MethodType(node_pipeline, module.experts)
+from parallel.expert_parallel import direct_run, local_weight
 
 
 @dataclass
@@ -61,21 +50,23 @@ class PiecePlan:
     n_experts: int
 
 
-def pipelined_routed(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
-    """Drop-in MoE.routed (module docstring, steps 1-2; the experts' call runs step 3)."""
-    placement, group, n = self.ep_placement, self.ep_group, self.experts.ep_overlap_chunks
+def pipelined_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+    """The route of dispatcher `d` for MoE layer `moe` (module docstring, steps 1-2; the experts' call
+    runs step 3)."""
+    placement, group, n = d.placement, d.group, d.config.chunks
     T, K = experts_TK.shape
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
     piece_TN = (torch.cumsum(present_TN.long(), 0) - 1) * n // pairs_N.clamp(min=1)
     copies_TN = torch.zeros_like(piece_TN).scatter_add_(1, node_TK, torch.ones_like(node_TK))
     plan = kept("piece_pair_counts", lambda: _exchange(present_TN, piece_TN, copies_TN, n, placement,
-                                                       self.ep_rank, group, self.router.n_experts))  # host sync
+                                                       d.rank, group, moe.router.n_experts))  # host sync
     token_Q, node_Q = _pair_order(present_TN, piece_TN, sum(map(sum, plan.send)))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]
     ids_QK = experts_TK[token_Q].masked_fill(~on_node_QK, -1)
     w_QK = weights_TK[token_Q].to(x_TD.dtype) * on_node_QK  # rounded to the compute dtype, as MoE.routed does
-    back_QD = self.experts(x_TD[token_Q], w_QK, ids_QK, plan)  # communication: the pipeline (step 3)
+    pipeline = _NodePipeline(d, w_QK, ids_QK, plan)
+    back_QD = moe.experts(x_TD[token_Q], None, pipeline)  # communication: the pipeline (step 3)
     return back_QD.new_zeros(T, back_QD.shape[1]).index_add(0, token_Q, back_QD)
 
 
@@ -103,40 +94,39 @@ def _pair_order(present_TN, piece_TN, n_pairs: int):
     return order_Q // N, order_Q % N
 
 
-def node_pipeline(self, x_QD: torch.Tensor, w_QK: torch.Tensor, ids_QK: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
-    """Drop-in GroupedExperts.forward (module docstring, step 3): every pair's summed expert rows from
-    its node (back_QD, in x_QD's order)."""
-    group, n = self.ep_group, len(plan.send)
+class _NodePipeline:
+    """The experts' call of step 3 (the experts module calls `run`): the pieces' node hops and fan-outs."""
+
+    def __init__(self, d, w_QK: torch.Tensor, ids_QK: torch.Tensor, plan: PiecePlan):
+        self.d, self.w_QK, self.ids_QK, self.plan = d, w_QK, ids_QK, plan
+
+    def run(self, experts, x_QD: torch.Tensor, _counts) -> torch.Tensor:
+        w13, w2 = local_weight(experts.w13), local_weight(experts.w2)
+        return node_pipeline(self.d, x_QD, self.w_QK, self.ids_QK, self.plan, w13, w2)
+
+
+def node_pipeline(d, x_QD, w_QK, ids_QK, plan: PiecePlan, w13, w2) -> torch.Tensor:
+    """Module docstring, step 3: every pair's summed expert rows from its node (back_QD, in x_QD's order)."""
+    n = len(plan.send)
     rows = [sum(s) for s in plan.send]
     pieces = list(zip(torch.split(x_QD, rows), torch.split(w_QK, rows), torch.split(ids_QK, rows)))
 
     def hop(i):  # communication: node hop (dispatch) of piece i, across nodes
         x, w, ids = pieces[i]
-        return [start_rows(self, name, i, t, plan.recv[i], plan.send[i], group)
+        return [start_rows(d, name, i, t, plan.recv[i], plan.send[i])
                 for name, t in (("dispatch", x), ("weights", w), ("ids", ids))]
+
+    def experts_call(x, counts):
+        return direct_run(d, x, counts, w13, w2)
 
     started = [hop(0)] + [None] * (n - 1)
     combined = []
     for i in range(n):
         if i + 1 < n:
             started[i + 1] = hop(i + 1)
-        x_RD, w_RK, ids_RK = (wait_rows(self, name, i, *s)
-                              for name, s in zip(("dispatch", "weights", "ids"), started[i]))
-        mark(self, "compute_start", i)
-        partial_RD = _fan_out(self, x_RD, w_RK, ids_RK, plan.copies[i], plan.n_experts)  # inside the node
-        mark(self, "compute_end", i)
-        combined.append(start_rows(self, "combine", i, partial_RD, plan.send[i], plan.recv[i], group))
-    return torch.cat([wait_rows(self, "combine", i, *c) for i, c in enumerate(combined)])
-
-
-def _fan_out(self, x_RD, w_RK, ids_RK, n_copies: int, n_experts: int) -> torch.Tensor:
-    """As parallel/ep_dedup.py's fan-out, through the direct EP experts of this (already gathered) module."""
-    from parallel.expert_parallel import expert_parallel_exchange_counts, expert_parallel_forward
-
-    R, K = ids_RK.shape
-    key_N = ids_RK.masked_fill(ids_RK < 0, n_experts).flatten()  # copies for other nodes sort last
-    counts = expert_parallel_exchange_counts(self, expert_counts(key_N, n_experts + 1)[:n_experts])
-    order_C = torch.argsort(key_N, stable=True)[:n_copies]
-    y_CD = expert_parallel_forward(self, x_RD[order_C // K], counts)  # host sync: this piece's split sizes
-    weighted_CD = y_CD * w_RK.flatten()[order_C][:, None]
-    return weighted_CD.new_zeros(R, weighted_CD.shape[1]).index_add(0, order_C // K, weighted_CD)
+        x_RD, w_RK, ids_RK = (wait_rows(*s) for s in started[i])
+        d.mark("compute_start", i)
+        partial_RD = fan_out(d, x_RD, w_RK, ids_RK, plan.copies[i], plan.n_experts, experts_call)  # in the node
+        d.mark("compute_end", i)
+        combined.append(start_rows(d, "combine", i, partial_RD, plan.send[i], plan.recv[i]))
+    return torch.cat([wait_rows(*c) for c in combined])

@@ -13,7 +13,7 @@ expert ranks in backward) crosses in the same packed rows under ep_combine_grad_
 (arXiv:2412.19437, "Low-Precision Storage and Communication") quantizes "the activation gradient
 before MoE down-projections" to FP8 for that backward dispatch, and keeps both combines (forward, and
 the backward one that returns the dispatch's gradient) in BF16, as here.
-The combine all-to-alls (parallel/expert_parallel.py `_all_to_all(..., grad_fp8=True)`, the pieces of
+The combine all-to-alls (parallel/expert_parallel.py `all_to_all(..., grad_fp8=True)`, the pieces of
 parallel/ep_overlap.py, the fixed-capacity and node-deduplicated combines) encode it before sending
 and decode it on arrival, in the gradient's dtype; the forward is unchanged.
 
@@ -25,9 +25,6 @@ Shape letters: N rows sent, M rows received, D model dim, B = D + 4 bytes per pa
 """
 
 import torch
-
-from parallel.ep_keep import kept
-from parallel.expert_parallel import _AllToAll, receive_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4
@@ -55,18 +52,3 @@ def decode(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     q_ND = packed_NB[:, :-SCALE_BYTES].contiguous().view(torch.float8_e4m3fn)
     scale_N1 = packed_NB[:, -SCALE_BYTES:].contiguous().view(torch.float32)
     return (q_ND.float() * scale_N1).to(dtype)
-
-
-def fp8_all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Dispatch all-to-all with FP8 rows (module docstring); differentiable, the gradient in x's dtype."""
-    return _Fp8AllToAll.apply(x_ND, out_splits, in_splits, group)
-
-
-class _Fp8AllToAll(_AllToAll):
-    """The forward sends FP8 rows; the backward is _AllToAll's (the gradient crosses in x's dtype)."""
-
-    @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
-        ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, False
-        out_MB = kept("fp8_rows", lambda: receive_rows(encode(x_ND), out_splits, in_splits, group))  # FP8 rows
-        return decode(out_MB, x_ND.dtype)

@@ -1,8 +1,9 @@
 """Two halves per MoE block (`parallel.ep_interleave = true`): one half's EP all-to-alls in flight while the
 other half computes its attention, its routed experts or the shared experts, in forward and in backward.
 
-Swapped in for `TransformerBlock.forward` of every MoE block by `apply_expert_parallel` (before activation
-checkpointing wraps it and FSDP hooks the block). The micro-batch is cut in two halves A and B: by sequences
+`Halves` is the schedule of every MoE block (`TransformerBlock.schedule`, set by parallel/parallelize.py
+before activation checkpointing wraps the block and FSDP hooks it): the block's forward runs it. The
+micro-batch is cut in two halves A and B: by sequences
 when the local batch is even, else by positions (tokens [0, S/2) and [S/2, S) of every sequence); then
 half B's attention reads half A's keys through the attention's cache interface (models/kv_cache.LayerCache:
 A's latent and rotary key ahead of B's, causal by global position), so B depends on A and never the reverse.
@@ -30,26 +31,14 @@ masking (runtime/config.py refuses); the split by positions not under context pa
 sequences works with it).
 """
 
-import types
-
 import torch
-from torch import nn
 
 from models.attention import LocalKV
 from models.kv_cache import LayerCache
 from models.model import TransformerBlock
-from models.moe import MoE, expert_counts
-from parallel.ep_overlap import local_experts, mark, start_rows, wait_rows
-
-
-def apply_interleave(model: nn.Module) -> None:
-    """Swap the forward of every MoE block (and of its GroupedExperts, which also takes the halves)."""
-    for block in model.layers:
-        if isinstance(block.feed_forward, MoE):
-            experts = block.feed_forward.experts
-            experts.ep_timeline = None
-            experts.forward = types.MethodType(_halves_or_one(experts.forward), experts)
-            block.forward = types.MethodType(interleaved_forward, block)
+from models.moe import expert_counts
+from parallel.ep_overlap import start_rows, wait_rows
+from parallel.expert_parallel import local_experts, local_weight
 
 
 class Half:
@@ -60,47 +49,48 @@ class Half:
         self.order_N = order_N  # its token copies sorted by expert
         self.weights_TK = weights_TK
         self.counts = counts  # parallel/expert_parallel.ExchangedCounts (split sizes read)
-        self.dispatch = dispatch  # (link, box) of parallel/ep_overlap._start
+        self.dispatch = dispatch  # (link, box) of parallel/ep_overlap.start_rows
         self.combine_box = None
 
 
-def interleaved_forward(self: TransformerBlock, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None,
-                        documents=None) -> torch.Tensor:
-    """Drop-in TransformerBlock.forward (module docstring); decoding with a cache runs the block whole."""
-    if cache is not None:
-        return TransformerBlock.forward(self, x_BSD, positions_S, cache=cache)
-    moe, experts = self.feed_forward, self.feed_forward.experts
-    dim = 0 if x_BSD.shape[0] % 2 == 0 else 1
-    if documents is not None:  # runtime/config.py refuses the combination before launch
-        raise ValueError("parallel.ep_interleave with data.document_mask: not combined yet; choose one")
-    if dim == 1 and not isinstance(self.attention.kv_source, LocalKV):
-        raise ValueError(f"parallel.ep_interleave with context parallelism: {x_BSD.shape[0]} sequence(s) per rank and "
-                         f"micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch")
-    keys = {"cache": LayerCache()} if dim == 1 else {}
-    halves, hidden = [], []
-    moe.router.split_dim = dim
-    try:
-        for i, (x, p) in enumerate(_split(x_BSD, positions_S, dim)):
-            mark(experts, "attention_start", i)
-            a = self.attention_norm(x)
-            h = x + self.attention(a, p, **keys)
-            f = self.ffn_norm(h)
-            if experts.ep_timeline is not None and torch.is_grad_enabled():  # the backward's order, for tests
-                h.register_hook(lambda grad, i=i: mark(experts, "attention_grad_start", i))
-                a.register_hook(lambda grad, i=i: mark(experts, "attention_grad_end", i))
-            halves.append(_dispatch(moe, f, i))
-            hidden.append((h, f))
-            mark(experts, "attention_end", i)
-    finally:
-        moe.router.split_dim = None
-    links = experts([half.dispatch[0] for half in halves], halves)
-    out = []
-    for i, ((h, f), half, link) in enumerate(zip(hidden, halves, links)):
-        B, S, D = f.shape
-        shared = None if moe.shared_experts is None else moe.shared_experts(f.reshape(B * S, D))
-        y_TD = moe.combine(wait_rows(experts, "combine", i, link, half.combine_box), half.order_N, half.weights_TK)
-        out.append(h + (y_TD if shared is None else y_TD + shared).view(B, S, D))
-    return torch.cat(out, dim)
+class Halves:
+    """The two-halves schedule of one MoE block (module docstring); `block.forward` calls `forward`."""
+
+    def forward(self, block: TransformerBlock, x_BSD: torch.Tensor, positions_S: torch.Tensor,
+                documents=None) -> torch.Tensor:
+        moe = block.feed_forward
+        d = moe.dispatcher
+        dim = 0 if x_BSD.shape[0] % 2 == 0 else 1
+        if documents is not None:  # runtime/config.py refuses the combination before launch
+            raise ValueError("parallel.ep_interleave with data.document_mask: not combined yet; choose one")
+        if dim == 1 and not isinstance(block.attention.kv_source, LocalKV):
+            raise ValueError(f"parallel.ep_interleave with context parallelism: {x_BSD.shape[0]} sequence(s) per rank "
+                             f"and micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch")
+        keys = {"cache": LayerCache()} if dim == 1 else {}
+        halves, hidden = [], []
+        moe.router.split_dim = dim
+        try:
+            for i, (x, p) in enumerate(_split(x_BSD, positions_S, dim)):
+                d.mark("attention_start", i)
+                a = block.attention_norm(x)
+                h = x + block.attention(a, p, **keys)
+                f = block.ffn_norm(h)
+                if d.timeline is not None and torch.is_grad_enabled():  # the backward's order, for tests
+                    h.register_hook(lambda grad, i=i: d.mark("attention_grad_start", i))
+                    a.register_hook(lambda grad, i=i: d.mark("attention_grad_end", i))
+                halves.append(_dispatch(moe, f, i))
+                hidden.append((h, f))
+                d.mark("attention_end", i)
+        finally:
+            moe.router.split_dim = None
+        links = moe.experts([half.dispatch[0] for half in halves], halves, _HalvesRun(d))
+        out = []
+        for i, ((h, f), half, link) in enumerate(zip(hidden, halves, links)):
+            B, S, D = f.shape
+            shared = None if moe.shared_experts is None else moe.shared_experts(f.reshape(B * S, D))
+            y_TD = moe.combine(wait_rows(link, half.combine_box), half.order_N, half.weights_TK)
+            out.append(h + (y_TD if shared is None else y_TD + shared).view(B, S, D))
+        return torch.cat(out, dim)
 
 
 def _split(x_BSD, positions_S, dim: int):
@@ -112,37 +102,36 @@ def _split(x_BSD, positions_S, dim: int):
     return [(x_BSD[:, :S], positions_S[:S]), (x_BSD[:, S:], positions_S[S:])]
 
 
-def _dispatch(moe: MoE, f_BSD: torch.Tensor, i: int) -> Half:
+def _dispatch(moe, f_BSD: torch.Tensor, i: int) -> Half:
     """Route half i, exchange its counts (the host reads the split sizes) and issue its dispatch."""
     B, S, D = f_BSD.shape
+    d = moe.dispatcher
     weights_TK, experts_TK = moe.router(f_BSD)
     K = experts_TK.shape[1]
-    order_N = torch.argsort(experts_TK.flatten(), stable=True)  # as MoE.routed
-    counts = moe.experts.exchange_counts(expert_counts(experts_TK, moe.router.n_experts))
+    order_N = torch.argsort(experts_TK.flatten(), stable=True)  # as LocalDispatcher.route
+    counts = d.exchange(expert_counts(experts_TK, moe.router.n_experts))
     send, recv = counts.split_sizes()  # host sync
-    dispatch = start_rows(moe.experts, "dispatch", i, f_BSD.reshape(B * S, D)[order_N // K], recv, send,
-                      moe.experts.ep_group)
+    dispatch = start_rows(d, "dispatch", i, f_BSD.reshape(B * S, D)[order_N // K], recv, send)
     return Half(order_N, weights_TK, counts, dispatch)
 
 
-def _halves_or_one(one_call):
-    """GroupedExperts.forward taking either (x, counts) as before, or (dispatch links, halves): then it waits
-    for each half's dispatch, runs its experts and issues its combine, and returns the combines' links."""
-    def forward(self, x, counts=None):
-        if not isinstance(x, list):
-            return one_call(x, counts)
-        from parallel.expert_parallel import EXPERT_WEIGHTS, _local
+class _HalvesRun:
+    """The experts' call with both halves (the experts module calls `run` with the dispatch links and the
+    halves): for each half, wait for its dispatch, run its experts and issue its combine; returns the
+    combines' links."""
 
-        w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
-        links = []
-        for i, (link, half) in enumerate(zip(x, counts)):
-            x_RD = wait_rows(self, "dispatch", i, link, half.dispatch[1])
-            mark(self, "compute_start", i)
+    def __init__(self, d):
+        self.d = d
+
+    def run(self, experts, links: list, halves: list) -> list:
+        w13, w2 = local_weight(experts.w13), local_weight(experts.w2)
+        combines = []
+        for i, (link, half) in enumerate(zip(links, halves)):
+            x_RD = wait_rows(link, half.dispatch[1])
+            self.d.mark("compute_start", i)
             y_RD = local_experts(x_RD, half.counts.recv_counts_PL, w13, w2)
-            mark(self, "compute_end", i)
+            self.d.mark("compute_end", i)
             send, recv = half.counts.split_sizes()
-            link, half.combine_box = start_rows(self, "combine", i, y_RD, send, recv, self.ep_group)
-            links.append(link)
-        return links
-
-    return forward
+            link, half.combine_box = start_rows(self.d, "combine", i, y_RD, send, recv)
+            combines.append(link)
+        return combines

@@ -1,8 +1,9 @@
 """Chunked EP dispatch with overlap (`parallel.ep_overlap_chunks` = n > 1): one piece's all-to-alls in
 flight while another piece's grouped matmuls run, in forward and in backward.
 
-Swapped in for GroupedExperts.forward (the direct path's inputs and output: token copies sorted by
-expert, out in the same order), so FSDP gathers the experts once per micro-batch, not once per piece:
+The dispatcher's experts' call (parallel/ep/dispatcher.py; the direct path's inputs and output: token
+copies sorted by expert, out in the same order), so FSDP gathers the experts once per micro-batch, not
+once per piece:
   1. pieces: the copies bound for each ep rank are cut into n consecutive slices (copy at position
      `pos` of destination p's n_p rows -> piece floor(pos n / n_p)), so every piece sends to every
      peer; within a piece the rows stay sorted by expert;
@@ -21,51 +22,33 @@ each piece's combine gradient crosses as FP8 rows (box["grad_fp8"]: encoded by t
 decoded by the start node's). Under parallel.ep_recompute = "keep" a recompute
 replays the kept receive buffers and issues nothing (parallel/ep_keep.py).
 Exact: each copy's output depends on its own row only, and the weight gradients sum the same
-products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). `ep_timeline`, when a
-list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
+products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). The dispatcher's
+`timeline`, when a list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
 
 Shape letters: N token copies of this rank (sorted by expert), D model dim, E experts, P ep ranks,
 L local experts, n pieces, M rows of one piece sent, R rows of one piece received.
 """
 
-import time
-import types
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from models.experts import GroupedExperts, swiglu_experts
 from parallel.ep_fp8 import decode, encode
 from parallel.ep_keep import kept
 from parallel.ep_pairing import backward_turn, forward_turn
+from parallel.expert_parallel import local_experts
 from parallel.recompute_ahead import below
 
 
-def apply_overlap(model: nn.Module, chunks: int) -> None:
-    """Swap every GroupedExperts' exchange_counts/forward (already on the ep mesh) for the chunked ones."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            module.ep_overlap_chunks = chunks
-            module.ep_timeline = None
-            module.exchange_counts = types.MethodType(lambda self, counts_E: counts_E, module)
-            module.forward = types.MethodType(overlapped_forward, module)
-
-
-def overlapped_forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Drop-in GroupedExperts.forward under EP with n pieces (module docstring)."""
-    from parallel.expert_parallel import EXPERT_WEIGHTS, _local
-
-    w13, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
-    group, n = self.ep_group, self.ep_overlap_chunks
-    P = dist.get_world_size(group)
+def pieces_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2) -> torch.Tensor:
+    """The experts' call of dispatcher `d` with `d.config.chunks` pieces (module docstring)."""
+    n, P = d.config.chunks, d.n_ranks
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, self.ep_counts_group))  # ep_keep.py
+    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, d.counts_group))  # ep_keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)
-    y_pieces = _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2)
+    y_pieces = _pipeline(d, x_pieces, sizes, recv_counts_nPL, w13, w2)
     return torch.empty_like(x_ND).index_copy(0, order_N, torch.cat(y_pieces))
 
 
@@ -93,52 +76,39 @@ def _exchange(counts_nPL: torch.Tensor, group):
     return recv_counts_nPL, torch.stack([counts_nPL.sum(2), recv_counts_nPL.sum(2)]).tolist()
 
 
-def _pipeline(self, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Tensor]:
+def _pipeline(d, x_pieces, sizes, recv_counts_nPL, w13, w2) -> list[torch.Tensor]:
     """Dispatch, grouped matmul and combine of every piece, the all-to-alls of one piece in flight while
     another computes (module docstring, step 3)."""
     send, recv = sizes
-    n, group = len(x_pieces), self.ep_group
+    n = len(x_pieces)
     dispatched = [None] * n
-    dispatched[0] = start_rows(self, "dispatch", 0, x_pieces[0], recv[0], send[0], group)
+    dispatched[0] = start_rows(d, "dispatch", 0, x_pieces[0], recv[0], send[0])
     combined = []
     for i in range(n):
         if i + 1 < n:
-            dispatched[i + 1] = start_rows(self, "dispatch", i + 1, x_pieces[i + 1], recv[i + 1], send[i + 1], group)
-        x_RD = wait_rows(self, "dispatch", i, *dispatched[i])
-        mark(self, "compute_start", i)
+            dispatched[i + 1] = start_rows(d, "dispatch", i + 1, x_pieces[i + 1], recv[i + 1], send[i + 1])
+        x_RD = wait_rows(*dispatched[i])
+        d.mark("compute_start", i)
         y_RD = local_experts(x_RD, recv_counts_nPL[i], w13, w2)
-        mark(self, "compute_end", i)
-        combined.append(start_rows(self, "combine", i, y_RD, send[i], recv[i], group))
-    return [wait_rows(self, "combine", i, *c) for i, c in enumerate(combined)]
+        d.mark("compute_end", i)
+        combined.append(start_rows(d, "combine", i, y_RD, send[i], recv[i]))
+    return [wait_rows(*c) for c in combined]
 
 
-def local_experts(x_RD, recv_counts_PL, w13, w2) -> torch.Tensor:
-    """Received rows (source rank, local expert) regrouped by local expert, SwiGLU, original order."""
-    P, L = recv_counts_PL.shape
-    expert_of_row_R = torch.arange(L, device=x_RD.device).repeat(P).repeat_interleave(
-        recv_counts_PL.flatten(), output_size=x_RD.shape[0])
-    order_R = torch.argsort(expert_of_row_R, stable=True)
-    return swiglu_experts(x_RD[order_R], w13, w2, recv_counts_PL.sum(0))[torch.argsort(order_R)]
-
-
-def mark(self, event: str, piece: int) -> None:
-    if self.ep_timeline is not None:
-        self.ep_timeline.append((event, piece, time.perf_counter()))
-
-
-def start_rows(self, name, piece, x_MD, out_splits, in_splits, group):
-    """Start an async all-to-all of x_MD's rows (the dispatch in FP8 under parallel.ep_dispatch_dtype, the
-    combine's gradient under parallel.ep_combine_grad_dtype); returns (autograd link, handle box) for `wait_rows`."""
-    fp8 = name == "dispatch" and getattr(self, "ep_dispatch_dtype", "compute") == "float8_e4m3"
-    box = {"mark": lambda event: mark(self, f"{name}_{event}", piece), "fp8": fp8,
-           "block": getattr(self, "pair_block", None),  # parallel/ep_pairing.py
+def start_rows(d, name, piece, x_MD, out_splits, in_splits):
+    """Start an async all-to-all of x_MD's rows over dispatcher `d`'s group (a dispatch in FP8 under
+    `d.config.dispatch_fp8`, a combine's gradient under `d.config.combine_grad_fp8`); returns (autograd
+    link, handle box) for `wait_rows`. Other names (dedup's node hop: weights, ids) cross as they are."""
+    box = {"mark": lambda event: d.mark(f"{name}_{event}", piece),
+           "fp8": name == "dispatch" and d.config.dispatch_fp8,
+           "grad_fp8": name == "combine" and d.config.combine_grad_fp8,
+           "block": d.block,  # parallel/ep_pairing.py
            "below": below() if name == "dispatch" else None}  # parallel/recompute_ahead.py
-    box["grad_fp8"] = name == "combine" and getattr(self, "ep_combine_grad_dtype", "compute") == "float8_e4m3"
-    link = _Start.apply(x_MD, out_splits, in_splits, group, box)
+    link = _Start.apply(x_MD, out_splits, in_splits, d.group, box)
     return link, box
 
 
-def wait_rows(self, name, piece, link, box):
+def wait_rows(link, box):
     """The received rows of the all-to-all `start_rows` issued, in x's dtype (FP8 rows decoded)."""
     return _Wait.apply(link, box)
 

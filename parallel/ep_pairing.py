@@ -30,18 +30,18 @@ the same stream and NCCL overlaps; on CPU gloo runs the all-to-alls on its own t
 
 import contextlib
 import threading
+import weakref
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from models.moe import MoE
+from parallel import _torch_private
 
 _FORWARD = threading.local()  # .pair in F's thread: the Pairing it hands the turn back to
 _BACKWARD = None  # the Pairing whose forward B hands the turn to, while B runs
+_PAIRED = weakref.WeakSet()  # the models `apply_pairing` prepared (runtime/train.py asks `paired`)
 
 
 class _Aborted(Exception):
@@ -50,17 +50,25 @@ class _Aborted(Exception):
 
 def apply_pairing(model: nn.Module) -> None:
     """Number the blocks (embedding -1, blocks 0..n-1, norm/output n) for the crossing rule, and put `_enter`
-    ahead of FSDP's pre-forward hook of every unit. After fully_shard."""
+    ahead of FSDP's pre-forward hook of every unit. After fully_shard; the MoE blocks' dispatchers know
+    their block index (parallel/ep/dispatcher.py), which the gradient waits hand to `backward_turn`."""
+    _torch_private.check_fsdp_unit_states("ep_pair_micro_batches", model.layers[0])
     n = len(model.layers)
-    model.pair_moe_blocks = [i for i, b in enumerate(model.layers) if isinstance(b.feed_forward, MoE)]
-    for i, block in enumerate(model.layers):
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward.experts.pair_block = i
+    _PAIRED.add(model)
     positions = {model: -1, model.tok_embeddings: -1, model.norm: n, model.output: n}
     positions.update({block: i for i, block in enumerate(model.layers)})
     for module, x in positions.items():
         units = [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not model else [model]
         module.register_forward_pre_hook(lambda *_, x=x, units=units: _enter(x, units), prepend=True)
+
+
+def paired(model: nn.Module) -> bool:
+    """Whether `apply_pairing` prepared `model` (parallel.ep_pair_micro_batches)."""
+    return model in _PAIRED
+
+
+def moe_blocks(model: nn.Module) -> list[int]:
+    return [i for i, b in enumerate(model.layers) if isinstance(b.feed_forward, MoE)]
 
 
 def forward_backward(micro_batches: list, loss_of, before_backward, model: nn.Module, device) -> torch.Tensor:
@@ -73,7 +81,7 @@ def forward_backward(micro_batches: list, loss_of, before_backward, model: nn.Mo
         before_backward(i)
         pair = None
         if i + 1 < len(micro_batches):
-            pair = Pairing(lambda mb=micro_batches[i + 1]: loss_of(mb), model.pair_moe_blocks, device)
+            pair = Pairing(lambda mb=micro_batches[i + 1]: loss_of(mb), moe_blocks(model), device)
             loss.register_hook(pair.finish_at_end)
         _BACKWARD = pair
         try:
@@ -96,7 +104,7 @@ class Pairing:
         self.done = self.aborted = False
         self._to_f, self._to_b = threading.Semaphore(0), threading.Semaphore(0)
         # torch function and dispatch modes are per thread: F runs under the caller's (counters: runtime/syncs.py)
-        modes = [*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()]
+        modes = _torch_private.current_modes()
         self._thread = threading.Thread(target=self._run, args=(forward, device, modes), daemon=True)
         self._thread.start()
 
@@ -148,7 +156,7 @@ class Pairing:
 
     def finish_at_end(self, grad):
         """Hook on B's loss: queue F's completion at the end of B, ahead of FSDP's end-of-backward callback."""
-        Variable._execution_engine.queue_callback(lambda: self._finish())
+        _torch_private.queue_backward_callback(self._finish)
         return grad
 
     def _finish(self) -> None:
@@ -172,13 +180,7 @@ def _enter(x: int, units: list) -> None:
     while not pair.may_enter(x):
         pair.hand_back()
     for unit in units:
-        state = unit._get_fsdp_state()
-        groups = state._fsdp_param_groups
-        if state._training_state.name == "PRE_BACKWARD" and all(g._training_state.name == "POST_BACKWARD"
-                                                                for g in groups):
-            state._training_state = type(state._training_state).IDLE
-            for group in groups:
-                group._training_state = type(state._training_state).IDLE
+        _torch_private.reset_finished_unit(unit)
 
 
 def forward_turn() -> None:

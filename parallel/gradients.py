@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
+from parallel import _torch_private
+
 IGNORE_INDEX = -100
 
 
@@ -91,11 +93,11 @@ def grad_norm(parameters, group=None) -> torch.Tensor:
     mesh axes of total size n is held by n ranks, so it is counted 1/n times. One `_foreach_norm`
     per (device, dtype, replica count) group of local shards (fp32 per-shard norms, as
     torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64, then one
-    all-reduce of one scalar (communication). No host sync. `torch._foreach_norm`/`_foreach_mul_`
-    are private (checked on torch 2.13.0); torch.nn.utils.clip_grad_norm_ uses them too."""
+    all-reduce of one scalar (communication). No host sync. The foreach kernels are private torch
+    (parallel/_torch_private.py); torch.nn.utils.clip_grad_norm_ uses them too."""
     sq = None  # created on the gradients' device: a CPU scalar copied over would be a blocking copy
     for (device, _, replicas), shards in _local_grads(parameters, group).items():
-        part = torch.stack(torch._foreach_norm(shards)).double().square().sum() / replicas
+        part = torch.stack(_torch_private.foreach_norm(shards)).double().square().sum() / replicas
         sq = part if sq is None else sq + part.to(sq.device)
     if sq is None:
         sq = torch.zeros((), dtype=torch.float64)
@@ -138,5 +140,5 @@ def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     for (device, dtype, _), shards in _local_grads(parameters, group).items():
         by_device.setdefault((device, dtype), []).extend(shards)
     for (device, _), shards in by_device.items():
-        torch._foreach_mul_(shards, scale.to(device))
+        _torch_private.foreach_mul_(shards, scale.to(device))
     return total_norm

@@ -20,7 +20,8 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 both (docs/performance.md, "Whole-step projection").
 
 `ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
-dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement.
+dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement (the one table:
+parallel/ep/refusals.py).
 
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
@@ -28,6 +29,8 @@ all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the op
 
 from dataclasses import dataclass
 from typing import Literal
+
+from parallel.ep import refusals
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
@@ -104,51 +107,9 @@ def check_ep_knobs(c) -> None:
         raise ValueError(f"parallel.ep_combine_grad_dtype={c.ep_combine_grad_dtype!r}: expected one of {DISPATCH_DTYPES}")
 
 
-def _check_ep_modes(layout: "Layout") -> None:
-    """An EP dispatch knob needs ep > 1 (no effect otherwise); dedup needs whole nodes."""
-    on = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-          "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute == "keep",
-          "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave,
-          "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
-    for key, enabled in on.items():
-        if enabled and layout.ep == 1:
-            raise ValueError(f"parallel.{key}={getattr(layout, key)!r} has no effect with parallel.ep=1 (no dispatch)")
-    if layout.ep_dedup and layout.world_size % layout.ranks_per_node:
-        raise ValueError(f"parallel.ep_dedup: parallel.ranks_per_node={layout.ranks_per_node} does not divide "
-                         f"the world size {layout.world_size}")
-    if layout.ep_dedup and layout.ep_capacity_factor > 0:
-        raise ValueError(f"parallel.ep_dedup with parallel.ep_capacity_factor={layout.ep_capacity_factor}: "
-                         f"not combined yet (the node hop needs host split sizes); choose one")
-    if layout.ep_overlap_chunks > 1 and layout.ep_capacity_factor > 0:
-        raise ValueError(f"parallel.ep_overlap_chunks={layout.ep_overlap_chunks} with parallel.ep_capacity_factor="
-                         f"{layout.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); "
-                         f"choose one")
-    if layout.ep_pair_micro_batches and not (layout.ep_interleave or layout.ep_overlap_chunks > 1):
-        raise ValueError("parallel.ep_pair_micro_batches needs parallel.ep_interleave = true or parallel.ep_overlap_chunks "
-                         "> 1 (the pairing runs at their asynchronous all-to-alls' waits)")
-    if layout.ep_pair_micro_batches and layout.ep_dedup:
-        raise ValueError("parallel.ep_pair_micro_batches with parallel.ep_dedup: not combined yet; choose one")
-    if layout.ep_interleave:
-        others = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-                  "ep_overlap_chunks": layout.ep_overlap_chunks > 1}
-        for key, enabled in others.items():
-            if enabled:
-                raise ValueError(f"parallel.ep_interleave with parallel.{key}={getattr(layout, key)!r}: not combined "
-                                 f"(the halves replace the pieces; dedup and capacity are not interleaved yet); choose one")
-
-
 def check_recompute(layout, activation_checkpoint: str) -> None:
-    """ValueError (one line) for a recompute knob that does not apply to `activation_checkpoint`."""
-    if layout.ep_recompute == "keep" and activation_checkpoint == "none":
-        raise ValueError("parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none' "
-                         "(nothing is recomputed); use 'full' or 'selective', or ep_recompute='resend'")
-    if layout.ep_interleave and activation_checkpoint == "selective":
-        raise ValueError("parallel.ep_interleave with training.activation_checkpoint='selective': not combined (the "
-                         "experts' region would rerun a dispatch another region waits for); use 'full' or 'none'")
-    if layout.ep_recompute_ahead and not (activation_checkpoint == "full" and layout.ep_interleave):
-        raise ValueError(f"parallel.ep_recompute_ahead needs training.activation_checkpoint='full' and "
-                         f"parallel.ep_interleave = true (got {activation_checkpoint!r} and {layout.ep_interleave}): "
-                         f"the block below reruns inside the halves' dispatch-gradient waits")
+    """ValueError (one line) for an EP knob that does not apply to `activation_checkpoint` (parallel/ep/refusals.py)."""
+    refusals.check(layout, activation_checkpoint=activation_checkpoint)
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
@@ -269,7 +230,7 @@ def _check_positive(layout: Layout) -> None:
             raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
     _check_expert_inner(layout.expert_inner)
     check_ep_knobs(layout)
-    _check_ep_modes(layout)
+    refusals.check(layout)  # refused EP knob combinations
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep
     for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):

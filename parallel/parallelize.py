@@ -1,18 +1,23 @@
 """`parallelize`: apply context, expert and data parallelism to an unchanged Transformer.
 
 Order matters: expert weights must be DTensors on `ep` before FSDP wraps them (FSDP then shards
-them further over the expert mesh); the cp attention swap touches no parameters; activation
-checkpointing wraps the forwards that cp and ep installed, so their communication is recomputed too. Parameter
+them further over the expert mesh); the cp attention swap touches no parameters; each MoE layer gets
+its EP dispatcher (and each MoE block its two-halves schedule under parallel.ep_interleave) before
+activation checkpointing wraps the blocks, so their communication is recomputed too. Parameter
 names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
 """
 
 import torch
 from torch import nn
 
+from models.moe import MoE
 from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import apply_context_parallel
+from parallel.ep.config import EPConfig
+from parallel.ep.dispatcher import apply_expert_parallel
+from parallel.ep_fp8 import check_fp8_device
+from parallel.ep_interleave import Halves
 from parallel.ep_pairing import apply_pairing
-from parallel.expert_parallel import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
@@ -22,10 +27,26 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none") -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup."""
     check_recompute(layout, activation_checkpoint)
+    ep = EPConfig.from_layout(layout)
+    _check_fp8(ep, meshes.ep.device_type)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
-    apply_expert_parallel(model, meshes.ep, layout, meshes.ep_counts)  # experts: Shard(0) on ep, all-to-all dispatch/combine
+    apply_expert_parallel(model, meshes.ep, ep, meshes.ep_counts)  # experts: Shard(0) on ep; a dispatcher per MoE
+    if layout.ep_interleave:
+        for block in model.layers:
+            if isinstance(block.feed_forward, MoE):
+                block.schedule = Halves()  # two halves per MoE block (parallel/ep_interleave.py)
     apply_activation_checkpoint(model, activation_checkpoint, layout.ep_recompute_ahead)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
+    if layout.ep_recompute_ahead:
+        from parallel._torch_private import check_fsdp_unit_states
+
+        check_fsdp_unit_states("ep_recompute_ahead", model.layers[0])
     if layout.ep_pair_micro_batches:
         apply_pairing(model)  # each backward paired with the next micro-batch's forward
     return model
+
+
+def _check_fp8(ep: EPConfig, device_type: str) -> None:
+    for key, on in (("ep_dispatch_dtype", ep.dispatch_fp8), ("ep_combine_grad_dtype", ep.combine_grad_fp8)):
+        if on:
+            check_fp8_device(device_type, key)

@@ -33,6 +33,7 @@ except ModuleNotFoundError:  # Python < 3.11
 from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
+from parallel.ep import refusals as ep_refusals
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig, check_recompute
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
@@ -178,10 +179,11 @@ class JobConfig:
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)
             check_recompute(layout, self.training.activation_checkpoint)
-            _check_interleave(layout, [data for data, *_ in splits.values()], self.training.grad_accum)
-            if layout.ep_pair_micro_batches and self.training.grad_accum < 2:
-                raise ValueError(f"parallel.ep_pair_micro_batches with training.grad_accum={self.training.grad_accum}: "
-                                 f"nothing to pair (one micro-batch per step); set grad_accum >= 2")
+            for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
+                batch = {"batch_size": data.batch_size} if data.source != "rollouts" else {}
+                ep_refusals.check(layout, activation_checkpoint=self.training.activation_checkpoint,
+                                  grad_accum=self.training.grad_accum, document_mask=data.document_mask, **batch)
+            ep_refusals.check(layout, grad_accum=self.training.grad_accum)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
@@ -189,21 +191,6 @@ class JobConfig:
     def to_dict(self) -> dict:
         """Plain nested dict (for logging the resolved config next to the run)."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-
-def _check_interleave(layout: Layout, datas: list, grad_accum: int) -> None:
-    """parallel.ep_interleave (parallel/ep_interleave.py): not with document masking; a micro-batch of an odd
-    number of sequences per rank is cut by positions, which needs whole sequences (cp = 1)."""
-    if not layout.ep_interleave:
-        return
-    for data in datas:
-        if data.document_mask:
-            raise ValueError("parallel.ep_interleave with data.document_mask: not combined yet; choose one")
-        local = data.batch_size // max(1, grad_accum * layout.dp)
-        if data.source != "rollouts" and local % 2 and layout.cp > 1:
-            raise ValueError(f"parallel.ep_interleave with parallel.cp={layout.cp}: {local} sequence(s) per rank and "
-                             f"micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch "
-                             f"(data.batch_size / (training.grad_accum x dp))")
 
 
 def _plain(value):

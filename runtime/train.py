@@ -31,7 +31,7 @@ from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_record
 from optim.sharded.muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel import ep_pairing
-from parallel.ep_capacity import read_drop_counts
+from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
@@ -123,7 +123,7 @@ def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device
         if grad_sync != "every":
             set_gradient_sync(model, grad_sync, last_micro_batch=i == len(micro_batches) - 1)
 
-    if hasattr(model, "pair_moe_blocks"):  # parallel.ep_pair_micro_batches
+    if ep_pairing.paired(model):  # parallel.ep_pair_micro_batches
         return ep_pairing.forward_backward(micro_batches, lambda mb: micro_batch_loss(model, mb, global_tokens, device),
                                            before_backward, model, device)
     local_loss = torch.zeros((), device=device)

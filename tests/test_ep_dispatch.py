@@ -24,7 +24,7 @@ from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
-from parallel.ep_capacity import read_drop_counts
+from parallel.ep.dispatcher import dispatchers, read_drop_counts
 from runtime.syncs import count_syncs
 from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
@@ -173,9 +173,7 @@ def _run_case(config, reference, checkpoint="none"):
     meshes = _meshes(layout)
     parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
     routing, timeline = [], []
-    experts = [m for m in model.modules() if hasattr(m, "ep_timeline")]
-    if experts:
-        experts[0].ep_timeline = timeline  # the first MoE layer's pieces
+    dispatchers(model)[0].timeline = timeline  # the first MoE layer's pieces
     for router in model.routers():
         router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
     tapes = _collect_tapes()

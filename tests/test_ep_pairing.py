@@ -25,6 +25,7 @@ from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
+from parallel.ep.dispatcher import dispatchers
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
@@ -87,7 +88,7 @@ def _reference(steps: int, M: int) -> dict:
 
 
 class _ThreadTimeline(list):
-    """ep_timeline that also notes whether the main thread (the backward) or another (the paired forward) marked."""
+    """A dispatcher's timeline that also notes whether the main thread (the backward) or another (the paired forward) marked."""
 
     def append(self, item):
         super().append((*item, threading.current_thread() is threading.main_thread()))
@@ -100,9 +101,8 @@ def _run(knobs: dict, checkpoint: str, grad_sync: str, prefetch: int, steps: int
     parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
     set_fsdp_prefetch(model, prefetch)
     timeline = _ThreadTimeline()  # every MoE layer's: the paired forward and backward are in different layers
-    for module in model.modules():
-        if hasattr(module, "ep_timeline"):
-            module.ep_timeline = timeline
+    for d in dispatchers(model):
+        d.timeline = timeline
     sgd = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     rows = slice(meshes.dp_rank() * (MICRO // layout.dp), (meshes.dp_rank() + 1) * (MICRO // layout.dp))
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())

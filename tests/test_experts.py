@@ -115,11 +115,8 @@ class SeparateExperts(nn.Module):
         self.w1, self.w3 = nn.Parameter(w1.clone()), nn.Parameter(w3.clone())
         self.w2 = nn.Parameter(fused.w2.detach().clone())
 
-    def forward(self, x_TD, counts_E):
+    def forward(self, x_TD, counts_E, dispatcher=None):
         return separate_swiglu(x_TD, self.w1, self.w3, self.w2, counts_E)
-
-    def exchange_counts(self, counts_E):
-        return counts_E
 
 
 def test_model_loss_and_grads_equal_the_pre_fusion_experts():
