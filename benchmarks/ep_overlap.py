@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from models import Transformer, preset
 from parallel.gradients import loss_fn
+from parallel.ep.dispatcher import dispatchers
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
@@ -123,7 +124,7 @@ def main(argv=None) -> dict:
         for c, model in models.items():
             times[c].append(step(model, tokens, M))
     timeline = []
-    [m for m in models[args.chunks].modules() if hasattr(m, "ep_timeline")][0].ep_timeline = timeline
+    dispatchers(models[args.chunks])[0].timeline = timeline
     step(models[args.chunks], tokens, M)
     medians = {c: statistics.median(v[1:]) for c, v in times.items()}
     out = {"world": dist.get_world_size(), "dispatch_dtype": args.dispatch_dtype, "dedup": args.dedup, "interleave": args.interleave, "pair_micro_batches": args.pair, "ahead": args.ahead, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "steps": args.steps,

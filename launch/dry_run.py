@@ -58,7 +58,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from launch import dry_run_bytes, estimate_memory  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
-from parallel import expert_parallel  # noqa: E402
 from parallel.fake_backend import register_fake_backend  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
@@ -112,21 +111,6 @@ def last_blocks(model_config, n: int):
     """The model config of the last `n` blocks (MoE ones for DeepSeek-V3 shapes), full width."""
     dense = max(0, model_config.n_dense_layers - (model_config.n_layers - n))
     return dataclasses.replace(model_config, n_layers=n, n_dense_layers=dense)
-
-
-def symmetric_counts(model) -> None:
-    """EP under the fake backend: received token counts := sent ones (every ep peer sends this rank as
-    many tokens for each local expert as this rank sends it: symmetric traffic), so the dispatch sizes
-    are real numbers, not uninitialized memory."""
-    for module in model.modules():
-        if isinstance(module, GroupedExperts) and hasattr(module, "ep_group"):
-            def exchange(self, counts_E):
-                out = expert_parallel.expert_parallel_exchange_counts(self, counts_E)
-                if isinstance(out, expert_parallel.ExchangedCounts):
-                    out.recv_counts_PL.copy_(out.send_counts_PL)
-                    out.splits_2P = torch.stack([out.send_counts_PL.sum(1), out.recv_counts_PL.sum(1)])
-                return out
-            module.exchange_counts = exchange.__get__(module)
 
 
 def states_bytes(model, optimizer) -> dict:
@@ -211,7 +195,6 @@ def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
     small = dataclasses.replace(config, model=last_blocks(config.model, layers))
     layout, dispatch = step_dispatch(layout)
     model = train.build_model(small, meshes, layout, torch.device("cpu"), init=lambda m: m.init_weights(seed=0))
-    symmetric_counts(model)
     routing = dry_run_bytes.RoutingLog(model)
     optimizer = train.build_optimizer(model, small)
     scheduler = train.build_scheduler(optimizer, small.training)

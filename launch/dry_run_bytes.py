@@ -13,7 +13,8 @@ its node and elsewhere, by benchmarks/lib/wire_bytes.py, the conversion the proj
 benchmarks/lib/ep_projection.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
 routing this rank's routers produced in the step, with the dry run's symmetric-traffic assumption made
 concrete: ep peer p routes like this rank with the experts of p and of this rank swapped, so p sends
-this rank exactly what this rank sends p (launch/dry_run.py `symmetric_counts`).
+this rank exactly what this rank sends p (under the fake backend the EP dispatcher mirrors the counts:
+parallel/ep/dispatcher.py).
 """
 
 import os
