@@ -33,6 +33,7 @@ except ModuleNotFoundError:  # Python < 3.11
 from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
+from parallel.compile import check_compile
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig, check_recompute
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
@@ -67,6 +68,8 @@ class TrainingConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP all-gathers weights in this dtype and computes in it (master weights, optimizer state: float32; router: float32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP reduce-scatters / all-reduces gradients in this dtype
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # recompute in backward: full = every block, selective = attention and routed experts (parallel/activation_checkpoint.py)
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile(fullgraph) every block's regions (parallel/compile.py); auto = true on cuda, false on cpu
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # compiler backend; aot_eager = traced but not fused (bit-exact with eager; the CPU test backend)
     grad_clip: float = 1.0  # max global gradient norm over both meshes (0 = no clipping)
     warmup_steps: int = 20  # linear warmup steps from optim.lr/warmup_steps up to optim.lr
     schedule: Literal["cosine", "wsd"] = "cosine"  # after warmup: cosine decay, or warmup-stable-decay
@@ -93,6 +96,11 @@ class TrainingConfig:
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")
+
+    def compile_backend_used(self) -> str | None:
+        """The backend blocks are compiled with, or None (eager): `compile` with "auto" resolved by device."""
+        on = self.compile == "true" or (self.compile == "auto" and self.device_type() == "cuda")
+        return self.compile_backend if on else None
 
     def device_type(self) -> str:
         """"cuda" or "cpu" (resolves "auto")."""
@@ -178,6 +186,8 @@ class JobConfig:
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)
             check_recompute(layout, self.training.activation_checkpoint)
+            if self.training.compile_backend_used() is not None:
+                check_compile(layout)
             _check_interleave(layout, [data for data, *_ in splits.values()], self.training.grad_accum)
             if layout.ep_pair_micro_batches and self.training.grad_accum < 2:
                 raise ValueError(f"parallel.ep_pair_micro_batches with training.grad_accum={self.training.grad_accum}: "

@@ -65,7 +65,7 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
         model = Transformer(config.model)
     t = config.training
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint)
+                activation_checkpoint=t.activation_checkpoint, compile_backend=t.compile_backend_used())
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
     if init is not None:
