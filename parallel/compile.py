@@ -5,7 +5,9 @@ FFN blocks: one graph). A MoE block holds nested units (the routed experts on th
 router in its fp32 policy when param_dtype is lower, parallel/fsdp.py `nested_units`); FSDP2's hooks
 run eagerly by design (dynamo skips them), so a compiled region must not contain a unit's call. The
 MoE block is therefore compiled as its largest unit-free modules, each one graph: attention_norm,
-attention, ffn_norm, router, routed experts, shared experts (6 graphs). The residual adds and the MoE
+attention, ffn_norm, router, routed experts, shared experts (6 graphs). Selective checkpointing's
+regions (attention, routed experts) are boundaries too: a dense block under it compiles as
+attention_norm, attention, ffn_norm, feed_forward (4 graphs). The residual adds and the MoE
 glue between them (sort by expert, gather, combine) stay eager. Under ep > 1 the routed experts'
 forward (count exchange, host sync for the split sizes, all-to-alls, grouped matmul on a
 data-dependent number of received rows) is not compiled: only the direct EP path composes with
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 
 from models.experts import GroupedExperts
+from parallel.activation_checkpoint import checkpoint_regions
+from parallel.fsdp import nested_units
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -55,25 +59,33 @@ def check_compile(layout) -> None:
                          f"set training.compile=false or leave these knobs at their defaults")
 
 
-def apply_compile(model: nn.Module, backend: str, nested_units: set[nn.Module] = frozenset(),
-                  ep: int = 1) -> None:
-    """Compile every region of every block of `model.layers`, in place. `nested_units`: the modules that
-    will be FSDP units inside a block (parallel/fsdp.py `nested_units`; none without FSDP); `ep`: the
-    expert-parallel degree (> 1: the routed experts stay eager)."""
+def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1) -> None:
+    """Compile every region of every block of `model.layers`, in place. `boundaries`: modules no compiled
+    region may hold strictly inside (`region_boundaries`); `ep`: the expert-parallel degree (> 1: the
+    routed experts stay eager)."""
     check_backend(backend)
     for block in model.layers:
-        for module in compile_regions(block, nested_units, ep):
+        for module in compile_regions(block, boundaries, ep):
             module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
 
 
-def compile_regions(block: nn.Module, nested_units: set[nn.Module], ep: int = 1) -> list[nn.Module]:
-    """The largest submodules of `block` (the block itself if it can) with no unit of `nested_units`
+def region_boundaries(model: nn.Module, param_dtype: torch.dtype, activation_checkpoint: str) -> set[nn.Module]:
+    """The FSDP units nested in blocks (parallel/fsdp.py) and the regions activation checkpointing wraps:
+    a compiled region may be one of them, never hold one inside (their hooks and contexts run eagerly)."""
+    boundaries = {unit for block in model.layers for unit in nested_units(block, param_dtype)}
+    if activation_checkpoint != "none":
+        boundaries |= {m for block in model.layers for m in checkpoint_regions(block, activation_checkpoint)}
+    return boundaries
+
+
+def compile_regions(block: nn.Module, boundaries: set[nn.Module], ep: int = 1) -> list[nn.Module]:
+    """The largest submodules of `block` (the block itself if it can) with no module of `boundaries`
     strictly below them, in forward order; under ep > 1 without the routed experts."""
     if _eager(block, ep):
         return []
-    if not any(m in nested_units or _eager(m, ep) for m in list(block.modules())[1:]):
+    if not any(m in boundaries or _eager(m, ep) for m in list(block.modules())[1:]):
         return [block]
-    return [region for child in block.children() for region in compile_regions(child, nested_units, ep)]
+    return [region for child in block.children() for region in compile_regions(child, boundaries, ep)]
 
 
 def _eager(module: nn.Module, ep: int) -> bool:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from parallel.activation_checkpoint import apply_activation_checkpoint
-from parallel.compile import apply_compile, check_compile
+from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep_pairing import apply_pairing
 from parallel.expert_parallel import apply_expert_parallel
-from parallel.fsdp import apply_fsdp, nested_units
+from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
 
@@ -30,8 +30,8 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
     apply_expert_parallel(model, meshes.ep, layout, meshes.ep_counts)  # experts: Shard(0) on ep, all-to-all dispatch/combine
     if compile_backend is not None:  # before checkpointing, which wraps the compiled forwards
-        units = {unit for block in model.layers for unit in nested_units(block, param_dtype)}
-        apply_compile(model, compile_backend, units, layout.ep)
+        boundaries = region_boundaries(model, param_dtype, activation_checkpoint)
+        apply_compile(model, compile_backend, boundaries, layout.ep)
     apply_activation_checkpoint(model, activation_checkpoint, layout.ep_recompute_ahead)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
     if layout.ep_pair_micro_batches:

@@ -1,0 +1,125 @@
+"""Compiled blocks (parallel/compile.py) with the `aot_eager` backend: traced by dynamo and AOTAutograd
+with fullgraph, run by the same eager kernels, so outputs, router buffers and QK-clip maxima must be
+BIT-equal to eager (torch.equal, no tolerance), and so must gradients when a block is one graph.
+
+The runtime's regions (`region_boundaries`: the FSDP units a bf16 or fp32 run nests in each block, and
+selective checkpointing's regions) split a MoE block into several graphs. Where a tensor feeds both a
+region and eager code (a block input feeds attention_norm's two uses and the residual add), its
+gradient is the same terms summed in another association (inside the graph, then in autograd's engine),
+so gradients differ in the last bits: they are held to the yardstick of fp32 rounding itself, the
+largest |eager fp32 - eager fp64| of each gradient tensor. The yardstick for "no recompile": the
+number of compiled graphs after a second step on new token values equals the number after the first.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from models import Transformer, preset
+from models.attention import CausalAttention
+from optim.qk_clip import enable_recording, reset_recording, step_max_logits
+from parallel._torch_private import compiled_graphs
+from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions
+from parallel.compile import apply_compile, compile_regions, region_boundaries
+from parallel.gradients import loss_fn
+
+BATCH, SEQ = 2, 32
+
+
+def _model(name: str, dtype: torch.dtype, aux: float) -> Transformer:
+    model = Transformer(preset(name, aux_loss_alpha=aux))
+    model.init_weights(seed=0)
+    model.to(dtype)
+    for router in model.routers():  # fp32 as under FSDP's router policy: counts stay exact
+        router.float()
+    return model
+
+
+def _step(model: Transformer, step: int, record: bool) -> dict:
+    """Two micro-batches of new tokens, forward and backward; what the step leaves behind."""
+    if record:
+        reset_recording(model)
+    model.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(100 + step)
+    logits = []
+    for _ in range(2):
+        tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g)
+        out = model(tokens[:, :-1])
+        loss_fn(out, tokens[:, 1:], 2 * BATCH * SEQ).backward()
+        logits.append(out.detach())
+    return {"logits": logits, "grads": {k: p.grad for k, p in model.named_parameters()},
+            "counts": [r.tokens_per_expert.clone() for r in model.routers()],
+            "aux": [r.aux_loss for r in model.routers()],
+            "max_logits": step_max_logits(model) if record else None}
+
+
+def _assert_bit_equal(got: dict, ref: dict, grad_tolerance: dict | None = None) -> None:
+    """Everything bit-equal; gradients too unless `grad_tolerance` gives each one's allowed |difference|."""
+    for a, b in zip(got["logits"], ref["logits"]):
+        assert torch.equal(a, b), (a - b).abs().max()
+    for fqn, grad in ref["grads"].items():
+        if grad_tolerance is None:
+            assert torch.equal(got["grads"][fqn], grad), f"{fqn}: {(got['grads'][fqn] - grad).abs().max()}"
+        else:
+            diff = (got["grads"][fqn].double() - grad.double()).abs().max()
+            assert diff <= grad_tolerance[fqn], f"{fqn}: {diff} > {grad_tolerance[fqn]}"
+    for key in ("counts", "aux"):
+        for a, b in zip(got[key], ref[key]):
+            assert (a is None and b is None) or torch.equal(a, b), key
+    if ref["max_logits"] is not None:
+        assert torch.equal(got["max_logits"], ref["max_logits"])
+
+
+def _expected_graphs(model: Transformer, boundaries: set, mode: str, record: bool) -> int:
+    """One graph per distinct region (dynamo compiles a class's forward once per set of shapes: the
+    second MoE block reuses the first's graphs); with recording, one more for each distinct region
+    holding attention inside a checkpointed region (its recompute records nothing)."""
+    graphs = set()
+    for block in model.layers:
+        recomputed = set() if mode == "none" else {m for r in checkpoint_regions(block, mode) for m in r.modules()}
+        for region in compile_regions(block, boundaries):
+            kind = (type(region).__name__, tuple(tuple(p.shape) for p in region.parameters()))
+            graphs.add(kind)
+            if record and region in recomputed and any(isinstance(m, CausalAttention) for m in region.modules()):
+                graphs.add((*kind, "recompute"))
+    return len(graphs)
+
+
+def _rounding(name: str, dtype: torch.dtype, aux: float, mode: str, step: int, eager: dict) -> dict:
+    """Per gradient, the largest |eager in `dtype` - eager in fp64| of the same step (fp32 rounding)."""
+    exact = _model(name, torch.float64, aux)
+    apply_activation_checkpoint(exact, mode)
+    grads = _step(exact, step, False)["grads"]
+    return {fqn: (eager["grads"][fqn].double() - grads[fqn]).abs().max() for fqn in grads}
+
+
+CASES = {  # preset, dtype, aux loss alpha, checkpoint, QK-clip recording, blocks as one graph each
+    "mla_fp32_aux_recording_whole_blocks": ("debug", torch.float32, 0.01, "none", True, True),
+    "mla_fp32_aux_recording": ("debug", torch.float32, 0.01, "none", True, False),
+    "gqa_bf16_aux_full": ("debug_gqa", torch.bfloat16, 0.01, "full", True, False),
+    "mla_bf16_selective": ("debug", torch.bfloat16, 0.0, "selective", True, False),
+    "mla_fp32_full_whole_blocks": ("debug", torch.float32, 0.0, "full", False, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_aot_eager_bit_equal_to_eager_and_no_recompile(case):
+    name, dtype, aux, mode, record, whole = CASES[case]
+    torch.compiler.reset()
+    eager = _model(name, dtype, aux)
+    compiled = copy.deepcopy(eager)
+    boundaries = set() if whole else region_boundaries(compiled, dtype, mode)
+    apply_compile(compiled, "aot_eager", boundaries)
+    for model in (eager, compiled):
+        apply_activation_checkpoint(model, mode)
+        if record:
+            enable_recording(model)
+    before = compiled_graphs()
+    for step in range(2):
+        ref = _step(eager, step, record)
+        tolerance = None if whole else _rounding(name, dtype, aux, mode, step, ref)
+        _assert_bit_equal(_step(compiled, step, record), ref, tolerance)
+        if step == 0:
+            first = compiled_graphs() - before
+    assert compiled_graphs() - before == first == _expected_graphs(compiled, boundaries, mode, record)
