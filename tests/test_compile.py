@@ -16,15 +16,21 @@ import copy
 import pytest
 import torch
 
+from multirank import run_ranks
+
 from models import Transformer, preset
 from models.attention import CausalAttention
 from optim.qk_clip import enable_recording, reset_recording, step_max_logits
 from parallel._torch_private import compiled_graphs
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions
 from parallel.compile import apply_compile, compile_regions, region_boundaries
-from parallel.gradients import loss_fn
+from parallel.gradients import global_loss, loss_fn
+from parallel.layout import ParallelConfig
+from parallel.meshes import build_meshes
+from parallel.parallelize import parallelize
 
 BATCH, SEQ = 2, 32
+GRAD_RTOL = 2e-5  # tests/test_parallel_parity.py: multi-rank vs one process, fp32
 
 
 def _model(name: str, dtype: torch.dtype, aux: float) -> Transformer:
@@ -123,3 +129,51 @@ def test_aot_eager_bit_equal_to_eager_and_no_recompile(case):
         if step == 0:
             first = compiled_graphs() - before
     assert compiled_graphs() - before == first == _expected_graphs(compiled, boundaries, mode, record)
+
+
+TWO_RANKS = ParallelConfig(dp_shard=2, ep=2)  # FSDP2 on both meshes and the direct EP path
+
+
+def _two_ranks(rank, world_size, mode: str) -> dict:
+    """Eager, then compiled (aot_eager), on the same 2-rank layout: loss, counts and local gradients."""
+    out = {}
+    for backend in (None, "aot_eager"):
+        torch.compiler.reset()
+        model = _model("debug", torch.float32, 0.01)
+        layout = TWO_RANKS.resolve(world_size)
+        meshes = build_meshes(layout, "cpu")
+        parallelize(model, meshes, layout, activation_checkpoint=mode, compile_backend=backend)
+        enable_recording(model)
+        for router in model.routers():  # each rank's sequences are half the batch's (runtime/train.py)
+            router.aux_loss_weight = 1.0 / world_size
+        inputs, labels = (t[rank * BATCH:(rank + 1) * BATCH] for t in _tokens(world_size * BATCH))
+        loss = loss_fn(model(inputs), labels, world_size * BATCH * SEQ)
+        loss.backward()
+        out[backend] = {"loss": global_loss(loss), "counts": [r.tokens_per_expert.clone() for r in model.routers()],
+                        "max_logits": step_max_logits(model),
+                        "grads": {k: p.grad.full_tensor() for k, p in model.named_parameters()}}
+    return out
+
+
+def _tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_two_fsdp2_ranks_compiled_equal_eager_and_single_process():
+    """2 ranks, compiled vs eager: the same loss, router counts and maxima bitwise; gradients within fp32
+    rounding of the single-process eager reference (GRAD_RTOL of tests/test_parallel_parity.py: the
+    ranks' reduce-scatter sums in another order than one process)."""
+    per_rank = run_ranks(_two_ranks, 2, "full", timeout=300)
+    single = _model("debug", torch.float32, 0.01)
+    inputs, labels = _tokens(2 * BATCH)
+    loss_fn(single(inputs), labels, 2 * BATCH * SEQ).backward()
+    for by_backend in per_rank:
+        eager, compiled = by_backend[None], by_backend["aot_eager"]
+        assert torch.equal(compiled["loss"], eager["loss"])
+        for key in ("counts", "max_logits"):
+            assert all(torch.equal(a, b) for a, b in zip(compiled[key], eager[key])), key
+        for fqn, p in single.named_parameters():
+            scale = p.grad.abs().max()
+            for got in (compiled, eager):
+                assert (got["grads"][fqn] - p.grad).abs().max() <= GRAD_RTOL * scale, fqn
