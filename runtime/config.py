@@ -188,6 +188,9 @@ class JobConfig:
             check_recompute(layout, self.training.activation_checkpoint)
             if self.training.compile_backend_used() is not None:
                 check_compile(layout)
+                if self.data.document_mask:  # its CPU path reads document ids on the host: graph breaks
+                    raise ValueError("training.compile=true with data.document_mask=true: document masking is not "
+                                     "compiled yet (docs/performance.md); set training.compile=false")
             _check_interleave(layout, [data for data, *_ in splits.values()], self.training.grad_accum)
             if layout.ep_pair_micro_batches and self.training.grad_accum < 2:
                 raise ValueError(f"parallel.ep_pair_micro_batches with training.grad_accum={self.training.grad_accum}: "

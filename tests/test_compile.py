@@ -177,3 +177,38 @@ def test_two_fsdp2_ranks_compiled_equal_eager_and_single_process():
             scale = p.grad.abs().max()
             for got in (compiled, eager):
                 assert (got["grads"][fqn] - p.grad).abs().max() <= GRAD_RTOL * scale, fqn
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.compile=true", "--parallel.ep=2", "--parallel.ep_overlap_chunks=2"],
+     "config error: training.compile=true with parallel.ep_overlap_chunks=2: only the direct EP path compiles yet; "
+     "set training.compile=false or leave these knobs at their defaults"),
+    (["--training.compile=true", "--training.compile_backend=eager"],
+     "config error: training.compile_backend: expected one of 'inductor', 'aot_eager', got 'eager'"),
+])
+def test_a_path_that_cannot_compile_or_an_unknown_backend_fails_in_one_line_with_exit_2(monkeypatch, capsys, argv,
+                                                                                      message):
+    from launch.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_blocks_within_rounding_of_eager(dtype):
+    """Inductor fuses and reorders: outputs and gradients within the yardstick of eager's own rounding
+    (|eager - fp64 eager|, doubled: both sides round), router counts equal."""
+    torch.compiler.reset()
+    eager = _model("debug", dtype, 0.01)
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled, "inductor", region_boundaries(compiled, dtype, "none"))
+    ref, got = _step(eager, 0, False), _step(compiled, 0, False)
+    exact = _step(_model("debug", torch.float64, 0.01), 0, False)
+    for a, b, x in zip(got["logits"], ref["logits"], exact["logits"]):
+        assert (a.double() - b.double()).abs().max() <= 2 * (b.double() - x).abs().max()
+    for fqn, grad in ref["grads"].items():
+        yardstick = 2 * (grad.double() - exact["grads"][fqn]).abs().max()
+        assert (got["grads"][fqn].double() - grad.double()).abs().max() <= yardstick, fqn
+    assert all(torch.equal(a, b) for a, b in zip(got["counts"], ref["counts"]))
