@@ -46,17 +46,25 @@ def check_backend(backend: str) -> None:
 
 
 def check_compile(layout) -> None:
-    """ValueError (one line, every offending key) for a layout whose EP dispatch does not compose with
-    compile yet: only the direct path (none of the EP variant knobs) does."""
+    """ValueError (one line) if `compile_refusal` finds a reason."""
+    reason = compile_refusal(layout)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def compile_refusal(layout) -> str | None:
+    """Why `layout` cannot be compiled yet (every offending key in one line), or None: only the direct EP
+    path (none of the EP variant knobs) composes with compile."""
     variants = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-                "ep_overlap_chunks": layout.ep_overlap_chunks > 1, "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute",
-                "ep_recompute": layout.ep_recompute != "resend",
+                "ep_overlap_chunks": layout.ep_overlap_chunks > 1,
+                "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute != "resend",
                 "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave,
                 "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
     on = [f"parallel.{key}={getattr(layout, key)!r}" for key, enabled in variants.items() if enabled]
-    if on:
-        raise ValueError(f"training.compile=true with {', '.join(on)}: only the direct EP path compiles yet; "
-                         f"set training.compile=false or leave these knobs at their defaults")
+    if not on:
+        return None
+    return (f"training.compile=true with {', '.join(on)}: only the direct EP path compiles yet; "
+            f"set training.compile=false or leave these knobs at their defaults")
 
 
 def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1) -> None:

@@ -212,3 +212,4 @@ def test_inductor_blocks_within_rounding_of_eager(dtype):
         yardstick = 2 * (grad.double() - exact["grads"][fqn]).abs().max()
         assert (got["grads"][fqn].double() - grad.double()).abs().max() <= yardstick, fqn
     assert all(torch.equal(a, b) for a, b in zip(got["counts"], ref["counts"]))
+
