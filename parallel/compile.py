@@ -57,8 +57,10 @@ def compile_refusal(layout) -> str | None:
     path (none of the EP variant knobs) composes with compile."""
     variants = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
                 "ep_overlap_chunks": layout.ep_overlap_chunks > 1,
-                "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute", "ep_recompute": layout.ep_recompute != "resend",
-                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute", "ep_interleave": layout.ep_interleave,
+                "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute",
+                "ep_recompute": layout.ep_recompute != "resend",
+                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute",
+                "ep_interleave": layout.ep_interleave,
                 "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
     on = [f"parallel.{key}={getattr(layout, key)!r}" for key, enabled in variants.items() if enabled]
     if not on:
