@@ -24,6 +24,7 @@ from optim.qk_clip import enable_recording, reset_recording, step_max_logits
 from parallel._torch_private import compiled_graphs
 from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions
 from parallel.compile import apply_compile, compile_regions, region_boundaries
+from parallel.context_parallel import load_balanced_positions
 from parallel.gradients import global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
@@ -215,3 +216,29 @@ def test_inductor_blocks_within_rounding_of_eager(dtype):
     for a, b in zip(got["counts"], ref["counts"]):  # bf16: a fused norm rounds once less, near-ties may flip
         assert torch.equal(a, b) if dtype == torch.float32 else a.sum() == b.sum()
 
+
+
+def _cp_ranks(rank, world_size) -> list:
+    """cp=2 on 2 ranks (the attention regions hold the K/V all-gather): eager, then compiled."""
+    out = []
+    for backend in (None, "aot_eager"):
+        torch.compiler.reset()
+        model = _model("debug", torch.float32, 0.0)
+        layout = ParallelConfig(dp_shard=1, cp=2, ep=1, edp_shard=2).resolve(world_size)
+        meshes = build_meshes(layout, "cpu")
+        parallelize(model, meshes, layout, compile_backend=backend)
+        positions = load_balanced_positions(SEQ, 2, meshes.cp_rank())
+        inputs, labels = (t[:, positions] for t in _tokens(BATCH))
+        logits = model(inputs, positions_S=positions)
+        loss_fn(logits, labels, BATCH * SEQ).backward()
+        out.append((logits.detach(), {k: p.grad.full_tensor() for k, p in model.named_parameters()}))
+    return out
+
+
+def test_context_parallel_compiled_equals_eager():
+    """Under cp=2 the compiled regions run the K/V all-gather: logits bitwise equal to eager on the same
+    ranks (eager cp vs one process: tests/test_parallel_parity.py); gradients within its GRAD_RTOL."""
+    for (eager_logits, eager_grads), (logits, grads) in run_ranks(_cp_ranks, 2, timeout=300):
+        assert torch.equal(logits, eager_logits)
+        for fqn, grad in eager_grads.items():
+            assert (grads[fqn] - grad).abs().max() <= GRAD_RTOL * grad.abs().max(), fqn
