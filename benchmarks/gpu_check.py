@@ -379,6 +379,42 @@ def _random_normal_(model) -> None:
         b.zero_()
 
 
+def section_compiled_block(ctx) -> dict:
+    """Each block of a 2-layer model (one dense, one MoE; bf16) forward + backward, eager vs compiled with
+    the runtime's regions (parallel/compile.py; inductor on CUDA, aot_eager in the CPU test): seconds per
+    block, graphs compiled, recompiles over the timed calls (must be 0); a graph break raises (fullgraph)."""
+    import copy
+
+    from models import Transformer, preset
+    from parallel._torch_private import compiled_graphs
+    from parallel.compile import apply_compile, region_boundaries
+
+    name, B, S = ("debug", 2, 32) if ctx.small else ("moonlight_16b", 2, 4096)
+    backend = "inductor" if ctx.device.type == "cuda" else "aot_eager"
+    with torch.device(ctx.device):
+        eager = Transformer(preset(name, n_layers=2, n_dense_layers=1)).to(torch.bfloat16)
+    for router in eager.routers():
+        router.float()
+    compiled = copy.deepcopy(eager)
+    torch.compiler.reset()
+    apply_compile(compiled, backend, region_boundaries(compiled, torch.bfloat16, "none"))
+    x = torch.randn(B, S, eager.config.dim, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(S, device=ctx.device)
+    out = {"backend": backend, "preset": name, "tokens": B * S}
+    for i, kind in enumerate(("dense", "moe")):
+        def step(model=None, i=i):
+            model.layers[i](x, positions).float().square().mean().backward()
+        start = compiled_graphs()
+        out[f"{kind}_eager_s"] = ctx.timer(lambda: step(eager))
+        compiled_s = ctx.timer(lambda: step(compiled))  # its warm-up call compiles
+        graphs = compiled_graphs() - start
+        step(compiled)
+        out.update({f"{kind}_compiled_s": compiled_s, f"{kind}_graphs": graphs,
+                    f"{kind}_recompiles": compiled_graphs() - start - graphs,
+                    f"{kind}_speedup": out[f"{kind}_eager_s"] / compiled_s})
+    return out
+
+
 def section_calibration(ctx) -> dict:
     """The keys the projections read, from the sections above (missing ones are left out)."""
     r = ctx.results
@@ -416,7 +452,8 @@ def section_calibration(ctx) -> dict:
 
 
 SECTIONS = {"env": section_env, "matmul": section_matmul, "ns": section_ns, "grouped_mm": section_grouped_mm,
-            "attention": section_attention, "train_step": section_train_step, **PATH_SECTIONS,
+            "attention": section_attention, "train_step": section_train_step, "compiled_block": section_compiled_block,
+            **PATH_SECTIONS,
             "calibration": section_calibration}
 
 

@@ -77,7 +77,10 @@ class CausalAttention(nn.Module):
                 seen_H = max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
             else:
                 seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, query_pad_BS=self.query_pad_BS)
-            self.max_logit_H = seen_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, seen_H)
+            if self.max_logit_H is None:
+                self.max_logit_H = seen_H
+            else:  # in place: the tensor optim/qk_clip.enable_recording made stays, so compiled code never recompiles
+                self.max_logit_H.copy_(torch.maximum(self.max_logit_H, seen_H))
 
 
 @torch.no_grad()

@@ -46,6 +46,8 @@ def sdpa_needs_padded_values(q_BHQE, k_BHKE, v_BHKE, attn_mask=None, is_causal: 
     Asks torch's own dispatcher (`torch._fused_sdp_choice`, private, checked on torch 2.13)."""
     if v_BHKE.shape[-1] >= q_BHQE.shape[-1]:
         return False
+    if torch.compiler.is_compiling():  # the dispatcher's int cannot be traced: on the CPU it is always MATH here
+        return q_BHQE.device.type == "cpu"
     choice = torch._fused_sdp_choice(q_BHQE, k_BHKE, v_BHKE, attn_mask, 0.0, is_causal, scale=scale)
     return SDPBackend(choice) == SDPBackend.MATH
 

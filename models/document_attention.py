@@ -101,7 +101,8 @@ def flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, s
     if compiled and _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention)
     attend = _COMPILED_FLEX if compiled else flex_attention
-    return attend(q_BHSE, k_BHTE, v_BHTE, block_mask=block_mask, scale=scale)
+    # contiguous V: compiled flex inside a compiled block read a strided V wrongly (CPU, torch 2.13)
+    return attend(q_BHSE, k_BHTE, v_BHTE.contiguous(), block_mask=block_mask, scale=scale)
 
 
 def _inside_one_document(q_doc_BQ, q_pos_Q, kv_doc_BK, kv_pos_K) -> bool:

@@ -6,6 +6,11 @@ row strides of both operands to be multiples of 16 bytes, and its backward fails
 incoming gradient, e.g. from `.sum()`, hence the `_contiguous_grad` hook). Where those conditions do not
 hold, a per-expert loop over split chunks computes the same thing.
 
+Under torch.compile (parallel/compile.py) the compiler runs `_grouped_mm`'s meta function, which
+accepts bf16 only (torch 2.13); other dtypes reach the same kernel through the opaque custom op
+`twinmesh::grouped_mm`, whose backward is a second custom op running the same two grouped matmuls
+as eager autograd (fp32 is the CPU test dtype, bf16 the production one).
+
 w1 and w3 are stored as ONE parameter w13 [E, 2F, D] (w1[e] = w13[e, :F], w3[e] = w13[e, F:]), so
 both run as one grouped matmul with one weight read per expert. Stacked halves rather than
 interleaved rows: w1[e] and w3[e] stay contiguous row ranges, so Muon's per-expert blocks
@@ -74,11 +79,52 @@ def grouped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     weights in it, the MoE dispatches activations in it)."""
     if _grouped_mm_ok(x_TI, w_EOI):
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        if torch.compiler.is_compiling() and x_TI.dtype != torch.bfloat16:
+            return grouped_mm_op(x_TI, w_EOI, offsets_E)
         out_TO = torch._grouped_mm(x_TI, w_EOI.transpose(-2, -1), offs=offsets_E)
         if out_TO.requires_grad:
             out_TO.register_hook(_contiguous_grad)
         return out_TO
     return looped_linear(x_TI, w_EOI, counts_E)
+
+
+@torch.library.custom_op("twinmesh::grouped_mm", mutates_args=())
+def grouped_mm_op(x_TI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(x, w^T, offs)` as one op the compiler does not look into (module docstring)."""
+    return torch._grouped_mm(x_TI, w_EOI.transpose(-2, -1), offs=offsets_E)
+
+
+@grouped_mm_op.register_fake
+def _(x_TI, w_EOI, offsets_E):
+    return x_TI.new_empty(x_TI.shape[0], w_EOI.shape[1])
+
+
+@torch.library.custom_op("twinmesh::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(grad_TO: torch.Tensor, x_TI: torch.Tensor, w_EOI: torch.Tensor,
+                        offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, I], dw [E, O, I]): the two grouped matmuls eager autograd runs for `_grouped_mm`
+    (dx = grad w[e] per group, dw[e] = grad_e^T x_e; bit-equal, tests/test_compile.py)."""
+    grad_TO = _contiguous_grad(grad_TO)
+    return (torch._grouped_mm(grad_TO, w_EOI, offs=offsets_E),
+            torch._grouped_mm(grad_TO.t(), x_TI, offs=offsets_E))
+
+
+@grouped_mm_backward.register_fake
+def _(grad_TO, x_TI, w_EOI, offsets_E):
+    return torch.empty_like(x_TI), torch.empty_like(w_EOI)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_TO):
+    x_TI, w_EOI, offsets_E = ctx.saved_tensors
+    dx, dw = grouped_mm_backward(grad_TO, x_TI, w_EOI, offsets_E)
+    return dx, dw, None
+
+
+grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def looped_linear(x_TI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

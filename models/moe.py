@@ -60,7 +60,7 @@ class Router(nn.Module):
         weights_TK = weights_TK * self.route_scale
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += expert_counts(experts_TK, self.n_experts)
+                self.tokens_per_expert.add_(expert_counts(experts_TK, self.n_experts))  # in place: compiles under checkpointing
             if self.aux_loss_alpha > 0:
                 weights_TK = self._with_aux_loss(weights_TK, scores_TE.view(B, S, -1), experts_TK.view(B, S, -1))
         return weights_TK, experts_TK

@@ -74,14 +74,21 @@ def _recorder(attention: nn.Module):
 
 
 def enable_recording(model: nn.Module) -> None:
-    """Make every layer's attention record its per-head max logit in training-mode forwards."""
+    """Make every layer's attention record its per-head max logit in training-mode forwards, into an fp32
+    [H] tensor of -inf made here on the attention's device (call after the model has its storage): one
+    tensor for the whole run, updated in place, so a compiled attention sees the same input every step."""
     for attention in attention_modules(model):
-        _recorder(attention).record_max_logits = True
+        recorder = _recorder(attention)
+        recorder.record_max_logits = True
+        recorder.max_logit_H = torch.full((attention.n_heads,), -torch.inf, device=attention.wo.weight.device)
 
 
 def reset_recording(model: nn.Module) -> None:
+    """Forget the maxima recorded so far (-inf in place where `enable_recording` made the tensor)."""
     for attention in attention_modules(model):
-        _recorder(attention).max_logit_H = None
+        recorder = _recorder(attention)
+        if recorder.max_logit_H is not None:
+            recorder.max_logit_H.fill_(-torch.inf)
 
 
 def step_max_logits(model: nn.Module) -> torch.Tensor:

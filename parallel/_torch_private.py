@@ -128,3 +128,11 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar) -> None:
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """A device-side assert: raises on the CPU, an asynchronous device error on a GPU (no host sync)."""
     torch._assert_async(condition, message)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (`torch._dynamo.utils.counters`, private; a
+    recompile adds one). Checked on torch 2.13.0."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -47,16 +47,23 @@ def apply_fsdp(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype:
     router_policy = mixed_precision_policy(torch.float32, reduce_dtype)
     expert_dim = layout.expert_shard_dim(model.config.n_routed_experts)
     for block in model.layers:
-        for module in block.modules():
+        for module in nested_units(block, param_dtype):
             if isinstance(module, GroupedExperts):
                 _shard_experts(module, meshes, expert_dim, policy)
-            elif isinstance(module, Router) and param_dtype != torch.float32:
+            else:
                 fully_shard(module, mesh=meshes.dense_fsdp, mp_policy=router_policy)
         fully_shard(block, mesh=meshes.dense_fsdp, mp_policy=policy)  # skips the units above
     fully_shard(model.tok_embeddings, mesh=meshes.dense_fsdp, mp_policy=policy)
     fully_shard([model.norm, model.output], mesh=meshes.dense_fsdp, mp_policy=policy)
     fully_shard(model, mesh=meshes.dense_fsdp, mp_policy=policy)
     _sum_gradients(model)
+
+
+def nested_units(block: nn.Module, param_dtype: torch.dtype) -> list[nn.Module]:
+    """The FSDP units `apply_fsdp` makes inside `block`: every GroupedExperts, and every Router when
+    param_dtype is lower than fp32 (parallel/compile.py keeps compiled regions free of them)."""
+    return [m for m in block.modules() if isinstance(m, GroupedExperts)
+            or (isinstance(m, Router) and param_dtype != torch.float32)]
 
 
 def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:

@@ -12,6 +12,7 @@ from torch import nn
 
 from models.moe import MoE
 from parallel.activation_checkpoint import apply_activation_checkpoint
+from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep.config import EPConfig
 from parallel.ep.dispatcher import apply_expert_parallel
@@ -24,17 +25,24 @@ from parallel.meshes import Meshes
 
 
 def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
-                reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none") -> nn.Module:
-    """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup."""
+                reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none",
+                compile_backend: str | None = None) -> nn.Module:
+    """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup.
+    `compile_backend` (None: eager): compile each block's regions with it (parallel/compile.py)."""
     check_recompute(layout, activation_checkpoint)
     ep = EPConfig.from_layout(layout)
     _check_fp8(ep, meshes.ep.device_type)
+    if compile_backend is not None:
+        check_compile(layout)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
     apply_expert_parallel(model, meshes.ep, ep, meshes.ep_counts)  # experts: Shard(0) on ep; a dispatcher per MoE
     if layout.ep_interleave:
         for block in model.layers:
             if isinstance(block.feed_forward, MoE):
                 block.schedule = Halves()  # two halves per MoE block (parallel/ep_interleave.py)
+    if compile_backend is not None:  # before checkpointing, which wraps the compiled forwards
+        boundaries = region_boundaries(model, param_dtype, activation_checkpoint)
+        apply_compile(model, compile_backend, boundaries, layout.ep)
     apply_activation_checkpoint(model, activation_checkpoint, layout.ep_recompute_ahead)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
     if layout.ep_recompute_ahead:

@@ -34,6 +34,7 @@ from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
+from parallel.compile import check_compile
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig, check_recompute
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
@@ -68,6 +69,8 @@ class TrainingConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP all-gathers weights in this dtype and computes in it (master weights, optimizer state: float32; router: float32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # FSDP reduce-scatters / all-reduces gradients in this dtype
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # recompute in backward: full = every block, selective = attention and routed experts (parallel/activation_checkpoint.py)
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile(fullgraph) every block's regions (parallel/compile.py); auto = true on cuda when nothing refuses it, false on cpu
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"  # compiler backend; aot_eager = traced but not fused (bit-exact with eager; the CPU test backend)
     grad_clip: float = 1.0  # max global gradient norm over both meshes (0 = no clipping)
     warmup_steps: int = 20  # linear warmup steps from optim.lr/warmup_steps up to optim.lr
     schedule: Literal["cosine", "wsd"] = "cosine"  # after warmup: cosine decay, or warmup-stable-decay
@@ -94,6 +97,12 @@ class TrainingConfig:
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")
+
+    def compile_backend_used(self, compilable: bool = True) -> str | None:
+        """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
+        (no EP variant knob, no document masking: parallel/compile.py `compile_refusal`)."""
+        on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
+        return self.compile_backend if on else None
 
     def device_type(self) -> str:
         """"cuda" or "cpu" (resolves "auto")."""
@@ -179,6 +188,11 @@ class JobConfig:
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape)
             check_recompute(layout, self.training.activation_checkpoint)
+            if self.training.compile == "true":  # "auto" compiles only what can be (runtime/train.py)
+                check_compile(layout)
+                if self.data.document_mask:  # its CPU path reads document ids on the host: graph breaks
+                    raise ValueError("training.compile=true with data.document_mask=true: document masking is not "
+                                     "compiled yet (docs/performance.md); set training.compile=false")
             for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
                 batch = {"batch_size": data.batch_size} if data.source != "rollouts" else {}
                 ep_refusals.check(layout, activation_checkpoint=self.training.activation_checkpoint,

@@ -35,6 +35,7 @@ from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
+from parallel.compile import compile_refusal
 from parallel.parallelize import parallelize
 from runtime import checkpoint, comm
 from runtime.checkpointer import Checkpointer
@@ -65,7 +66,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
         model = Transformer(config.model)
     t = config.training
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint)
+                activation_checkpoint=t.activation_checkpoint, compile_backend=t.compile_backend_used(
+                    compile_refusal(layout) is None and not config.data.document_mask))
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
     if init is not None:

@@ -20,9 +20,12 @@ def test_every_section_runs_and_the_projection_reads_the_calibration(tmp_path):
     run_ranks(_run, 1, path, timeout=300)  # its own process: the check creates and destroys a process group
     with open(path) as f:
         out = json.load(f)
-    for name in ("env", "matmul", "ns", "grouped_mm", "attention", "train_step", "cp_attention",
+    for name in ("env", "matmul", "ns", "grouped_mm", "attention", "train_step", "compiled_block", "cp_attention",
                  "grouped_mm_empty", "train_variants", "calibration"):
         assert "error" not in out[name] and "skipped" not in out[name], (name, out[name])
+    block = out["compiled_block"]
+    assert block["dense_graphs"] >= 1 and block["moe_graphs"] >= 1, block
+    assert block["dense_recompiles"] == block["moe_recompiles"] == 0, block
     step = out["train_step"]
     assert all(math.isfinite(x) for x in step["losses"]) and step["tokens_per_s"] > 0
     assert step["host_syncs"]["total"] == 1, step["host_syncs"]  # one process: the step's one readback

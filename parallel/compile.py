@@ -1,0 +1,102 @@
+"""Compiled blocks: `torch.compile(fullgraph=True)` on every transformer block's regions.
+
+Regions (`compile_regions`): a block is compiled whole when no FSDP unit is nested inside it (dense
+FFN blocks: one graph). A MoE block holds nested units (the routed experts on the expert mesh, and the
+router in its fp32 policy when param_dtype is lower, parallel/fsdp.py `nested_units`); FSDP2's hooks
+run eagerly by design (dynamo skips them), so a compiled region must not contain a unit's call. The
+MoE block is therefore compiled as its largest unit-free modules, each one graph: attention_norm,
+attention, ffn_norm, router, routed experts, shared experts (6 graphs). Selective checkpointing's
+regions (attention, routed experts) are boundaries too: a dense block under it compiles as
+attention_norm, attention, ffn_norm, feed_forward (4 graphs). The residual adds and the MoE
+glue between them (sort by expert, gather, combine) stay eager. Under ep > 1 the routed experts'
+forward (count exchange, host sync for the split sizes, all-to-alls, grouped matmul on a
+data-dependent number of received rows) is not compiled: only the direct EP path composes with
+compile, and its experts run eagerly while everything else of the block is compiled.
+
+Why this FSDP layout (the same units with and without compile): one unit per block (torchtitan
+0.3) cannot hold the experts once they live on a different mesh than the dense weights (a unit has
+one mesh), and it would move the router into the bf16 all-gather. Keeping the unit boundaries outside
+the compiled regions leaves the FSDP units, their all-gathers and their memory exactly as without
+compile, so `launch/estimate_memory.py` and `launch/dry_run_bytes.py` stay true unchanged.
+
+Activation checkpointing: the existing non-reentrant checkpoint wraps the compiled forward (checkpoint
+outside, compile inside). Its context (routers' counts restored, QK-clip off in the recompute) is
+Python around the compiled call, which dynamo cannot trace, and it must stay exact. The recompute
+runs the same compiled graph, except that attention records no maxima there: a second graph for
+the attention regions, compiled in the first step's backward and reused from then on.
+
+Each region's `forward` is replaced by its compiled version (the mechanism activation checkpointing
+and expert parallelism use too), before checkpointing wraps it; parameter names are unchanged. A
+graph break raises (fullgraph) with dynamo's message, which names the op and the source line.
+"""
+
+import torch
+from torch import nn
+
+from models.experts import GroupedExperts
+from parallel.activation_checkpoint import checkpoint_regions
+from parallel.fsdp import nested_units
+
+BACKENDS = ("inductor", "aot_eager")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"training.compile_backend={backend!r} must be one of {', '.join(BACKENDS)}")
+
+
+def check_compile(layout) -> None:
+    """ValueError (one line) if `compile_refusal` finds a reason."""
+    reason = compile_refusal(layout)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def compile_refusal(layout) -> str | None:
+    """Why `layout` cannot be compiled yet (every offending key in one line), or None: only the direct EP
+    path (none of the EP variant knobs) composes with compile."""
+    variants = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
+                "ep_overlap_chunks": layout.ep_overlap_chunks > 1,
+                "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute",
+                "ep_recompute": layout.ep_recompute != "resend",
+                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute",
+                "ep_interleave": layout.ep_interleave,
+                "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
+    on = [f"parallel.{key}={getattr(layout, key)!r}" for key, enabled in variants.items() if enabled]
+    if not on:
+        return None
+    return (f"training.compile=true with {', '.join(on)}: only the direct EP path compiles yet; "
+            f"set training.compile=false or leave these knobs at their defaults")
+
+
+def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1) -> None:
+    """Compile every region of every block of `model.layers`, in place. `boundaries`: modules no compiled
+    region may hold strictly inside (`region_boundaries`); `ep`: the expert-parallel degree (> 1: the
+    routed experts stay eager)."""
+    check_backend(backend)
+    for block in model.layers:
+        for module in compile_regions(block, boundaries, ep):
+            module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
+
+
+def region_boundaries(model: nn.Module, param_dtype: torch.dtype, activation_checkpoint: str) -> set[nn.Module]:
+    """The FSDP units nested in blocks (parallel/fsdp.py) and the regions activation checkpointing wraps:
+    a compiled region may be one of them, never hold one inside (their hooks and contexts run eagerly)."""
+    boundaries = {unit for block in model.layers for unit in nested_units(block, param_dtype)}
+    if activation_checkpoint != "none":
+        boundaries |= {m for block in model.layers for m in checkpoint_regions(block, activation_checkpoint)}
+    return boundaries
+
+
+def compile_regions(block: nn.Module, boundaries: set[nn.Module], ep: int = 1) -> list[nn.Module]:
+    """The largest submodules of `block` (the block itself if it can) with no module of `boundaries`
+    strictly below them, in forward order; under ep > 1 without the routed experts."""
+    if _eager(block, ep):
+        return []
+    if not any(m in boundaries or _eager(m, ep) for m in list(block.modules())[1:]):
+        return [block]
+    return [region for child in block.children() for region in compile_regions(child, boundaries, ep)]
+
+
+def _eager(module: nn.Module, ep: int) -> bool:
+    return isinstance(module, GroupedExperts) and ep > 1

@@ -1,0 +1,244 @@
+"""Compiled blocks (parallel/compile.py) with the `aot_eager` backend: traced by dynamo and AOTAutograd
+with fullgraph, run by the same eager kernels, so outputs, router buffers and QK-clip maxima must be
+BIT-equal to eager (torch.equal, no tolerance), and so must gradients when a block is one graph.
+
+The runtime's regions (`region_boundaries`: the FSDP units a bf16 or fp32 run nests in each block, and
+selective checkpointing's regions) split a MoE block into several graphs. Where a tensor feeds both a
+region and eager code (a block input feeds attention_norm's two uses and the residual add), its
+gradient is the same terms summed in another association (inside the graph, then in autograd's engine),
+so gradients differ in the last bits: they are held to the yardstick of fp32 rounding itself, the
+largest |eager fp32 - eager fp64| of each gradient tensor. The yardstick for "no recompile": the
+number of compiled graphs after a second step on new token values equals the number after the first.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from multirank import run_ranks
+
+from models import Transformer, preset
+from models.attention import CausalAttention
+from optim.qk_clip import enable_recording, reset_recording, step_max_logits
+from parallel._torch_private import compiled_graphs
+from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoint_regions
+from parallel.compile import apply_compile, compile_regions, region_boundaries
+from parallel.context_parallel import load_balanced_positions
+from parallel.gradients import global_loss, loss_fn
+from parallel.layout import ParallelConfig
+from parallel.meshes import build_meshes
+from parallel.parallelize import parallelize
+
+BATCH, SEQ = 2, 32
+GRAD_RTOL = 2e-5  # tests/test_parallel_parity.py: multi-rank vs one process, fp32
+
+
+def _model(name: str, dtype: torch.dtype, aux: float) -> Transformer:
+    model = Transformer(preset(name, aux_loss_alpha=aux))
+    model.init_weights(seed=0)
+    model.to(dtype)
+    for router in model.routers():  # fp32 as under FSDP's router policy: counts stay exact
+        router.float()
+    return model
+
+
+def _step(model: Transformer, step: int, record: bool) -> dict:
+    """Two micro-batches of new tokens, forward and backward; what the step leaves behind."""
+    if record:
+        reset_recording(model)
+    model.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(100 + step)
+    logits = []
+    for _ in range(2):
+        tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g)
+        out = model(tokens[:, :-1])
+        loss_fn(out, tokens[:, 1:], 2 * BATCH * SEQ).backward()
+        logits.append(out.detach())
+    return {"logits": logits, "grads": {k: p.grad for k, p in model.named_parameters()},
+            "counts": [r.tokens_per_expert.clone() for r in model.routers()],
+            "aux": [r.aux_loss for r in model.routers()],
+            "max_logits": step_max_logits(model) if record else None}
+
+
+def _assert_bit_equal(got: dict, ref: dict, grad_tolerance: dict | None = None) -> None:
+    """Everything bit-equal; gradients too unless `grad_tolerance` gives each one's allowed |difference|."""
+    for a, b in zip(got["logits"], ref["logits"]):
+        assert torch.equal(a, b), (a - b).abs().max()
+    for fqn, grad in ref["grads"].items():
+        if grad_tolerance is None:
+            assert torch.equal(got["grads"][fqn], grad), f"{fqn}: {(got['grads'][fqn] - grad).abs().max()}"
+        else:
+            diff = (got["grads"][fqn].double() - grad.double()).abs().max()
+            assert diff <= grad_tolerance[fqn], f"{fqn}: {diff} > {grad_tolerance[fqn]}"
+    for key in ("counts", "aux"):
+        for a, b in zip(got[key], ref[key]):
+            assert (a is None and b is None) or torch.equal(a, b), key
+    if ref["max_logits"] is not None:
+        assert torch.equal(got["max_logits"], ref["max_logits"])
+
+
+def _expected_graphs(model: Transformer, boundaries: set, mode: str, record: bool) -> int:
+    """One graph per distinct region (dynamo compiles a class's forward once per set of shapes: the
+    second MoE block reuses the first's graphs); with recording, one more for each distinct region
+    holding attention inside a checkpointed region (its recompute records nothing)."""
+    graphs = set()
+    for block in model.layers:
+        recomputed = set() if mode == "none" else {m for r in checkpoint_regions(block, mode) for m in r.modules()}
+        for region in compile_regions(block, boundaries):
+            kind = (type(region).__name__, tuple(tuple(p.shape) for p in region.parameters()))
+            graphs.add(kind)
+            if record and region in recomputed and any(isinstance(m, CausalAttention) for m in region.modules()):
+                graphs.add((*kind, "recompute"))
+    return len(graphs)
+
+
+def _rounding(name: str, dtype: torch.dtype, aux: float, mode: str, step: int, eager: dict) -> dict:
+    """Per gradient, the largest |eager in `dtype` - eager in fp64| of the same step (fp32 rounding)."""
+    exact = _model(name, torch.float64, aux)
+    apply_activation_checkpoint(exact, mode)
+    grads = _step(exact, step, False)["grads"]
+    return {fqn: (eager["grads"][fqn].double() - grads[fqn]).abs().max() for fqn in grads}
+
+
+CASES = {  # preset, dtype, aux loss alpha, checkpoint, QK-clip recording, blocks as one graph each
+    "mla_fp32_aux_recording_whole_blocks": ("debug", torch.float32, 0.01, "none", True, True),
+    "mla_fp32_aux_recording": ("debug", torch.float32, 0.01, "none", True, False),
+    "gqa_bf16_aux_full": ("debug_gqa", torch.bfloat16, 0.01, "full", True, False),
+    "mla_bf16_selective": ("debug", torch.bfloat16, 0.0, "selective", True, False),
+    "mla_fp32_full_whole_blocks": ("debug", torch.float32, 0.0, "full", False, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_aot_eager_bit_equal_to_eager_and_no_recompile(case):
+    name, dtype, aux, mode, record, whole = CASES[case]
+    torch.compiler.reset()
+    eager = _model(name, dtype, aux)
+    compiled = copy.deepcopy(eager)
+    boundaries = set() if whole else region_boundaries(compiled, dtype, mode)
+    apply_compile(compiled, "aot_eager", boundaries)
+    for model in (eager, compiled):
+        apply_activation_checkpoint(model, mode)
+        if record:
+            enable_recording(model)
+    before = compiled_graphs()
+    for step in range(2):
+        ref = _step(eager, step, record)
+        tolerance = None if whole else _rounding(name, dtype, aux, mode, step, ref)
+        _assert_bit_equal(_step(compiled, step, record), ref, tolerance)
+        if step == 0:
+            first = compiled_graphs() - before
+    assert compiled_graphs() - before == first == _expected_graphs(compiled, boundaries, mode, record)
+
+
+TWO_RANKS = ParallelConfig(dp_shard=2, ep=2)  # FSDP2 on both meshes and the direct EP path
+
+
+def _two_ranks(rank, world_size, mode: str) -> dict:
+    """Eager, then compiled (aot_eager), on the same 2-rank layout: loss, counts and local gradients."""
+    out = {}
+    for backend in (None, "aot_eager"):
+        torch.compiler.reset()
+        model = _model("debug", torch.float32, 0.01)
+        layout = TWO_RANKS.resolve(world_size)
+        meshes = build_meshes(layout, "cpu")
+        parallelize(model, meshes, layout, activation_checkpoint=mode, compile_backend=backend)
+        enable_recording(model)
+        for router in model.routers():  # each rank's sequences are half the batch's (runtime/train.py)
+            router.aux_loss_weight = 1.0 / world_size
+        inputs, labels = (t[rank * BATCH:(rank + 1) * BATCH] for t in _tokens(world_size * BATCH))
+        loss = loss_fn(model(inputs), labels, world_size * BATCH * SEQ)
+        loss.backward()
+        out[backend] = {"loss": global_loss(loss), "counts": [r.tokens_per_expert.clone() for r in model.routers()],
+                        "max_logits": step_max_logits(model),
+                        "grads": {k: p.grad.full_tensor() for k, p in model.named_parameters()}}
+    return out
+
+
+def _tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_two_fsdp2_ranks_compiled_equal_eager_and_single_process():
+    """2 ranks, compiled vs eager: the same loss, router counts and maxima bitwise; gradients within fp32
+    rounding of the single-process eager reference (GRAD_RTOL of tests/test_parallel_parity.py: the
+    ranks' reduce-scatter sums in another order than one process)."""
+    per_rank = run_ranks(_two_ranks, 2, "full", timeout=300)
+    single = _model("debug", torch.float32, 0.01)
+    inputs, labels = _tokens(2 * BATCH)
+    loss_fn(single(inputs), labels, 2 * BATCH * SEQ).backward()
+    for by_backend in per_rank:
+        eager, compiled = by_backend[None], by_backend["aot_eager"]
+        assert torch.equal(compiled["loss"], eager["loss"])
+        for key in ("counts", "max_logits"):
+            assert all(torch.equal(a, b) for a, b in zip(compiled[key], eager[key])), key
+        for fqn, p in single.named_parameters():
+            scale = p.grad.abs().max()
+            for got in (compiled, eager):
+                assert (got["grads"][fqn] - p.grad).abs().max() <= GRAD_RTOL * scale, fqn
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.compile=true", "--parallel.ep=2", "--parallel.ep_overlap_chunks=2"],
+     "config error: training.compile=true with parallel.ep_overlap_chunks=2: only the direct EP path compiles yet; "
+     "set training.compile=false or leave these knobs at their defaults"),
+    (["--training.compile=true", "--training.compile_backend=eager"],
+     "config error: training.compile_backend: expected one of 'inductor', 'aot_eager', got 'eager'"),
+])
+def test_a_path_that_cannot_compile_or_an_unknown_backend_fails_in_one_line_with_exit_2(monkeypatch, capsys, argv,
+                                                                                      message):
+    from launch.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_blocks_within_rounding_of_eager(dtype):
+    """Inductor fuses and reorders: outputs and gradients within the yardstick of eager's own rounding
+    (|eager - fp64 eager|, doubled: both sides round); router counts equal in fp32 (in bf16 a near-tie
+    top-k choice may flip: the count totals stay equal). About 130 s on 2 cores."""
+    torch.compiler.reset()
+    eager = _model("debug", dtype, 0.01)
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled, "inductor", region_boundaries(compiled, dtype, "none"))
+    ref, got = _step(eager, 0, False), _step(compiled, 0, False)
+    exact = _step(_model("debug", torch.float64, 0.01), 0, False)
+    for a, b, x in zip(got["logits"], ref["logits"], exact["logits"]):
+        assert (a.double() - b.double()).abs().max() <= 2 * (b.double() - x).abs().max()
+    for fqn, grad in ref["grads"].items():
+        yardstick = 2 * (grad.double() - exact["grads"][fqn]).abs().max()
+        assert (got["grads"][fqn].double() - grad.double()).abs().max() <= yardstick, fqn
+    for a, b in zip(got["counts"], ref["counts"]):  # bf16: a fused norm rounds once less, near-ties may flip
+        assert torch.equal(a, b) if dtype == torch.float32 else a.sum() == b.sum()
+
+
+
+def _cp_ranks(rank, world_size) -> list:
+    """cp=2 on 2 ranks (the attention regions hold the K/V all-gather): eager, then compiled."""
+    out = []
+    for backend in (None, "aot_eager"):
+        torch.compiler.reset()
+        model = _model("debug", torch.float32, 0.0)
+        layout = ParallelConfig(dp_shard=1, cp=2, ep=1, edp_shard=2).resolve(world_size)
+        meshes = build_meshes(layout, "cpu")
+        parallelize(model, meshes, layout, compile_backend=backend)
+        positions = load_balanced_positions(SEQ, 2, meshes.cp_rank())
+        inputs, labels = (t[:, positions] for t in _tokens(BATCH))
+        logits = model(inputs, positions_S=positions)
+        loss_fn(logits, labels, BATCH * SEQ).backward()
+        out.append((logits.detach(), {k: p.grad.full_tensor() for k, p in model.named_parameters()}))
+    return out
+
+
+def test_context_parallel_compiled_equals_eager():
+    """Under cp=2 the compiled regions run the K/V all-gather: logits bitwise equal to eager on the same
+    ranks (eager cp vs one process: tests/test_parallel_parity.py); gradients within its GRAD_RTOL."""
+    for (eager_logits, eager_grads), (logits, grads) in run_ranks(_cp_ranks, 2, timeout=300):
+        assert torch.equal(logits, eager_logits)
+        for fqn, grad in eager_grads.items():
+            assert (grads[fqn] - grad).abs().max() <= GRAD_RTOL * grad.abs().max(), fqn
