@@ -21,8 +21,6 @@ from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollouts import read_rollouts  # noqa: E402
-from runtime.paths import check_outside  # noqa: E402
-from runtime.run_lock import check_run_dir  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
 
@@ -44,8 +42,7 @@ def check_environment(config) -> None:
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
         if getattr(config.parallel, key) != "compute":
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device
-    check_run_dir(config.run.dir)
-    check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
+    pretrain.check_run(config)
     read_rollouts(config.data.path, config.model.vocab_size, config.model.max_seq_len)
     pretrain.check_token_sources(config)  # eval.path, when given
     if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)
