@@ -42,6 +42,7 @@ from runtime.config import JobConfig
 from runtime.data import Loader, startup_line
 from runtime.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
+from runtime.eval_config import recorded_settings
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
@@ -235,7 +236,8 @@ def run_meta(config: JobConfig) -> dict:
     schedule = {"optim.lr": config.optim.lr, "training.steps": t.steps, "training.warmup_steps": t.warmup_steps,
                 "training.schedule": t.schedule, "training.min_lr_ratio": t.min_lr_ratio,
                 "training.decay_fraction": t.decay_fraction}
-    return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule}
+    return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule,
+            **recorded_settings(config)}
 
 
 def _check_resumable(path: str, config: JobConfig) -> dict:
