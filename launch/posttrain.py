@@ -28,6 +28,10 @@ def check_environment(config) -> None:
     """The device exists and the rollout file is valid for the model (ValueError naming the key otherwise)."""
     if config.data.source != "rollouts":
         raise ValueError(f"data.source={config.data.source!r}: post-training reads rollouts (data.source='rollouts')")
+    p = config.posttrain
+    if p.sft_coef == p.rl_coef == p.feedback_coef == 0:
+        raise ValueError("posttrain.sft_coef=0, posttrain.rl_coef=0 and posttrain.feedback_coef=0: the loss would be "
+                         "0 and train nothing (like optim.lr=0); give one of them > 0")
     if config.model.aux_loss_alpha > 0:
         raise ValueError(f"model.aux_loss_alpha={config.model.aux_loss_alpha}: the sequence-wise aux loss would count "
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")

@@ -230,3 +230,12 @@ def test_prepare_rollouts_out_in_the_tokenizer_directory_is_refused(tmp_path, ca
 
 def _exit(status):
     raise SystemExit(status)
+
+
+def test_posttrain_with_every_loss_coefficient_zero_is_refused(tmp_path, capsys):
+    """A loss of 0 trains nothing, yet would exit 0 and write a checkpoint (optim.lr=0 is refused alike)."""
+    run = tmp_path / "run"
+    assert _posttrain(tmp_path, f"--run.dir={run}", "--posttrain.rl_coef=0", "--posttrain.feedback_coef=0") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "posttrain.sft_coef=0, posttrain.rl_coef=0 and posttrain.feedback_coef=0" in err[0], err
+    assert not run.exists()
