@@ -6,6 +6,7 @@ the same splits from what the run's checkpoint recorded (runtime/evaluate.py), s
 """
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -69,3 +70,26 @@ def recorded_settings(config) -> dict:
 
 def _absolute(path: str) -> str:
     return os.path.abspath(path) if path else path
+
+
+def settings_change(saved: dict, config) -> str | None:
+    """One line naming every data / eval setting (and training.seed) that differs from what the checkpoint
+    `saved` (its marker) recorded, `key: old -> new`; None when none does or nothing was recorded."""
+    now = json.loads(json.dumps(recorded_settings(config)))  # tuples -> lists, as the marker stores them
+    diffs = []
+    for section in ("data", "eval"):
+        old = saved.get(section) or {}
+        for key, value in now[section].items():
+            if key in old and old[key] != value:
+                diffs += _differences(f"{section}.{key}", old[key], value)
+    if saved.get("training.seed", now["training.seed"]) != now["training.seed"]:
+        diffs.append(f"training.seed: {saved['training.seed']} -> {now['training.seed']}")
+    return f"resuming with other data settings than the checkpoint's: {'; '.join(diffs)}" if diffs else None
+
+
+def _differences(key: str, old, new) -> list[str]:
+    """`key: old -> new`; for a mixture's sources of the same count, per source and field."""
+    if key == "data.sources" and len(old) == len(new):
+        return [f"{key}[{i}].{field}: {a[field]!r} -> {b[field]!r}" for i, (a, b) in enumerate(zip(old, new))
+                for field in b if a.get(field) != b[field]]
+    return [f"{key}: {old!r} -> {new!r}"]

@@ -42,7 +42,7 @@ from runtime.config import JobConfig
 from runtime.data import Loader, startup_line
 from runtime.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
-from runtime.eval_config import recorded_settings
+from runtime.eval_config import recorded_settings, settings_change
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
@@ -285,9 +285,9 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
         step = checkpoint.checkpoint_step(path)
         resume_schedule(app_state["scheduler"], step, config.optim.lr)
         say(f"resumed from {path}")
-        change = _schedule_change(saved, config, step)
-        if change:
-            say(change)
+        for change in (_schedule_change(saved, config, step), settings_change(saved, config)):
+            if change:
+                say(change)
         return step
     if found:
         raise RunError(f"no checkpoint under {directory} loads (tried {', '.join(map(os.path.basename, found))}); "

@@ -180,3 +180,21 @@ def test_evaluate_refuses_what_records_no_evaluation(tmp_path, capsys):
     assert evaluate.main(["--model", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the run evaluated nothing (eval.interval=0" in err[0] and "give --data" in err[0], err
+
+
+def test_resume_with_other_data_says_what_changed_in_one_line(tmp_path, capfd):
+    """The checkpoint records the data settings: a resume with other weights or no document mask says so."""
+    a, b = _documents(str(tmp_path / "a"), 0), _documents(str(tmp_path / "b"), 1)
+
+    def mixture(weight_a, mask):
+        config = tmp_path / f"mix_{weight_a}_{mask}.toml"
+        config.write_text(f'[data]\ndocument_mask = {str(mask).lower()}\n[[data.sources]]\npath = "{a}"\nweight = '
+                          f'{weight_a}\n[[data.sources]]\npath = "{b}"\nweight = {1 - weight_a:.1f}\n')
+        return str(config)
+
+    run(tmp_path / "run", 1, "--config", mixture(0.7, True))
+    capfd.readouterr()
+    run(tmp_path / "run", 1, "--config", mixture(0.2, False), "--training.steps=3")
+    lines = [line for line in capfd.readouterr().out.splitlines() if "other data settings" in line]
+    assert lines == ["resuming with other data settings than the checkpoint's: data.document_mask: True -> False; "
+                     "data.sources[0].weight: 0.7 -> 0.2; data.sources[1].weight: 0.3 -> 0.8"], lines
