@@ -211,7 +211,8 @@ def test_init_from_holding_the_run_dir_is_refused(tmp_path):
     run = tmp_path / "hf" / "run"
     with pytest.raises(ValueError, match=r"its checkpoints/\) is inside model.init_from="):
         check_run_dir_apart(str(run), [(f"model.init_from={tmp_path / 'hf'}", str(tmp_path / "hf"))])
-    check_run_dir_apart(str(tmp_path / "run"), [(f"data.path={tmp_path / 'run' / 'a.bin'}", str(tmp_path / "run" / "a.bin"))])
+    data = str(tmp_path / "run" / "a.bin")  # a token file in the run dir, outside checkpoints/: no overlap
+    check_run_dir_apart(str(tmp_path / "run"), [(f"data.path={data}", data)])
 
 
 def test_prepare_rollouts_out_in_the_tokenizer_directory_is_refused(tmp_path, capsys):
