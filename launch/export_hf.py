@@ -34,6 +34,7 @@ from launch import tokenizer_files  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
+from runtime.paths import check_not_input  # noqa: E402
 from runtime import checkpoint  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -80,9 +81,8 @@ def check_out(out: str, inputs: dict[str, str] | None = None) -> str | None:
             raise ValueError(f"--out {out} exists and is not empty: give a new or an empty directory")
     elif os.path.exists(out):
         raise ValueError(f"--out {out} is a file: give a new or an empty directory")
-    for flag, path in (inputs or {}).items():
-        if os.path.commonpath([os.path.realpath(out), os.path.realpath(path)]) == os.path.realpath(path):
-            raise ValueError(f"--out {out} is inside {flag} {path}: give a directory outside the inputs")
+    check_not_input(f"--out {out}", out, [(f"{flag} {path}", path) for flag, path in (inputs or {}).items()],
+                    directory=True)
     if os.path.isdir(out):
         return None
     top = os.path.abspath(out)

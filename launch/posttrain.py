@@ -23,8 +23,6 @@ from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.rollout_file import line_offsets  # noqa: E402
-from runtime.paths import check_outside  # noqa: E402
-from runtime.run_lock import check_run_dir  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
 
@@ -32,6 +30,10 @@ def check_environment(config) -> None:
     """The device exists and the rollout file is readable, with its line index (ValueError naming the key otherwise)."""
     if config.data.source != "rollouts":
         raise ValueError(f"data.source={config.data.source!r}: post-training reads rollouts (data.source='rollouts')")
+    p = config.posttrain
+    if p.sft_coef == p.rl_coef == p.feedback_coef == 0:
+        raise ValueError("posttrain.sft_coef=0, posttrain.rl_coef=0 and posttrain.feedback_coef=0: the loss would be "
+                         "0 and train nothing (like optim.lr=0); give one of them > 0")
     if config.model.aux_loss_alpha > 0:
         raise ValueError(f"model.aux_loss_alpha={config.model.aux_loss_alpha}: the sequence-wise aux loss would count "
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
@@ -41,8 +43,7 @@ def check_environment(config) -> None:
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
         if getattr(config.parallel, key) != "compute":
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device
-    check_run_dir(config.run.dir)
-    check_outside("posttrain.init_from", config.posttrain.init_from, config.run.dir)
+    pretrain.check_run(config)
     line_offsets(config.data.path)  # the index; the lines are validated by the loader, a share per rank
     pretrain.check_token_sources(config)  # eval.path, when given
     if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)

@@ -194,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_len < 0:
             raise ValueError(f"--max-len={args.max_len} must be >= 0")
-        check_output_file("--out", args.out, "rollouts.jsonl")
-        if os.path.exists(args.inp) and os.path.exists(args.out) and os.path.samefile(args.inp, args.out):
-            raise ValueError(f"--out {args.out} is the input file")
+        check_output_file("--out", args.out, "rollouts.jsonl",
+                          [("the --in file", args.inp), (f"a file of --tokenizer {args.tokenizer}", args.tokenizer)])
         lines = _read_lines(args.inp)
         tokenizer, end_of_turn = load_tokenizer(args.tokenizer, args.trust_remote_code)
         records, counts = convert(tokenizer, end_of_turn, lines, args)

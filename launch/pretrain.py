@@ -26,6 +26,7 @@ from runtime.config import help_text, load_config  # noqa: E402
 from parallel.ep_fp8 import check_fp8_device  # noqa: E402
 from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
+from runtime.paths import check_run_dir_apart, check_run_kind, record_run_kind  # noqa: E402
 from runtime.posttrain import PosttrainConfig  # noqa: E402
 from runtime.pretrained import check_init_from  # noqa: E402
 from runtime.run_lock import check_run_dir, run_lock  # noqa: E402
@@ -48,9 +49,25 @@ def check_environment(config) -> None:
     if changed := [f"posttrain.{f.name}" for f in dataclasses.fields(default)
                    if getattr(config.posttrain, f.name) != getattr(default, f.name)]:
         raise ValueError(f"{', '.join(changed)}: read by launch/posttrain.py only, no effect on pre-training")
-    check_run_dir(config.run.dir)
+    check_run(config)
     check_token_sources(config)
     check_init_from(config)  # model.init_from: files, keys, shapes (headers only)
+
+
+def run_kind(config) -> str:
+    return "post-training" if config.data.source == "rollouts" else "pretraining"
+
+
+def check_run(config) -> None:
+    """run.dir can be made, holds no run of the other kind, and what the run writes there (checkpoints/,
+    metrics.jsonl) is none of its inputs (runtime/paths.py): ValueError naming the keys otherwise."""
+    check_run_dir(config.run.dir)
+    check_run_kind(config.run.dir, run_kind(config))
+    data = config.data
+    keys = [("data.path", data.path), ("eval.path", config.eval.path), ("model.init_from", config.model_init_from),
+            ("posttrain.init_from", config.posttrain.init_from)]
+    keys += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(data.sources)]
+    check_run_dir_apart(config.run.dir, [(f"{key}={path}", path) for key, path in keys])
 
 
 def check_token_sources(config) -> None:
@@ -125,6 +142,7 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         with run_lock(config.run.dir, rank):
             meshes = build_meshes(layout, device_type)
             if rank == 0:
+                record_run_kind(config.run.dir, run_kind(config))
                 print(f"outputs: {os.path.abspath(config.run.dir)} (run.dir: metrics.jsonl, checkpoints/)", flush=True)
                 print(describe(layout, config.model), flush=True)
             train(config, layout, meshes, device, build_objective)

@@ -50,6 +50,15 @@ _READ_ELSEWHERE = {"q_lora_rank", "first_k_dense_replace", "num_key_value_heads"
 _IGNORED = {"architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
             "bos_token_id", "eos_token_id", "pad_token_id", "output_router_logits", "aux_loss_alpha", "seq_aux",
             "router_aux_loss_coef", "head_dim", "qk_head_dim", "_name_or_path", "name_or_path", "tokenizer_class"}
+# transformers' PretrainedConfig fields of every model (to_dict() writes them into a text_config), at their
+# defaults (transformers 5.25; the 4.x ones too): no model shape, accepted at these values only.
+_GENERIC_DEFAULTS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True,
+                     "chunk_size_feed_forward": 0, "is_encoder_decoder": False, "is_decoder": False,
+                     "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+                     "problem_type": None, "torchscript": False, "use_bfloat16": False, "tf_legacy_loss": False,
+                     "pruned_heads": {}, "add_cross_attention": False, "tie_encoder_decoder": False,
+                     "cross_attention_hidden_size": None, "finetuning_task": None, "prefix": None,
+                     "sep_token_id": None, "decoder_start_token_id": None, "task_specific_params": None}
 _OPTIONAL = {"initializer_range"}  # the others have no default we could assume (transformers defaults n_group to 8)
 _YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "mscale", "mscale_all_dim", "rope_theta", "truncate"}
@@ -141,12 +150,21 @@ def _check_fields(raw: dict, where: str):
         if key in _REQUIRED and value != _REQUIRED[key]:
             raise ValueError(f"{where}: {key}={value!r} is not supported (the model implements {key}="
                              f"{_REQUIRED[key]!r})")
+        if key in _GENERIC_DEFAULTS and _json_equal(value, _GENERIC_DEFAULTS[key]):
+            continue
         if key not in _MAPPED and key not in _REQUIRED and key not in _READ_ELSEWHERE and key not in _IGNORED:
             raise ValueError(f"{where}: field {key}={value!r} is not supported by the model")
     heads = raw.get("num_key_value_heads")
     if heads is not None and heads != raw.get("num_attention_heads"):
         raise ValueError(f"{where}: num_key_value_heads={heads} is not supported (MLA needs it equal to "
                          f"num_attention_heads={raw.get('num_attention_heads')})")
+
+
+def _json_equal(value, default) -> bool:
+    """`value` as read from JSON equals `default` (dict keys compare as strings: JSON has no others)."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return {str(k): v for k, v in value.items()} == default
+    return value == default and type(value) is type(default)
 
 
 def _rope_fields(raw: dict, where: str) -> dict:

@@ -70,7 +70,7 @@ def write_like(config: ModelConfig, fetch, out: str, like: str, *, dtype: torch.
             records += _int4_records(files, fmt.prefix, r) if quantized else plain
     records += _copied(files, written)
     write_shards(records, out, shard_bytes)
-    _write_config(like, out, drop_quantization=experts_dtype == "bfloat16" and fmt.int4 is not None)
+    _write_config(like, out, drop_quantization=experts_dtype == "bfloat16" and fmt.int4 is not None, dtype=dtype)
     _copy_other_files(like, out)
 
 
@@ -114,9 +114,16 @@ def _raw(directory: str, name: str, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
-def _write_config(like: str, out: str, drop_quantization: bool) -> None:
+def _write_config(like: str, out: str, drop_quantization: bool, dtype: torch.dtype) -> None:
+    """SRC's config.json; its `torch_dtype` / `dtype` (top level and text_config), where given, name the
+    dtype the unquantized weights are written in (SRC's may say float32 over bf16 weights)."""
     with open(os.path.join(like, "config.json")) as f:
         raw = json.load(f)
+    written = str(dtype).removeprefix("torch.")
+    for section in (raw, raw.get("text_config")):
+        for key in ("torch_dtype", "dtype"):
+            if isinstance(section, dict) and section.get(key) is not None:
+                section[key] = written
     if drop_quantization:
         raw.pop("quantization_config", None)
         if isinstance(raw.get("text_config"), dict):

@@ -41,7 +41,7 @@ from runtime.checkpoint import CheckpointConfig
 from runtime.comm import CommConfig
 from runtime.data import DataConfig, check_split
 from runtime.data_keys import unused_keys
-from runtime.evaluate import EvalConfig
+from runtime.eval_config import EvalConfig
 from runtime.metrics import MetricsConfig
 from runtime.posttrain import PosttrainConfig
 
@@ -168,13 +168,7 @@ class JobConfig:
         splits = {}
         if self.data.source != "rollouts":
             splits["train"] = (self.data, self.eval.train_holdout(), "data.path")
-        if self.eval.enabled() and self.data.sources and not self.eval.path:  # a mixture: each source's own
-            for i, source in enumerate(self.data.sources):
-                data = dataclasses.replace(self.data, sources=(), path=source.path)
-                splits[f"eval/{source.label()}"] = (data, self.eval.holdout, f"data.sources[{i}].path")
-        elif self.eval.enabled() and (self.data.source != "rollouts" or self.eval.path):
-            key = "eval.path" if self.eval.path else "data.path"
-            splits["eval"] = (self.eval.data(self.data), 0.0 if self.eval.path else self.eval.holdout, key)
+        splits.update(self.eval.held_out_splits(self.data))
         return splits
 
     def layout(self, world_size: int) -> Layout:

@@ -144,6 +144,9 @@ def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> TokenFil
             raise ValueError(f"{key}: {prefix} is empty (0 tokens)")
         vocab_size = int((read_sidecar(prefix + ".bin", key) or {}).get("vocab_size", 0))  # tokenize_text's
         return TokenFile(indexed.tokens, vocab_size, indexed.doc_starts)
+    if os.path.isdir(path):
+        raise ValueError(f"{key}: {path!r} is a directory; give a token file (.bin) or an indexed dataset's prefix "
+                         f"(PREFIX for PREFIX.bin + PREFIX.idx)")
     if not os.path.isfile(path):
         prefix = path.removesuffix(".bin")
         raise ValueError(f"{key}: no such file {path!r} (nor an indexed dataset {prefix}.idx + {prefix}.bin)")

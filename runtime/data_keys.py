@@ -30,8 +30,8 @@ def unused_keys(data: DataConfig, eval_config) -> list[str]:
 
 def _unused_eval_keys(data: DataConfig, config, default) -> list[str]:
     changed = [k for k in ("steps", "path", "holdout") if getattr(config, k) != getattr(default, k)]
-    if not config.enabled():
-        return [f"eval.{k}={getattr(config, k)} has no effect with eval.interval=0 (evaluation off)" for k in changed]
+    if not config.enabled():  # the off switch: a TOML's eval.steps etc. stay, so `--eval.interval=0` turns it off
+        return []
     out = []
     if data.source == "rollouts" and not config.path:
         out += [f"eval.{k}={getattr(config, k)} has no effect: post-training evaluates only on an eval.path token file"

@@ -8,45 +8,11 @@ and comparable across steps. The model runs in eval mode under no_grad: routers 
 the aux loss is off, so evaluation leaves no trace in training.
 """
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from parallel.gradients import global_loss
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    interval: int = 100  # evaluate every N optimizer steps and after the last one (0 = never)
-    steps: int = 4  # global batches (of data.batch_size sequences) per evaluation
-    path: str = ""  # a .bin of held-out tokens; empty = the last eval.holdout of the training source
-    holdout: float = 0.05  # fraction of the training source held out for evaluation when eval.path is empty
-
-    def __post_init__(self):
-        if self.interval < 0 or self.steps < 1:
-            raise ValueError(f"eval.interval={self.interval} must be >= 0 and eval.steps={self.steps} >= 1")
-        if not 0 < self.holdout < 1:
-            raise ValueError(f"eval.holdout={self.holdout} must be in (0, 1)")
-
-    def enabled(self) -> bool:
-        return self.interval > 0
-
-    def due(self, step: int, total_steps: int) -> bool:
-        """Whether to evaluate after `step` optimizer steps are done."""
-        return self.enabled() and (step % self.interval == 0 or step == total_steps)
-
-    def train_holdout(self) -> float:
-        """The fraction the TRAINING loader must leave out of its source."""
-        return self.holdout if self.enabled() and not self.path else 0.0
-
-    def data(self, data_config):
-        """The DataConfig the eval loader reads."""
-        if not self.path:
-            return data_config
-        return dataclasses.replace(data_config, source="bin", path=self.path, sources=())  # a mixture's too
 
 
 @torch.no_grad()

@@ -4,6 +4,8 @@ tools that need none start fast).
 `check_output_file` refuses an output that cannot be a file; given the tool's inputs, it also refuses
 an output that IS one of them (the same file by inode, so through symlinks and hard links too, or the
 same resolved path) or an existing file inside an input directory: no tool writes over what it reads.
+`check_not_input` is that one guard; for an output DIRECTORY (an export, a run's checkpoints) it refuses
+any overlap with an input: the output inside an input directory, or an input inside the output.
 """
 
 import os
@@ -22,13 +24,21 @@ def check_output_file(flag: str, path: str, example: str, inputs=()) -> None:
     check_not_input(f"{flag} {path}", path, inputs)
 
 
-def check_not_input(name: str, path: str, inputs) -> None:
-    """ValueError, starting with `name` (e.g. "--json out.json"), if writing the file `path` would write
-    over one of `inputs` ((description, path) pairs; empty paths are skipped): the same file
+def check_not_input(name: str, path: str, inputs, directory: bool = False) -> None:
+    """ValueError, starting with `name` (e.g. "--json out.json"), if writing `path` would write over one
+    of `inputs` ((description, path) pairs; empty paths are skipped). A file `path`: the same file
     (os.path.samefile, which sees through symlinks and hard links; the same resolved path when either
-    does not exist yet), or, for an input directory, an existing file anywhere under it."""
+    does not exist yet), or, for an input directory, an existing file anywhere under it. A `directory`
+    (written into, files replaced or removed): the same directory as an input, inside one, or holding one."""
     for what, source in inputs:
-        if source and _writes_over(path, source):
+        if not source:
+            continue
+        if directory and _inside(path, source):
+            raise ValueError(f"{name} is inside {what}: give a directory outside the inputs")
+        if directory and _inside(source, path):
+            raise ValueError(f"{what} is inside {name}, which this command writes: writing it would destroy the "
+                             f"input; give a directory outside the inputs")
+        if not directory and _writes_over(path, source):
             raise ValueError(f"{name} is also {what}; writing it would destroy the input")
 
 
@@ -51,10 +61,14 @@ def same_file(a: str, b: str) -> bool:
 
 def _writes_over(path: str, source: str) -> bool:
     if os.path.isdir(source):
-        if not os.path.exists(path):
-            return False  # a new file inside an input directory destroys nothing
-        return os.path.realpath(path).startswith(os.path.realpath(source).rstrip(os.sep) + os.sep)
+        return os.path.exists(path) and _inside(path, source)  # a new file there destroys nothing
     return same_file(path, source)
+
+
+def _inside(path: str, directory: str) -> bool:
+    """True if `path` is `directory` or lies under it (resolved paths: through symlinks)."""
+    inner, outer = os.path.realpath(path), os.path.realpath(directory)
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
 EXAMPLES = {"--json": "result.json", "--plot": "curves.png", "--out": "out.jsonl"}
@@ -78,10 +92,45 @@ def config_inputs(config_path: str | None, config) -> list[tuple[str, str]]:
             (f"a file of posttrain.init_from={posttrain_dir}", posttrain_dir)]
 
 
-def check_outside(key: str, path: str, run_dir: str) -> None:
-    """ValueError if the input directory `path` (config key `key`) lies inside `run_dir`'s checkpoints:
-    the run would resume from that run's checkpoints instead and rotate them out (checkpoint.keep)."""
-    checkpoints = os.path.realpath(os.path.join(run_dir, "checkpoints"))
-    if path and (os.path.realpath(path) + os.sep).startswith(checkpoints + os.sep):
-        raise ValueError(f"{key}={path} is a checkpoint of run.dir={run_dir}: this run would resume from that "
-                         f"run's checkpoints and delete old ones (checkpoint.keep); give a new run.dir")
+def check_run_dir_apart(run_dir: str, inputs) -> None:
+    """ValueError if what a training run writes into `run_dir` (checkpoints/, rotated by checkpoint.keep,
+    and metrics.jsonl) overlaps one of `inputs` ((config key=path, path) pairs): e.g. posttrain.init_from
+    = run.dir itself or one of its checkpoints, which the run would resume from and delete."""
+    check_not_input(f"run.dir={run_dir} (its checkpoints/)", os.path.join(run_dir, "checkpoints"), inputs,
+                    directory=True)
+    check_not_input(f"run.dir={run_dir} (its metrics.jsonl)", os.path.join(run_dir, "metrics.jsonl"), inputs)
+
+
+KIND_FILE = "kind"  # in a run dir: "pretraining" or "post-training", written when the run first starts
+
+
+def run_kind(run_dir: str) -> str | None:
+    """The kind of run `run_dir` holds: its `kind` file, else (a run dir from before that file) whether
+    its metrics.jsonl records post-training losses; None for a new or empty run dir."""
+    marker = os.path.join(run_dir, KIND_FILE)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            return f.read().strip()
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(metrics) or os.path.getsize(metrics) == 0:
+        return None
+    with open(metrics) as f:
+        return "post-training" if '"rl_loss"' in f.readline() else "pretraining"
+
+
+def check_run_kind(run_dir: str, kind: str) -> None:
+    """ValueError unless `run_dir` is new or holds a run of `kind`: a post-training run would otherwise
+    resume a pretraining checkpoint as its own and rotate the pretraining checkpoints out, or back."""
+    held = run_kind(run_dir)
+    if held is not None and held != kind:
+        raise ValueError(f"run.dir={run_dir} holds a {held} run (its {KIND_FILE} file or metrics.jsonl) and this is "
+                         f"{kind}: a run dir holds one kind of run; give a new run.dir (and the old one as "
+                         f"posttrain.init_from to start from it)")
+
+
+def record_run_kind(run_dir: str, kind: str) -> None:
+    """Write `run_dir`'s `kind` file once (rank 0, under the run-dir lock)."""
+    marker = os.path.join(run_dir, KIND_FILE)
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(kind + "\n")

@@ -43,6 +43,7 @@ from runtime.config import JobConfig
 from runtime.data import Loader, startup_line
 from runtime.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
+from runtime.eval_config import recorded_settings, settings_change
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
@@ -237,7 +238,8 @@ def run_meta(config: JobConfig) -> dict:
     schedule = {"optim.lr": config.optim.lr, "training.steps": t.steps, "training.warmup_steps": t.warmup_steps,
                 "training.schedule": t.schedule, "training.min_lr_ratio": t.min_lr_ratio,
                 "training.decay_fraction": t.decay_fraction}
-    return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule}
+    return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule,
+            **recorded_settings(config)}
 
 
 def _check_resumable(path: str, config: JobConfig) -> dict:
@@ -285,9 +287,9 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
         step = checkpoint.checkpoint_step(path)
         resume_schedule(app_state["scheduler"], step, config.optim.lr)
         say(f"resumed from {path}")
-        change = _schedule_change(saved, config, step)
-        if change:
-            say(change)
+        for change in (_schedule_change(saved, config, step), settings_change(saved, config)):
+            if change:
+                say(change)
         return step
     if found:
         raise RunError(f"no checkpoint under {directory} loads (tried {', '.join(map(os.path.basename, found))}); "

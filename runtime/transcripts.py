@@ -86,6 +86,10 @@ def _messages(value) -> list[dict]:
             raise ValueError(f"messages[{i}]: expected an object {{role, content, ...}}, got {type(m).__name__}")
         if m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}].role={m.get('role')!r} is not one of {list(ROLES)}")
+    last = value[-1]
+    if last["role"] == "assistant" and not any(last.get(k) for k in ("content", "tool_calls", "reasoning_content")):
+        raise ValueError(f"messages[{len(value) - 1}]: the final assistant message is empty (no content, tool_calls "
+                         f"or reasoning_content): it would train an end-of-turn-only turn; drop it or the conversation")
     return value
 
 

@@ -261,3 +261,10 @@ def test_tokenize_mistakes_exit_2_in_one_line_and_touch_nothing(tmp_path, capsys
     assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert phrase.format(tmp=tmp_path) in err, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing written
+
+
+def test_a_directory_as_a_token_source_is_called_a_directory(tmp_path):
+    from runtime.data import open_bin
+
+    with pytest.raises(ValueError, match=r"^data.sources\[1\].path: '.*' is a directory; give a token file"):
+        open_bin(str(tmp_path), key="data.sources[1].path")

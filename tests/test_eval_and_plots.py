@@ -132,3 +132,69 @@ def test_plot_labels_runs_that_share_a_name_by_their_path():
 
     assert labels(["runs/a", "runs/b/"]) == ["a", "b"]
     assert labels(["exp1/run", "exp2/run/", "other"]) == ["exp1/run", "exp2/run", "other"]  # one curve per run
+
+
+def _documents(prefix: str, seed: int) -> str:
+    """An indexed dataset of 150 documents of 1-40 tokens (launch/tokenize_text.py's layout)."""
+    from runtime.indexed import IndexedWriter
+
+    rng = np.random.default_rng(seed)
+    writer = IndexedWriter(prefix, np.uint16)
+    for _ in range(150):
+        writer.add_document(rng.integers(0, 256, size=int(rng.integers(1, 40))))
+    writer.finalize()
+    return prefix
+
+
+def test_evaluate_reads_the_runs_own_masked_mixture(tmp_path, capsys):
+    """launch/evaluate.py given only the run: the run's sources, weights, document mask and held-out part
+    (recorded in the checkpoint), so its loss is the logged eval_loss; the file alone without the mask,
+    what it evaluated before, is another number."""
+    from launch import evaluate
+
+    a, b = _documents(str(tmp_path / "a"), 0), _documents(str(tmp_path / "b"), 1)
+    config = tmp_path / "mix.toml"
+    config.write_text(f'[data]\ndocument_mask = true\n[[data.sources]]\npath = "{a}"\nweight = 0.7\n'
+                      f'[[data.sources]]\npath = "{b}"\nweight = 0.3\n')
+    logged = run(tmp_path / "run", 1, "--config", str(config), "--optim.lr=1e-2", "--eval.holdout=0.2",
+                 "--training.seed=3")[-1]
+
+    def evaluated(*argv):
+        assert evaluate.main(["--model", str(tmp_path / "run"), *argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    result = evaluated()
+    # one process against one process, the same weights and batches; 1e-6: the 2-rank test's yardstick
+    assert result["loss"] == pytest.approx(logged["eval_loss"], rel=1e-6)
+    assert result["losses"]["eval_loss/a"] == pytest.approx(logged["eval_loss/a"], rel=1e-6)
+    assert result["document_mask"] is True and result["seed"] == 3
+    same = ["--data", a, "--holdout", "0.2", "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--seed", "3"]
+    assert evaluated(*same, "--document-mask")["loss"] == pytest.approx(logged["eval_loss/a"], rel=1e-6)
+    assert abs(evaluated(*same)["loss"] / logged["eval_loss/a"] - 1) > 1e-4  # unmasked: not the run's number
+
+
+def test_evaluate_refuses_what_records_no_evaluation(tmp_path, capsys):
+    from launch import evaluate
+
+    run_ok(tmp_path / "run", 1, [a for a in ARGS if not a.startswith("--eval.")] + ["--eval.interval=0"])
+    assert evaluate.main(["--model", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the run evaluated nothing (eval.interval=0" in err[0] and "give --data" in err[0], err
+
+
+def test_resume_with_other_data_says_what_changed_in_one_line(tmp_path, capfd):
+    """The checkpoint records the data settings: a resume with other weights or no document mask says so."""
+    a, b = _documents(str(tmp_path / "a"), 0), _documents(str(tmp_path / "b"), 1)
+
+    def mixture(weight_a, mask):
+        config = tmp_path / f"mix_{weight_a}_{mask}.toml"
+        config.write_text(f'[data]\ndocument_mask = {str(mask).lower()}\n[[data.sources]]\npath = "{a}"\nweight = '
+                          f'{weight_a}\n[[data.sources]]\npath = "{b}"\nweight = {1 - weight_a:.1f}\n')
+        return str(config)
+
+    run(tmp_path / "run", 1, "--config", mixture(0.7, True))
+    capfd.readouterr()
+    run(tmp_path / "run", 1, "--config", mixture(0.2, False), "--training.steps=3")
+    lines = [line for line in capfd.readouterr().out.splitlines() if "other data settings" in line]
+    assert lines == ["resuming with other data settings than the checkpoint's: data.document_mask: True -> False; "
+                     "data.sources[0].weight: 0.7 -> 0.2; data.sources[1].weight: 0.3 -> 0.8"], lines

@@ -281,3 +281,21 @@ def test_published_configs_map_to_the_presets_shapes(raw, preset_name):
     assert fmt.fp8_block == (128, 128) and fmt.rope_interleave
     assert (config.n_expert_groups, config.n_limited_groups) == (raw["n_group"], raw["topk_group"])
     assert config.rope_factor == raw["rope_scaling"]["factor"] and config.max_seq_len == raw["max_position_embeddings"]
+
+
+def test_generic_transformers_fields_at_their_defaults_are_accepted(tmp_path):
+    """A config written through transformers' PretrainedConfig.to_dict() carries every model's generic
+    fields (output_hidden_states, return_dict, id2label, ...): at their defaults they are no shape."""
+    from models import preset
+    from models.hf_config import hf_config_dict
+    from transformers import PretrainedConfig
+
+    generic = json.loads(json.dumps(PretrainedConfig().to_dict()))  # as a config.json holds them
+    plain = hf_config_dict(preset("debug"))
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    expected = read_hf_config(str(tmp_path))[0]
+    (tmp_path / "config.json").write_text(json.dumps({**generic, **plain}))
+    assert read_hf_config(str(tmp_path))[0] == expected
+    (tmp_path / "config.json").write_text(json.dumps({**generic, **plain, "output_hidden_states": True}))
+    with pytest.raises(ValueError, match="field output_hidden_states=True is not supported"):
+        read_hf_config(str(tmp_path))

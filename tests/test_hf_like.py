@@ -137,6 +137,17 @@ def test_bf16_experts_export_is_exact_in_bf16(k25, tmp_path):
     assert CheckpointFiles.scan(out, "language_model.").dtype_code("model.layers.1.mlp.experts.0.gate_proj.weight") == "BF16"
 
 
+def test_like_a_plain_directory_in_bf16_says_bfloat16(k25, tmp_path):
+    """SRC's config.json says float32 (transformers wrote fp32 weights); the export's bf16 weights say bf16."""
+    src = os.path.join(os.path.dirname(k25["k25"]), "src")  # a plain DeepSeek-V3 directory
+    named = {k: v for k, v in _config(src).items() if k in ("torch_dtype", "dtype") and v is not None}
+    assert set(named.values()) == {"float32"}
+    out = str(tmp_path / "out")
+    save_pretrained(load_pretrained(src), out, like=src, dtype=torch.bfloat16)
+    assert {k: _config(out)[k] for k in named} == {k: "bfloat16" for k in named}
+    assert CheckpointFiles.scan(out, "").dtype_code("model.layers.1.mlp.experts.0.gate_proj.weight") == "BF16"
+
+
 def test_like_a_different_model_is_refused(k25, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"its text model differs from the exported model: n_routed_experts=4 there, "

@@ -148,5 +148,95 @@ def test_posttrain_run_dir_holding_init_from_is_refused(tmp_path, capsys):
     assert main(["--data.source=rollouts", f"--data.path={rollouts}", "--model.aux_loss_alpha=0",
                  f"--run.dir={tmp_path / 'run'}", f"--posttrain.init_from={step}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"posttrain.init_from={step} is a checkpoint of run.dir=" in err[0], err
+    assert len(err) == 1 and f"posttrain.init_from={step} is inside run.dir=" in err[0], err
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints"]
+
+
+def _pretraining_run(run):
+    """A run dir as launch/pretrain.py leaves it: a complete checkpoint, metrics, its kind file."""
+    step = run / "checkpoints" / "step_4"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text(json.dumps({"model": dataclasses.asdict(preset("debug"))}))
+    (run / "metrics.jsonl").write_text('{"step": 4, "loss": 6.5}\n')
+    (run / "kind").write_text("pretraining\n")
+    return sorted(p.name for p in run.rglob("*"))
+
+
+def _posttrain(tmp_path, *flags):
+    from launch.posttrain import main
+
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"tokens": [1, 2, 3], "turns": [{"role": "assistant", "start": 0, "end": 3}]}\n')
+    return main(["--data.source=rollouts", f"--data.path={rollouts}", "--model.aux_loss_alpha=0", *flags])
+
+
+def test_posttrain_init_from_the_run_dir_itself_is_refused(tmp_path, capsys):
+    """run.dir = posttrain.init_from = a pretraining run: post-training would resume the pretraining
+    checkpoint as its own and rotate out an older one."""
+    run = tmp_path / "run"
+    before = _pretraining_run(run)
+    (run / "kind").unlink()  # a run dir from before the kind file: its metrics say pretraining
+    assert _posttrain(tmp_path, f"--run.dir={run}", f"--posttrain.init_from={run}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: run.dir=") and "holds a pretraining run" in err[0], err
+    assert sorted(p.name for p in run.rglob("*")) == [n for n in before if n != "kind"]
+
+
+def test_posttrain_into_a_pretraining_run_dir_is_refused(tmp_path, capsys):
+    """A run dir holds one kind of run, whatever posttrain.init_from names."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    before = _pretraining_run(run)
+    _pretraining_run(other)
+    assert _posttrain(tmp_path, f"--run.dir={run}", f"--posttrain.init_from={other}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"run.dir={run} holds a pretraining run" in err[0] and "post-training" in err[0], err
+    assert sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_pretrain_into_a_post_training_run_dir_is_refused(tmp_path, capsys):
+    from launch.pretrain import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "rl_loss": 0.1}\n')
+    assert main([f"--run.dir={run}", "--training.steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"run.dir={run} holds a post-training run" in err[0], err
+
+
+def test_init_from_holding_the_run_dir_is_refused(tmp_path):
+    """The shared guard, for a directory output: inside an input, or holding one, is refused both ways."""
+    from runtime.paths import check_run_dir_apart
+
+    run = tmp_path / "hf" / "run"
+    with pytest.raises(ValueError, match=r"its checkpoints/\) is inside model.init_from="):
+        check_run_dir_apart(str(run), [(f"model.init_from={tmp_path / 'hf'}", str(tmp_path / "hf"))])
+    data = str(tmp_path / "run" / "a.bin")  # a token file in the run dir, outside checkpoints/: no overlap
+    check_run_dir_apart(str(tmp_path / "run"), [(f"data.path={data}", data)])
+
+
+def test_prepare_rollouts_out_in_the_tokenizer_directory_is_refused(tmp_path, capsys):
+    """--out naming a file of --tokenizer would replace the chat template the rollouts are made with."""
+    from launch.prepare_rollouts import main
+
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text(ORIGINAL)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "assistant", "content": "hi"}], "reward": 1.0}\n')
+    victim = tokenizer / "tokenizer_config.json"
+    _expect_refused(capsys, lambda: _exit(main(["--tokenizer", str(tokenizer), "--in", str(chats), "--out",
+                                                 str(victim)])), victim, ORIGINAL)
+
+
+def _exit(status):
+    raise SystemExit(status)
+
+
+def test_posttrain_with_every_loss_coefficient_zero_is_refused(tmp_path, capsys):
+    """A loss of 0 trains nothing, yet would exit 0 and write a checkpoint (optim.lr=0 is refused alike)."""
+    run = tmp_path / "run"
+    assert _posttrain(tmp_path, f"--run.dir={run}", "--posttrain.rl_coef=0", "--posttrain.feedback_coef=0") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "posttrain.sft_coef=0, posttrain.rl_coef=0 and posttrain.feedback_coef=0" in err[0], err
+    assert not run.exists()

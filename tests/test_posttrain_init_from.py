@@ -22,6 +22,7 @@ def pretrained_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("pre")
     run_ok(run_dir, 1, ["--model.n_layers=2", "--model.dim=32", "--training.steps=1", "--data.seq_len=32",
                         "--data.batch_size=4", "--eval.interval=0"])
+    assert (run_dir / "kind").read_text() == "pretraining\n"  # the kind of run it holds (runtime/paths.py)
     return run_dir
 
 
@@ -62,7 +63,7 @@ def test_a_hugging_face_directory_as_init_from(tmp_path, capfd):
     assert load_config(argv).model.dim == 32 and load_config(argv).model_init_from == str(tmp_path / "hf")
     codes, records = run_pretrain(tmp_path / "post", 1, argv, entry=posttrain.main)
     out = capfd.readouterr().out
-    assert codes == [0] and len(records) == 1
+    assert codes == [0] and len(records) == 1 and (tmp_path / "post" / "kind").read_text() == "post-training\n"
     assert f"initialized from {tmp_path / 'hf'}" in out and "from the Hugging Face directory" in out
     with pytest.raises(ValueError, match="model.init_from=.* and posttrain.init_from=.*: give one"):
         load_config([*argv, f"--model.init_from={tmp_path / 'hf'}"])
