@@ -27,6 +27,9 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from runtime.cli import user_errors
+from runtime.paths import check_outputs
+
 VOCAB, MAX_LEN = 163_840, 32_768
 BATCH_TOKENS, STEPS = 65_536, 4
 
@@ -124,6 +127,7 @@ def measure(mode: str, path: str, ranks: int) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@user_errors
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[128, 1024])
@@ -133,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_outputs([("--json", args.json)])
     if args.child:
         mode, path, ranks = args.child
         print(json.dumps(child_indexed(path, int(ranks)) if mode == "indexed" else child_sequential(path)))
