@@ -271,6 +271,8 @@ def _coerce(value, tp, key: str, from_text: bool):
         return tuple(_coerce(v, inner, key, from_text) for v in value)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and str(value).lower() in choices:  # TOML `compile = true` is "true"
+            value = str(value).lower()
         if value not in choices:
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return value

@@ -78,6 +78,14 @@ def test_errors_are_one_line_naming_the_key(tmp_path, argv, toml, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
+def test_compile_takes_a_toml_bool_as_the_docs_write_it(tmp_path):
+    for text, want in (("true", "true"), ("false", "false"), ('"auto"', "auto")):
+        path = _toml(tmp_path, f"[training]\ncompile = {text}\n")
+        assert load_config([f"--config={path}"]).training.compile == want
+    with pytest.raises(ConfigError, match=r"^training.compile: expected one of 'auto', 'true', 'false', got 1$"):
+        load_config([f"--config={_toml(tmp_path, '[training]' + chr(10) + 'compile = 1' + chr(10))}"])
+
+
 def test_binary_toml_names_the_file(tmp_path):
     path = tmp_path / "config.toml"
     path.write_bytes(bytes(range(256)))
