@@ -114,6 +114,9 @@ def test_zero_lr_is_refused_in_one_line():
     (["--data.seq_len=512"], 1, r"^data.seq_len=512 exceeds model.max_seq_len=256"),
     (["--parallel.dp_shard=0"], 2, r"^parallel.dp_shard=0: degrees must be positive or -1"),  # not a ZeroDivisionError
     (["--parallel.edp_shard=0", "--parallel.ep=-1"], 2, r"^parallel.edp_shard=0: degrees must be positive or -1"),
+    # 1000 pieces of 512 copies per expert: 45x slower steps with no word before this refusal
+    (["--parallel.ep_overlap_chunks=1000"], 2, r"^parallel.ep_overlap_chunks=1000 is more than the 512 token copies "
+                                              r"each expert receives per micro-batch \(8 sequence\(s\) x data.seq_len=128"),
 ])
 def test_impossible_layouts_fail_naming_the_key(argv, world_size, message):
     with pytest.raises(ConfigError, match=message) as error:
