@@ -103,8 +103,9 @@ def _convert(tokenizer, end_of_turn, conv, args, counts: Counter) -> list[tuple]
         longest = max([len(rendered.tokens)] + [rendered.ranges[i][1] + len(h) for i, (_, h) in hints.items()])
         if args.max_len and longest > args.max_len:
             if not args.drop_long:
-                raise ValueError(f"{longest} tokens (conversation {len(rendered.tokens)}, teacher sequences with the "
-                                 f"hint included) is longer than --max-len={args.max_len} (or pass --drop-long)")
+                what = (f"{longest} tokens (conversation {len(rendered.tokens)}, teacher sequences with the hint "
+                        f"included)" if hints else f"{longest} tokens (the conversation; it has no hint)")
+                raise ValueError(f"{what} is longer than --max-len={args.max_len} (or pass --drop-long)")
             counts[f"dropped: longer than --max-len={args.max_len}"] += 1
             continue
         out.append((part, rendered, hints))

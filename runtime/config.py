@@ -188,7 +188,9 @@ class JobConfig:
                     raise ValueError("training.compile=true with data.document_mask=true: document masking is not "
                                      "compiled yet (docs/performance.md); set training.compile=false")
             for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
-                batch = {"batch_size": data.batch_size} if data.source != "rollouts" else {}
+                batch = {"batch_size": data.batch_size, "seq_len": data.seq_len,
+                         "n_activated_experts": self.model.n_activated_experts,
+                         "n_routed_experts": self.model.n_routed_experts} if data.source != "rollouts" else {}
                 ep_refusals.check(layout, activation_checkpoint=self.training.activation_checkpoint,
                                   grad_accum=self.training.grad_accum, document_mask=data.document_mask, **batch)
             ep_refusals.check(layout, grad_accum=self.training.grad_accum)
@@ -271,6 +273,8 @@ def _coerce(value, tp, key: str, from_text: bool):
         return tuple(_coerce(v, inner, key, from_text) for v in value)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and str(value).lower() in choices:  # TOML `compile = true` is "true"
+            value = str(value).lower()
         if value not in choices:
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return value

@@ -168,8 +168,12 @@ class RolloutLoader:
 
     def describe(self) -> str:
         """What this loader reads, for the start-up line."""
-        return (f"rollouts data.path={self.path}: {self.tokens:,} tokens, "
-                f"{len(self.trajs):,} trajectories, at most {self.plan.batch_tokens:,} tokens a step")
+        budget, costs = self.plan.batch_tokens, self.plan.costs
+        over = [c for c in costs if c > budget]
+        steps = (f"at most {budget:,} tokens a step" if not over else
+                 f"at most {budget:,} tokens a step, except {len(over):,} trajectories over data.batch_tokens "
+                 f"(up to {max(over):,} tokens), each a step of its own")
+        return f"rollouts data.path={self.path}: {self.tokens:,} tokens, {len(self.trajs):,} trajectories, {steps}"
 
     def batch(self, step: int) -> RolloutStep:
         """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step)."""

@@ -78,6 +78,14 @@ def test_errors_are_one_line_naming_the_key(tmp_path, argv, toml, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
+def test_compile_takes_a_toml_bool_as_the_docs_write_it(tmp_path):
+    for text, want in (("true", "true"), ("false", "false"), ('"auto"', "auto")):
+        path = _toml(tmp_path, f"[training]\ncompile = {text}\n")
+        assert load_config([f"--config={path}"]).training.compile == want
+    with pytest.raises(ConfigError, match=r"^training.compile: expected one of 'auto', 'true', 'false', got 1$"):
+        load_config([f"--config={_toml(tmp_path, '[training]' + chr(10) + 'compile = 1' + chr(10))}"])
+
+
 def test_binary_toml_names_the_file(tmp_path):
     path = tmp_path / "config.toml"
     path.write_bytes(bytes(range(256)))
@@ -106,6 +114,9 @@ def test_zero_lr_is_refused_in_one_line():
     (["--data.seq_len=512"], 1, r"^data.seq_len=512 exceeds model.max_seq_len=256"),
     (["--parallel.dp_shard=0"], 2, r"^parallel.dp_shard=0: degrees must be positive or -1"),  # not a ZeroDivisionError
     (["--parallel.edp_shard=0", "--parallel.ep=-1"], 2, r"^parallel.edp_shard=0: degrees must be positive or -1"),
+    # 1000 pieces of 512 copies per expert: 45x slower steps with no word before this refusal
+    (["--parallel.ep_overlap_chunks=1000"], 2, r"^parallel.ep_overlap_chunks=1000 is more than the 512 token copies "
+                                              r"each expert receives per micro-batch \(8 sequence\(s\) x data.seq_len=128"),
 ])
 def test_impossible_layouts_fail_naming_the_key(argv, world_size, message):
     with pytest.raises(ConfigError, match=message) as error:

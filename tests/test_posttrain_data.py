@@ -153,3 +153,15 @@ def test_cp_split_puts_student_and_teacher_positions_on_different_ranks(tmp_path
     views = _rank_views(path, 1, 2, 0)
     moved = sum(int((mb.source_rank_m != c).sum()) for (_, c), v in views for mb in v.micro_batches)
     assert moved > 0
+
+
+def test_the_start_up_line_names_trajectories_over_the_budget(tmp_path):
+    path = _mixed_file(tmp_path)
+    loader = RolloutLoader(_Data(path, 400), seed=3, vocab_size=VOCAB, max_seq_len=MAX_LEN)
+    costs = [loader.trajs[i].cost() for i in range(len(loader.trajs))]
+    budget = sorted(costs)[len(costs) // 2]  # half the trajectories are over it
+    over = [c for c in costs if c > budget]
+    line = RolloutLoader(_Data(path, budget), seed=3, vocab_size=VOCAB, max_seq_len=MAX_LEN).describe()
+    assert f"except {len(over)} trajectories over data.batch_tokens (up to {max(over)} tokens)" in line, line
+    assert "except" not in RolloutLoader(_Data(path, max(costs)), seed=3, vocab_size=VOCAB,
+                                         max_seq_len=MAX_LEN).describe()

@@ -199,6 +199,8 @@ BAD = {  # name: (mutation of the third conversation, words the one-line error m
                         ["line 3", "3 values for the", "generated tokens of message 2"]),
     "too_long": (lambda c: c["messages"][1].update(content="word " * 300),
                  ["line 3", "is longer than --max-len=400"]),
+    "too_long_no_hint": (lambda c: (c["messages"][1].update(content="word " * 300), c["feedback"].clear()),
+                         ["line 3", "is longer than --max-len=400", "(the conversation; it has no hint)"]),
     "no_reward": (lambda c: c.pop("reward"), ["line 3", "neither 'advantage' nor 'reward'"]),
     "empty_final_answer": (lambda c: c["messages"].append({"role": "assistant", "content": ""}),
                            ["line 3", "the final assistant message is empty", "end-of-turn-only turn"]),

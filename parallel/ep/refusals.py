@@ -44,6 +44,12 @@ def _local_batch(s) -> int:
     return s.batch_size // max(1, s.grad_accum * s.dp)
 
 
+def _copies_per_expert(s) -> int:
+    """Token copies each routed expert receives per micro-batch under balanced routing (from ep ranks)."""
+    tokens = _local_batch(s) * s.seq_len // max(1, s.cp)
+    return tokens * s.n_activated_experts * s.ep // max(1, s.n_routed_experts)
+
+
 REFUSALS = (
     Refusal(("parallel.ep", *(f"parallel.{k}" for k in EP_SWITCHES)), "any EP knob on with ep = 1 (no dispatch)",
             lambda s: s.ep == 1 and any(on(s) for on in EP_SWITCHES.values()),
@@ -60,6 +66,15 @@ REFUSALS = (
             lambda s: s.ep_overlap_chunks > 1 and s.ep_capacity_factor > 0,
             lambda s: f"parallel.ep_overlap_chunks={s.ep_overlap_chunks} with parallel.ep_capacity_factor="
                       f"{s.ep_capacity_factor}: not combined yet (the overlap needs host split sizes); choose one"),
+    Refusal(("parallel.ep_overlap_chunks", "parallel.ep", "parallel.cp", "data.batch_size", "data.seq_len",
+             "training.grad_accum", "model.n_activated_experts", "model.n_routed_experts"),
+            "more pieces than the token copies an expert receives per micro-batch (empty grouped matmuls)",
+            lambda s: s.ep_overlap_chunks > 1 and s.ep_overlap_chunks > _copies_per_expert(s),
+            lambda s: f"parallel.ep_overlap_chunks={s.ep_overlap_chunks} is more than the {_copies_per_expert(s)} "
+                      f"token copies each expert receives per micro-batch ({_local_batch(s)} sequence(s) x "
+                      f"data.seq_len={s.seq_len} / cp={s.cp} x top-k {s.n_activated_experts} x ep={s.ep} / "
+                      f"{s.n_routed_experts} experts): a piece would average under one row per expert; use at most "
+                      f"that many"),
     Refusal(("parallel.ep_pair_micro_batches", "parallel.ep_interleave", "parallel.ep_overlap_chunks"),
             "pairing without the halves or pieces (it runs at their asynchronous waits)",
             lambda s: s.ep_pair_micro_batches and not (s.ep_interleave or s.ep_overlap_chunks > 1),
