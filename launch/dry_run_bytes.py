@@ -183,9 +183,8 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
         ranks, me = dist.get_process_group_ranks(ep_group), dist.get_rank(ep_group)
         placement = Placement(job.model.n_routed_experts, tuple(ranks), layout.ranks_per_node)
         row = out.setdefault(("all_to_all", names.get(ep_group.group_name), "ep"), [0, 0])
-        halves = 2 if layout.ep_interleave else 1  # parallel/ep_interleave.py routes each layer in two calls
-        for i in range(0, len(routings), halves):
-            routing = symmetric_routing(torch.cat(routings[i:i + halves]), me, layout.ep, placement.local_experts)
+        for routing in routings:
+            routing = symmetric_routing(routing, me, layout.ep, placement.local_experts)
             stages = ep_projection.layer_stages(job.model, layout, routing, param_bytes, placement)
             intra, inter = ep_projection.layer_link_bytes(stages, placement, me, t.activation_checkpoint, layout)
             row[0], row[1] = row[0] + intra, row[1] + inter

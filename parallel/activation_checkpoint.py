@@ -39,24 +39,22 @@ from torch.utils.checkpoint import checkpoint
 from models.attention import CausalAttention
 from models.experts import GroupedExperts
 from models.moe import MoE, Router
-from parallel import ep_keep, recompute_ahead
+from parallel import ep_keep
 from parallel.ep.dispatcher import Dispatcher
 from parallel.overlap import forward_prefetch_paused
 
 MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpoint(model: nn.Module, mode: str, ahead: bool = False) -> None:
-    """Wrap the forwards of the regions `mode` names, in every block of `model.layers`; in place. `ahead`
-    (parallel.ep_recompute_ahead, "full" only): each block's recompute may start inside the backward of
-    the block above (parallel/recompute_ahead.py)."""
+def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    """Wrap the forwards of the regions `mode` names, in every block of `model.layers`; in place."""
     if mode not in MODES:
         raise ValueError(f"training.activation_checkpoint={mode!r} must be one of {', '.join(MODES)}")
     if mode == "none":
         return
     for block in model.layers:
         for module in checkpoint_regions(block, mode):
-            _checkpoint_forward(module, block, ahead and mode == "full")
+            _checkpoint_forward(module, block)
 
 
 def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
@@ -66,7 +64,7 @@ def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
     return [block.attention] + [m for m in block.modules() if isinstance(m, GroupedExperts)]
 
 
-def _checkpoint_forward(module: nn.Module, block: nn.Module, ahead: bool) -> None:
+def _checkpoint_forward(module: nn.Module, block: nn.Module) -> None:
     inner = module.forward
     routers = [m for m in module.modules() if isinstance(m, Router)]
     recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
@@ -81,13 +79,8 @@ def _checkpoint_forward(module: nn.Module, block: nn.Module, ahead: bool) -> Non
         forward_context, replay = ep_keep.contexts(keep)
         return forward_context, _recompute(module, _as_recompute(routers, dropping, recorders, replay))
 
-    prepare = recompute_ahead.anchored(module, inner) if ahead else None
-
     def forward(*args, **kwargs):
-        if prepare is None:
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-        checkpointed, finish = prepare(args[0])  # one Call per micro-batch, linked to the block below's
-        return finish(checkpoint(checkpointed, *args, use_reentrant=False, context_fn=context_fn, **kwargs))
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward
 

@@ -34,9 +34,7 @@ import torch.distributed as dist
 
 from parallel.ep_fp8 import decode, encode
 from parallel.ep_keep import kept
-from parallel.ep_pairing import backward_turn, forward_turn
 from parallel.expert_parallel import local_experts
-from parallel.recompute_ahead import below
 
 
 def pieces_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2) -> torch.Tensor:
@@ -44,7 +42,7 @@ def pieces_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2) -> torch.
     n, P = d.config.chunks, d.n_ranks
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, d.counts_group))  # ep_keep.py
+    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, d.group))  # ep_keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)
@@ -101,9 +99,7 @@ def start_rows(d, name, piece, x_MD, out_splits, in_splits):
     link, handle box) for `wait_rows`. Other names (dedup's node hop: weights, ids) cross as they are."""
     box = {"mark": lambda event: d.mark(f"{name}_{event}", piece),
            "fp8": name == "dispatch" and d.config.dispatch_fp8,
-           "grad_fp8": name == "combine" and d.config.combine_grad_fp8,
-           "block": d.block,  # parallel/ep_pairing.py
-           "below": below() if name == "dispatch" else None}  # parallel/recompute_ahead.py
+           "grad_fp8": name == "combine" and d.config.combine_grad_fp8}
     link = _Start.apply(x_MD, out_splits, in_splits, d.group, box)
     return link, box
 
@@ -138,9 +134,6 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_link):  # the received rows' gradient is already on its way (`_Wait.backward`)
-        backward_turn(ctx.box["block"])  # a paired forward computes meanwhile (parallel/ep_pairing.py)
-        if ctx.box["below"] is not None:
-            ctx.box["below"].start()  # the block below recomputes meanwhile (parallel/recompute_ahead.py)
         ctx.box["grad_work"].wait()
         ctx.box["mark"]("grad_wait")
         del ctx.box["grad_source"]
@@ -158,7 +151,6 @@ class _Wait(torch.autograd.Function):
     def forward(ctx, link, box):
         ctx.box = box
         if box["work"] is not None:
-            forward_turn()  # a paired backward computes meanwhile (parallel/ep_pairing.py)
             box["work"].wait()
         box["mark"]("wait")
         del box["source"]

@@ -56,9 +56,6 @@ class ParallelConfig:
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
     ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep_keep.py)
     ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep_fp8.py)
-    ep_interleave: bool = False  # EP: each MoE block runs its micro-batch as two halves, one half's all-to-alls in flight while the other computes attention, experts and shared experts (parallel/ep_interleave.py)
-    ep_pair_micro_batches: bool = False  # EP: each micro-batch's backward runs paired with the next micro-batch's forward, one's all-to-alls in flight while the other computes (parallel/ep_pairing.py; needs ep_interleave or ep_overlap_chunks > 1, and training.grad_accum > 1)
-    ep_recompute_ahead: bool = False  # EP under training.activation_checkpoint = "full" with ep_interleave: the block below starts its recompute while this block's dispatch gradient crosses (parallel/recompute_ahead.py; one more block's recomputed activations alive)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -86,7 +83,14 @@ def _check_expert_inner(value) -> None:
 
 
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-            "ep_combine_grad_dtype", "ep_interleave", "ep_pair_micro_batches", "ep_recompute_ahead")
+            "ep_combine_grad_dtype")
+# EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
+# a config that still sets one fails naming it (runtime/config.py), with what to use instead
+REMOVED_EP_KNOBS = {
+    "ep_interleave": "the two-halves schedule; use ep_overlap_chunks = 2 for overlapped pieces",
+    "ep_pair_micro_batches": "paired micro-batches; delete the line (micro-batches run one after another)",
+    "ep_recompute_ahead": "the recompute ahead; delete the line (use ep_recompute = \"keep\" to skip resending)",
+}
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")
 
@@ -152,9 +156,6 @@ class Layout:
     ep_dispatch_dtype: str = "compute"
     ep_recompute: str = "resend"
     ep_combine_grad_dtype: str = "compute"
-    ep_interleave: bool = False
-    ep_pair_micro_batches: bool = False
-    ep_recompute_ahead: bool = False
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:

@@ -205,10 +205,10 @@ _MESHES = {}  # this rank process's meshes, by what build_meshes reads of a layo
 
 
 def _meshes(layout):
-    """build_meshes(layout), built once per rank process for each distinct set of degrees, numbering and
-    count-exchange group (parallel/meshes.py reads nothing else of the layout)."""
+    """build_meshes(layout), built once per rank process for each distinct set of degrees and numbering
+    (parallel/meshes.py reads nothing else of the layout)."""
     key = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep, layout.edp_replicate,
-           layout.edp_shard, layout.expert_inner, layout.ep_interleave or layout.ep_pair_micro_batches)
+           layout.edp_shard, layout.expert_inner)
     if key not in _MESHES:
         _MESHES[key] = build_meshes(layout, "cpu")
     return _MESHES[key]
