@@ -205,7 +205,7 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     reuses the split sizes read before their call, and reads again those read inside it: the pieces'
     (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
-    from parallel.ep_plan import host_syncs_per_layer
+    from parallel.ep.plan import host_syncs_per_layer
 
     per_layer = host_syncs_per_layer(layout)
     if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep_keep.py)
@@ -250,7 +250,7 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     activations = local_tokens * act_bytes * kept_layers
     gathered *= 2 if paired else 1  # F's units too
     if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
-        from parallel.ep_keep import kept_bytes_per_layer
+        from parallel.ep.keep import kept_bytes_per_layer
 
         activations += kept_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
     unsharded_grads = 0.0

@@ -35,7 +35,7 @@ KIND = {"_allgather_base": "all_gather", "allgather": "all_gather", "allgather_i
         "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
         "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "all_reduce": "all_reduce",
         "all_reduce_coalesced": "all_reduce", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}
-SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep_", "ep"), ("/parallel/expert_parallel.py", "ep"),
+SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep/", "ep"),
            ("/optim/", "optimizer"))
 
 
@@ -158,7 +158,7 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     materialized one) and its per-layer EP term on `routings`, for this rank."""
     from benchmarks.lib import ep_projection, fsdp_traffic
     from models import Transformer
-    from parallel.ep_plan import Placement
+    from parallel.ep.plan import Placement
     from runtime.train import DTYPES
 
     t = job.training

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
-from parallel.ep_fp8 import check_fp8_device  # noqa: E402
+from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402

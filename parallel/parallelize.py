@@ -14,7 +14,7 @@ from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep.config import EPConfig
 from parallel.ep.dispatcher import apply_expert_parallel
-from parallel.ep_fp8 import check_fp8_device
+from parallel.ep.direct import check_fp8_device
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes

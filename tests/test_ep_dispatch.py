@@ -1,4 +1,4 @@
-"""EP dispatch at scale: the dispatch plan (parallel/ep_plan.py) against plain loops, and the runtime's
+"""EP dispatch at scale: the dispatch plan (parallel/ep/plan.py) against plain loops, and the runtime's
 dispatch variants on 8 gloo ranks in two simulated nodes (parallel.ranks_per_node=4) against the
 single-process step, with every all-to-all byte counted (benchmarks/lib/ep_traffic.py) and compared with
 the plan.
@@ -26,7 +26,7 @@ from multirank import run_ranks
 from parallel.context_parallel import load_balanced_positions
 from parallel.ep.dispatcher import dispatchers, read_drop_counts
 from runtime.syncs import count_syncs
-from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
+from parallel.ep.plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
@@ -63,7 +63,7 @@ CASES["headline_direct_fp8g"] = ParallelConfig(**HEADLINE, **FP8G)
 CASES["headline_overlap_fp8g"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, **FP8G)
 CASES["headline_capacity_fp8g"] = ParallelConfig(**HEADLINE, ep_capacity_factor=8.0, **FP8G)
 CASES["folded_dedup_fp8g"] = ParallelConfig(**FOLDED, ep_dedup=True, **FP8G)
-# (dedup + overlap would run no other combine code: parallel/ep_overlap.py's box, as headline_overlap_fp8g, and the
+# (dedup + overlap would run no other combine code: parallel/ep/pieces.py's box, as headline_overlap_fp8g, and the
 # direct combine for the fan-in, as folded_dedup_fp8g)
 # activation checkpointing of the cases named ..._full_... / ..._selective_... (the others: none)
 CHECKPOINT = {name: mode for name in CASES for mode in ("full", "selective") if f"_{mode}_" in name}
@@ -215,8 +215,8 @@ def _meshes(layout):
 
 
 def _collect_tapes() -> list:
-    """The tapes parallel/ep_keep.py makes from now on (this rank process only), to weigh what they keep."""
-    from parallel import ep_keep
+    """The tapes parallel/ep/keep.py makes from now on (this rank process only), to weigh what they keep."""
+    from parallel.ep import keep as ep_keep
 
     tapes = []
     base = getattr(ep_keep.Tape, "original", ep_keep.Tape)  # not a subclass of the previous case's
@@ -474,9 +474,9 @@ def test_fp8_combine_gradient_changes_only_the_backward(results, name):
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep_recompute == "keep"])
 def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
     """The row buffers the tapes hold after the forward, summed over the 8 ranks, equal
-    parallel/ep_keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
+    parallel/ep/keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
     layers x ranks, with the run's mean distinct nodes per token (a plain loop over its routing)."""
-    from parallel.ep_keep import kept_bytes_per_layer
+    from parallel.ep.keep import kept_bytes_per_layer
 
     _, per_rank = results
     c, layout = MODEL, CASES[name].resolve(WORLD)
@@ -579,10 +579,10 @@ def test_group_limited_routing_reaches_at_most_topk_group_nodes():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_host_syncs_are_the_plans(results, name):
-    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep_plan.host_syncs_per_layer:
+    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep/plan.host_syncs_per_layer:
     direct and overlapped 1, dedup 2, capacity 0. Index tensors the dispatch makes from host data once
     and caches ("copy", a first-forward cost) are left out."""
-    from parallel.ep_plan import host_syncs_per_layer
+    from parallel.ep.plan import host_syncs_per_layer
 
     _, per_rank = results
     expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))

@@ -44,7 +44,7 @@ def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int
 
 def placement(config, size: int, stride: int, gpus_per_node: int):
     """The plan's placement of an ep group of `size` ranks `stride` apart from rank 0."""
-    from parallel.ep_plan import Placement
+    from parallel.ep.plan import Placement
 
     return Placement(config.n_routed_experts, tuple(i * stride for i in range(size)), gpus_per_node)
 
@@ -52,7 +52,7 @@ def placement(config, size: int, stride: int, gpus_per_node: int):
 def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
     """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
     this routing (experts_TK per ep index) and the layout's dispatch knobs."""
-    from parallel.ep_plan import layer_traffic
+    from parallel.ep.plan import layer_traffic
 
     fp8_row = config.dim + 4  # parallel/ep_fp8.py: D e4m3 values and one fp32 scale per row
     dispatch = fp8_row if layout.ep_dispatch_dtype == "float8_e4m3" else None
@@ -69,7 +69,7 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     activation checkpointing reruns: full, the layer's forward; selective, the experts' dispatch and
     combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py) and backward, every MoE
     layer and micro-batch."""
-    from parallel.ep_plan import distinct_nodes_per_token
+    from parallel.ep.plan import distinct_nodes_per_token
 
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
@@ -87,7 +87,7 @@ def layer_bytes(config, layout, placement, local_tokens: int, act_bytes: int) ->
     routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
     scaled to `local_tokens` (the count exchanges not); backward: the gradient rows
     (parallel/ep_plan.sent_bytes(..., backward=True)), none for integer stages."""
-    from parallel.ep_plan import sent_bytes
+    from parallel.ep.plan import sent_bytes
 
     routing = sampled_routing(config, layout.ep)
     out = {}
@@ -117,7 +117,7 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
     """(intra-node, inter-node) bytes ep index `index` sends in one MoE layer and micro-batch for
     these stages (one routing): `ep_bytes`'s per-layer term for one rank, unscaled (launch/dry_run.py
     compares it with the all-to-alls it counts)."""
-    from parallel.ep_plan import sent_bytes
+    from parallel.ep.plan import sent_bytes
 
     out = [0, 0]
     for stage in stages:

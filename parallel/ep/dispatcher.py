@@ -10,9 +10,9 @@ calls it (models/moe.py `LocalDispatcher`, the interface):
                                                grouped matmul on the local experts -> combine all-to-all
 
 `run` is one of (chosen at build time, never swapped later): the direct dispatch
-(parallel/expert_parallel.py), fixed capacity without host sync (parallel/ep_capacity.py), or n pieces
-pipelined (parallel/ep_overlap.py). `DedupDispatcher` routes node-deduplicated (parallel/ep_dedup.py; in
-pieces: parallel/ep_dedup_overlap.py). What modules carried before as attributes lives here: the group,
+(parallel/ep/direct.py), fixed capacity without host sync (parallel/ep/capacity.py), or n pieces
+pipelined (parallel/ep/pieces.py). `DedupDispatcher` routes node-deduplicated (parallel/ep/dedup.py; in
+pieces: parallel/ep/pieces.py). What the dispatcher holds (no module carries it): the group,
 the wire dtypes, the timeline tests and benchmarks record, the drop counters.
 """
 
@@ -26,11 +26,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from models.experts import GroupedExperts, swiglu_experts
 from models.moe import LocalDispatcher, MoE
-from parallel import ep_capacity, ep_dedup, ep_dedup_overlap, ep_overlap
+from parallel.ep import capacity, dedup, pieces
 from parallel.ep.config import EPConfig
-from parallel.ep_keep import kept
-from parallel.ep_plan import Placement
-from parallel.expert_parallel import direct_run, exchange_counts, local_weight
+from parallel.ep.direct import direct_run, exchange_counts, local_weight
+from parallel.ep.keep import kept
+from parallel.ep.plan import Placement
 
 EXPERT_WEIGHTS = ("w13", "w2")
 
@@ -41,7 +41,7 @@ class Dispatcher(LocalDispatcher):
     def __init__(self, config: EPConfig, group):
         self.config, self.group = config, group
         self.n_ranks = dist.get_world_size(group)
-        self.mirror_counts = dist.get_backend(group) == "fake"  # the dry run (expert_parallel.exchange_counts)
+        self.mirror_counts = dist.get_backend(group) == "fake"  # the dry run (direct.exchange_counts)
         self.timeline = None  # a list while a test or benchmark records (event, piece, time.perf_counter())
         self.drop_counts = None  # fixed capacity: [dropped, routed] (device), from the first forward on
         self._run = self._choose_run()
@@ -50,10 +50,10 @@ class Dispatcher(LocalDispatcher):
         if self.n_ranks == 1:
             return lambda x_ND, counts, w13, w2, training: swiglu_experts(x_ND, w13, w2, counts)
         if self.config.capacity_factor > 0:
-            return lambda x_ND, counts, w13, w2, training: ep_capacity.capacity_run(self, x_ND, counts, w13, w2,
+            return lambda x_ND, counts, w13, w2, training: capacity.capacity_run(self, x_ND, counts, w13, w2,
                                                                                     training)
         if self.config.chunks > 1 and not self.config.dedup:
-            return lambda x_ND, counts, w13, w2, training: ep_overlap.pieces_run(self, x_ND, counts, w13, w2)
+            return lambda x_ND, counts, w13, w2, training: pieces.pieces_run(self, x_ND, counts, w13, w2)
         return lambda x_ND, counts, w13, w2, training: direct_run(self, x_ND, counts, w13, w2)
 
     def exchange(self, counts_E: torch.Tensor):
@@ -73,8 +73,8 @@ class Dispatcher(LocalDispatcher):
 
 
 class DedupDispatcher(Dispatcher):
-    """Node-deduplicated routing (parallel/ep_dedup.py), its node hop in pieces when `config.chunks` > 1
-    (parallel/ep_dedup_overlap.py); the fan-out inside a node is the direct dispatch."""
+    """Node-deduplicated routing (parallel/ep/dedup.py), its node hop in pieces when `config.chunks` > 1
+    (parallel/ep/pieces.py); the fan-out inside a node is the direct dispatch."""
 
     def __init__(self, config: EPConfig, group, placement: Placement):
         super().__init__(config, group)
@@ -82,8 +82,8 @@ class DedupDispatcher(Dispatcher):
 
     def route(self, moe: MoE, x_TD, weights_TK, experts_TK) -> torch.Tensor:
         if self.config.chunks > 1:
-            return ep_dedup_overlap.pipelined_route(self, moe, x_TD, weights_TK, experts_TK)
-        return ep_dedup.dedup_route(self, moe, x_TD, weights_TK, experts_TK)
+            return pieces.pipelined_route(self, moe, x_TD, weights_TK, experts_TK)
+        return dedup.dedup_route(self, moe, x_TD, weights_TK, experts_TK)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, config: EPConfig) -> None:
@@ -117,7 +117,7 @@ def dispatchers(model: nn.Module) -> list[Dispatcher]:
 
 def read_drop_counts(model: nn.Module) -> torch.Tensor | None:
     """[dropped, routed] token copies summed over this rank's MoE layers since the last call (device,
-    float64), or None when no layer drops (parallel/ep_capacity.py); resets the counters."""
+    float64), or None when no layer drops (parallel/ep/capacity.py); resets the counters."""
     dropping = [d for d in dispatchers(model) if d.config.capacity_factor > 0]
     if not dropping:
         return None
