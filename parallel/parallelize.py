@@ -2,8 +2,8 @@
 
 Order matters: expert weights must be DTensors on `ep` before FSDP wraps them (FSDP then shards
 them further over the expert mesh); the cp attention swap touches no parameters; each MoE layer gets
-its EP dispatcher before activation checkpointing wraps the blocks, so their communication is recomputed too. Parameter
-names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
+its EP dispatcher before activation checkpointing wraps the blocks, so their communication is recomputed
+too. Parameter names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
 """
 
 import torch
@@ -13,8 +13,8 @@ from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep.config import EPConfig
-from parallel.ep.dispatcher import apply_expert_parallel
 from parallel.ep.direct import check_fp8_device
+from parallel.ep.dispatcher import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
