@@ -87,9 +87,11 @@ EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chun
 # EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
 # a config that still sets one fails naming it (runtime/config.py), with what to use instead
 REMOVED_EP_KNOBS = {
-    "ep_interleave": "the two-halves schedule; use ep_overlap_chunks = 2 for overlapped pieces",
-    "ep_pair_micro_batches": "paired micro-batches; delete the line (micro-batches run one after another)",
-    "ep_recompute_ahead": "the recompute ahead; delete the line (use ep_recompute = \"keep\" to skip resending)",
+    "ep_interleave": "removed (two halves per MoE block); to overlap the all-to-alls with the experts use "
+                     "parallel.ep_overlap_chunks = 2",
+    "ep_pair_micro_batches": "removed (paired micro-batches); delete the line: micro-batches run one after another",
+    "ep_recompute_ahead": "removed (the recompute ahead); delete the line: with parallel.ep_recompute = \"keep\" "
+                          "the recompute still sends nothing",
 }
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")

@@ -372,7 +372,7 @@ def _lookup(sections: dict, section: str, key: str):
         raise ConfigError(f"{section}.{key}: moved to {MOVED_KEYS[f'{section}.{key}']} (one node size for the "
                           f"whole job: the optimizer plan and the EP dispatch read it)")
     if section == "parallel" and key in REMOVED_EP_KNOBS:
-        raise ConfigError(f"parallel.{key}: removed ({REMOVED_EP_KNOBS[key]})")
+        raise ConfigError(f"parallel.{key}: {REMOVED_EP_KNOBS[key]}")
     types = _key_types(section, sections[section])
     if key not in types:
         raise ConfigError(f"{section}.{key}: unknown key (valid: {', '.join(types)})")

@@ -79,4 +79,4 @@ def test_a_removed_ep_knob_fails_in_one_line_naming_it_with_exit_2(tmp_path, mon
     for argv in (["--config", str(config)], [f"--parallel.{key}=true"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert err == f"config error: parallel.{key}: removed ({REMOVED_EP_KNOBS[key]})"
+        assert err == f"config error: parallel.{key}: {REMOVED_EP_KNOBS[key]}" and "removed" in err
