@@ -27,16 +27,16 @@ Exact: each copy's output depends on its own row only, and the weight gradients 
 products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). The dispatcher's
 `timeline`, when a list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
 
-Node-deduplicated, its node hop in pieces (`parallel.ep_dedup` with `ep_overlap_chunks` = n > 1): one piece's node
-hop (the all-to-alls that cross nodes) in flight while another piece fans out, computes and sums inside the
-gateway's node.
+Node-deduplicated, its node hop in pieces (`parallel.ep_dedup` with `ep_overlap_chunks` = n > 1): one
+piece's node hop (the all-to-alls that cross nodes) in flight while another piece fans out, computes and
+sums inside the gateway's node.
 
-`pipelined_route`: the route of parallel/ep/dispatcher.py `DedupDispatcher` when `chunks` > 1 (parallel/ep/dedup.py's plan,
-the pairs cut into pieces), the pipeline running inside ONE call of the experts (FSDP gathers them once
-per micro-batch, not once per piece). For one MoE layer, on each rank:
-  1. pairs: the distinct (token, node) pairs as in parallel/ep/dedup.py; those bound for each node are cut into n
-     consecutive slices (pair at position `pos` of node m's c_m pairs -> piece floor(pos n / c_m)), so
-     every piece goes to every gateway; the pairs are sent ordered by (piece, node, token);
+`pipelined_route`: the route of parallel/ep/dispatcher.py `DedupDispatcher` when `chunks` > 1
+(parallel/ep/dedup.py's plan, the pairs cut into pieces), the pipeline running inside ONE call of the
+experts (FSDP gathers them once per micro-batch, not once per piece). For one MoE layer, on each rank:
+  1. pairs: the distinct (token, node) pairs as in parallel/ep/dedup.py; those bound for each node are
+     cut into n consecutive slices (pair at position `pos` of node m's c_m pairs -> piece
+     floor(pos n / c_m)), so every piece goes to every gateway; sent ordered by (piece, node, token);
   2. one count exchange for all pieces (all-to-all of [n, 2] ints per peer: pairs and their expert
      copies on that node) and one host read of the split sizes;
   3. the pipeline, in one GroupedExperts call: node hop(0) starts (rows, FP8 under ep_dispatch_dtype;
@@ -53,9 +53,9 @@ Exact: each pair's row depends on its own token only, and the weight gradients s
 in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py).
 
 Shape letters: N token copies of this rank (sorted by expert), D model dim, E experts, P ep ranks,
-L local experts, n pieces, M rows of one piece sent, R rows of one piece received; in the dedup section T tokens
-of this rank, K top-k, Q pairs this rank sends (all pieces), R pairs of one piece a gateway receives, C their
-expert copies.
+L local experts, n pieces, M rows of one piece sent, R rows of one piece received; in the dedup section
+T tokens of this rank, K top-k, Q pairs this rank sends (all pieces), R pairs of one piece a gateway
+receives, C their expert copies.
 """
 
 from dataclasses import dataclass
