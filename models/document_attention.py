@@ -34,7 +34,7 @@ has NOT run on a GPU here (none was available).
 
 Under `training.compile` on the CPU the block path stays eager: its key ranges and its mask-free shortcut
 are host reads of the document ids (data-dependent shapes, a new graph per document layout), so each
-block's `attention.sdpa` is left out of the compiled regions (parallel/compile.py).
+block's attention is left out of the compiled regions (parallel/compile.py).
 
 Context parallelism: the gathered keys are the whole row in global order, and `Documents.doc_BL` holds
 the document id of every token of the row (each rank's loader knows the whole window), so each chunk's
@@ -174,8 +174,10 @@ def _key_range(q_doc_BQ, q_pos_Q, kv_doc_BT, kv_pos_T) -> tuple[int, int]:
     return lo, hi
 
 
+@torch.no_grad()
 def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float, block: int = 256) -> torch.Tensor:
-    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip)."""
+    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip). No grad: a
+    checkpointed recompute records nothing, so the forward must save nothing for it either."""
     base = kv_pos_T[:1]
     q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
     q_BHSE, kT_BHET = q_BHSE.float(), k_BHTE.float().transpose(-1, -2)

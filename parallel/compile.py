@@ -15,11 +15,12 @@ compile, and its experts run eagerly while everything else of the block is compi
 
 Document masking (`block_path`): on the CUDA flex path the BlockMask is built once per micro-batch outside
 the blocks and carried into them with the documents (models/document_attention.py), so the regions are the
-same as without it. On the CPU block path, each block's `attention.sdpa` (CausalAttention, or
-ContextParallelAttention under cp) stays eager and the rest of the attention compiles as its submodules:
-the block path reads document ids on the host to pick each query block's key range (data-dependent
-shapes: a new graph per document layout), and FlexAttention, whose shapes do not depend on the documents,
-has no CPU backward in torch 2.13.
+same as without it. On the CPU block path each block's `attention` (projections, RoPE and the block path)
+stays eager: the block path reads document ids on the host to pick each query block's key range
+(data-dependent shapes: a new graph per document layout), and FlexAttention, whose shapes do not depend on
+the documents, has no CPU backward in torch 2.13. The attention's projections are not compiled one by one
+around it: every nn.Linear shares one code object, so each weight shape (and eval's no_grad) is a recompile
+of it, past dynamo's recompile limit with fullgraph (measured: 2 ranks, debug preset).
 
 Why this FSDP layout (the same units with and without compile): one unit per block (torchtitan
 0.3) cannot hold the experts once they live on a different mesh than the dense weights (a unit has
@@ -81,7 +82,7 @@ def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = f
                   block_path: bool = False) -> None:
     """Compile every region of every block of `model.layers`, in place. `boundaries`: modules no compiled
     region may hold strictly inside (`region_boundaries`); `ep`: the expert-parallel degree (> 1: the
-    routed experts stay eager); `block_path`: document masking on the CPU (each `attention.sdpa` stays eager)."""
+    routed experts stay eager); `block_path`: document masking on the CPU (each block's attention stays eager)."""
     check_backend(backend)
     eager = eager_modules(model, ep, block_path)
     for block in model.layers:
@@ -100,9 +101,9 @@ def region_boundaries(model: nn.Module, param_dtype: torch.dtype, activation_che
 
 def eager_modules(model: nn.Module, ep: int = 1, block_path: bool = False) -> set[nn.Module]:
     """Modules that run eagerly: under ep > 1 the routed experts; on the document block path each
-    block's `attention.sdpa` (module docstring)."""
+    block's attention (module docstring)."""
     eager = {m for m in model.modules() if isinstance(m, GroupedExperts)} if ep > 1 else set()
-    return eager | ({block.attention.sdpa for block in model.layers} if block_path else set())
+    return eager | ({block.attention for block in model.layers} if block_path else set())
 
 
 def compile_regions(block: nn.Module, boundaries: set[nn.Module], eager: set[nn.Module] = frozenset()) -> list[nn.Module]:

@@ -256,8 +256,10 @@ def _documents(lengths_B: list) -> Documents:
     return Documents(doc_BL, rope_BL)
 
 
-def _document_step(model: Transformer, step: int) -> dict:
+def _document_step(model: Transformer, step: int, record: bool = False) -> dict:
     """`_step` with documents: two micro-batches, each with its own document layout."""
+    if record:
+        reset_recording(model)
     model.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(200 + step)
     logits = []
@@ -267,28 +269,35 @@ def _document_step(model: Transformer, step: int) -> dict:
         loss_fn(out, tokens[:, 1:], 2 * BATCH * SEQ).backward()
         logits.append(out.detach())
     return {"logits": logits, "grads": {k: p.grad for k, p in model.named_parameters()},
-            "counts": [r.tokens_per_expert.clone() for r in model.routers()], "aux": [], "max_logits": None}
+            "counts": [r.tokens_per_expert.clone() for r in model.routers()], "aux": [],
+            "max_logits": step_max_logits(model) if record else None}
 
 
-def test_document_mask_on_the_cpu_block_path_equals_eager_and_never_recompiles():
-    """The CPU block path stays eager inside compiled blocks (each attention's `sdpa`): logits and router
+@pytest.mark.parametrize("mode, record", [("none", False), ("full", True)])
+def test_document_mask_on_the_cpu_block_path_equals_eager_and_never_recompiles(mode, record):
+    """The CPU block path stays eager inside compiled blocks (each block's attention): logits and router
     counts bitwise equal to eager; gradients within fp32 rounding (the regions split the blocks, as in the
-    cases above: the yardstick is |eager fp32 - eager fp64| of the same step); no graph after the first
-    step's, though every micro-batch cuts its documents elsewhere."""
+    cases above: the yardstick is |eager fp32 - eager fp64| of the same step); QK-clip maxima bitwise; no
+    graph after the first step's, though every micro-batch cuts its documents elsewhere. "full": the
+    checkpointed blocks' recompute records no maxima, so their forward saves nothing for them either."""
     torch.compiler.reset()
     eager = _model("debug", torch.float32, 0.0)
     compiled = copy.deepcopy(eager)
-    boundaries = region_boundaries(compiled, torch.float32, "none")
+    boundaries = region_boundaries(compiled, torch.float32, mode)
     apply_compile(compiled, "aot_eager", boundaries, block_path=True)
-    assert not any(m is block.attention.sdpa for block in compiled.layers
+    assert not any(m in set(block.attention.modules()) for block in compiled.layers
                    for m in compile_regions(block, boundaries, eager_modules(compiled, block_path=True)))
     exact = _model("debug", torch.float64, 0.0)
+    for model in (eager, compiled, exact):
+        apply_activation_checkpoint(model, mode)
+        if record:
+            enable_recording(model)
     before = compiled_graphs()
     for step in range(2):
-        ref = _document_step(eager, step)
+        ref = _document_step(eager, step, record)
         fp64 = _document_step(exact, step)["grads"]
         tolerance = {fqn: (ref["grads"][fqn].double() - fp64[fqn]).abs().max() for fqn in fp64}
-        _assert_bit_equal(_document_step(compiled, step), ref, tolerance)
+        _assert_bit_equal(_document_step(compiled, step, record), ref, tolerance)
         if step == 0:
             first = compiled_graphs() - before
     assert compiled_graphs() - before == first > 0
