@@ -21,6 +21,9 @@ the time budget (--budget-s) is recorded as skipped:
   train_step   the runtime's train_step (runtime/train.py) on moonlight_16b widths with as many
                layers as the memory estimate allows (bf16 FSDP mixed precision, Muon): tokens/s, MFU, peak
                memory against the estimated weight + gradient + optimizer-state bytes, host syncs
+  compiled_block
+               a dense and a MoE block, eager vs compiled (inductor): seconds, graphs, recompiles; and with
+               document masking (FlexAttention inside the compiled blocks): error ratio, recompiles
   cp_attention, grouped_mm_empty, train_variants
                the risky paths a world of one can check (benchmarks/gpu_check_paths.py): context
                parallelism's chunked flash attention against fp32, grouped matmuls with empty expert
