@@ -106,7 +106,8 @@ def eager_modules(model: nn.Module, ep: int = 1, block_path: bool = False) -> se
     return eager | ({block.attention for block in model.layers} if block_path else set())
 
 
-def compile_regions(block: nn.Module, boundaries: set[nn.Module], eager: set[nn.Module] = frozenset()) -> list[nn.Module]:
+def compile_regions(block: nn.Module, boundaries: set[nn.Module],
+                    eager: set[nn.Module] = frozenset()) -> list[nn.Module]:
     """The largest submodules of `block` (the block itself if it can) with no module of `boundaries`
     strictly below them and none of `eager` in them, in forward order."""
     if block in eager:

@@ -411,3 +411,24 @@ def test_pretrain_with_document_mask_compiled_equals_eager(tmp_path):
     for a, b in zip(compiled, eager, strict=True):
         for key in ("loss", "eval_loss"):
             assert (key in a) == (key in b) and a.get(key, 0) == pytest.approx(b.get(key, 0), rel=1e-5), key
+
+
+@pytest.mark.parametrize("cp_rank", [None, 0, 1])
+def test_the_prepared_block_mask_serves_every_layer_and_cp_rank(monkeypatch, cp_rank):
+    """`prepared` (what runtime/train.py calls once per micro-batch; the flex path forced on the CPU) builds
+    the mask of this rank's queries over the row's keys 0..L-1, as LocalKV (cp = 1) and GatheredKV (cp = 2)
+    present them: eager flex with it equals the block path (tests/test_document_mask.py's 2e-6). Eager: the
+    standalone compiled flex (eager CUDA's) fails in inductor's C++ codegen on this CPU for the cp ranks."""
+    import models.document_attention as D
+
+    documents = _documents(LAYOUTS[0])
+    kv_pos = torch.arange(SEQ)
+    q_pos = kv_pos if cp_rank is None else load_balanced_positions(SEQ, 2, cp_rank)
+    monkeypatch.setattr(D, "flex_path", lambda device: True)
+    mask = D.prepared(documents, q_pos).block_mask
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(BATCH, 3, n, 16, generator=gen) for n in (len(q_pos), SEQ, SEQ))
+    monkeypatch.setattr(D, "flex_path", lambda device: False)
+    flex = D.flex_document_attention(q, k, v, q_pos, kv_pos, documents.doc_BL, 0.25, compiled=False, block_mask=mask)
+    blocks = D.document_attention(q, k, v, q_pos, kv_pos, documents.doc_BL, 0.25, block=8)
+    torch.testing.assert_close(flex, blocks, rtol=0, atol=2e-6)
