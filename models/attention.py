@@ -60,7 +60,8 @@ class CausalAttention(nn.Module):
         """`documents` (data.document_mask): attention only within documents (models/document_attention.py)."""
         self.record(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, documents)
         if documents is not None:
-            return document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
+            return document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale,
+                                      block_mask=documents.block_mask)
         v_width = v_BHTE.shape[-1]
         causal = q_pos_S is kv_pos_T
         mask_ST = None if causal else kv_pos_T[None, :] <= q_pos_S[:, None]

@@ -18,13 +18,23 @@ document, per layer); benchmarks/document_attention.py measures time and peak me
 unmasked flash path. The key range needs the document ids on the host (one
 small device-to-host copy per block): fine on the CPU, a sync per block on CUDA.
 
-CUDA (`flex_document_attention`, chosen for CUDA tensors): FlexAttention with a BlockMask built from
-the same predicate (mask_mod: same document and causal), compiled, because it takes any per-row
-document layout and the CP chunk layout (query and key positions as index tensors) without repacking,
-skips fully masked blocks, needs no host sync and supports MLA's unequal q/k and v widths; a varlen
-flash path would need the sequences repacked into cu_seqlens per document and per CP chunk. Its
-predicate is checked on the CPU in eager mode against the block path (tests/test_document_mask.py);
-the compiled kernel has NOT run on a GPU here (none was available).
+CUDA (`flex_document_attention`, chosen when `Documents.block_mask` is set, which `prepared` does for
+CUDA tensors): FlexAttention with a BlockMask built from the same predicate (mask_mod: same document and
+causal), compiled, because it takes any per-row document layout and the CP chunk layout (query and key
+positions as index tensors) without repacking, skips fully masked blocks, needs no host sync and supports
+MLA's unequal q/k and v widths; a varlen flash path would need the sequences repacked into cu_seqlens per
+document and per CP chunk. The BlockMask is the same for every layer: `prepared` builds it once per
+micro-batch (runtime/train.py), outside the compiled blocks (building it costs 12-47 ms and cannot be
+traced inside one), and it travels with the documents into them. Inside a compiled block flex is traced
+into the block's graph; its mask_mod is a closure over the document ids, which dynamo takes as graph
+inputs, so new document boundaries recompile nothing (tests/test_compile.py). Its predicate is checked on
+the CPU in eager mode against the block path (tests/test_document_mask.py), and its compiled form in no_grad
+inside a compiled block (tests/test_compile.py; FlexAttention has no CPU backward in torch 2.13); the kernel
+has NOT run on a GPU here (none was available).
+
+Under `training.compile` on the CPU the block path stays eager: its key ranges and its mask-free shortcut
+are host reads of the document ids (data-dependent shapes, a new graph per document layout), so each
+block's attention is left out of the compiled regions (parallel/compile.py).
 
 Context parallelism: the gathered keys are the whole row in global order, and `Documents.doc_BL` holds
 the document id of every token of the row (each rank's loader knows the whole window), so each chunk's
@@ -48,19 +58,52 @@ class Documents(NamedTuple):
     """Where documents lie in a packed micro-batch (data.document_mask)."""
     doc_BL: torch.Tensor  # int64 [B, L] document index of every token of the WHOLE row (global order, non-decreasing)
     rope_BS: torch.Tensor  # int64 [B, S] RoPE positions of this rank's tokens: their offsets in their document
+    block_mask: object = None  # FlexAttention BlockMask of this rank's queries over the row's keys (`prepared`)
 
     def to(self, device) -> "Documents":
-        return Documents(self.doc_BL.to(device), self.rope_BS.to(device))
+        mask = None if self.block_mask is None else self.block_mask.to(device)
+        return Documents(self.doc_BL.to(device), self.rope_BS.to(device), mask)
+
+
+def flex_path(device: torch.device) -> bool:
+    """Whether document attention runs FlexAttention on `device` (CUDA), else the block path."""
+    return torch.device(device).type == "cuda"
+
+
+def prepared(documents: Documents, positions_S: torch.Tensor) -> Documents:
+    """`documents` as the attention of every layer reads them: on the flex path with the BlockMask of the
+    queries at `positions_S` over the whole row's keys (positions 0..L-1 of `doc_BL`: the local keys, or
+    under CP the gathered ones); elsewhere unchanged. Once per micro-batch, outside compiled blocks."""
+    if not flex_path(documents.doc_BL.device):
+        return documents
+    kv_pos_L = torch.arange(documents.doc_BL.shape[1], device=positions_S.device)
+    return documents._replace(block_mask=document_block_mask(documents.doc_BL, positions_S, kv_pos_L))
+
+
+def document_block_mask(doc_BL, q_pos_S, kv_pos_T):
+    """The FlexAttention BlockMask of queries at `q_pos_S` over keys at `kv_pos_T` (same document, causal)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    base = kv_pos_T[:1]
+    q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_doc_BS[b, q_idx] == kv_doc_BT[b, kv_idx]) & (kv_pos_T[kv_idx] <= q_pos_S[q_idx])
+
+    B, S, T = doc_BL.shape[0], q_pos_S.shape[0], kv_pos_T.shape[0]
+    return create_block_mask(same_document_causal, B, None, S, T, device=doc_BL.device)
 
 
 def document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float,
-                       block: int = 512) -> torch.Tensor:
+                       block: int = 512, block_mask=None) -> torch.Tensor:
     """Exact causal attention restricted to documents. `q_pos_S` / `kv_pos_T`: global positions (strictly
     increasing; kv_pos_T[0] is the row's first position); `doc_BL` indexed by position - kv_pos_T[0].
-    Values narrower than q/k (MLA) are padded for the flash kernel and the output sliced. Local, no
+    `block_mask` (`Documents.block_mask`) or CUDA tensors: FlexAttention; else the block path, where
+    values narrower than q/k (MLA) are padded for the flash kernel and the output sliced. Local, no
     communication."""
-    if q_BHSE.is_cuda:
-        return flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale)
+    if block_mask is not None or flex_path(q_BHSE.device):
+        return flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale,
+                                       block_mask=block_mask)
     v_width = v_BHTE.shape[-1]
     v_BHTE = pad_values(v_BHTE, q_BHSE.shape[-1])
     base = kv_pos_T[:1]
@@ -85,22 +128,25 @@ _COMPILED_FLEX = None
 
 
 def flex_document_attention(q_BHSE, k_BHTE, v_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float,
-                            compiled: bool = True) -> torch.Tensor:
-    """The same attention through FlexAttention (CUDA; `compiled=False`: eager, e.g. to check it on the CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                            compiled: bool = True, block_mask=None) -> torch.Tensor:
+    """The same attention through FlexAttention (`compiled=False`: eager, e.g. to check it on the CPU).
+    `block_mask`: `document_block_mask` of these positions, built by the caller; None builds it here,
+    which a compiled block cannot (ValueError)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _COMPILED_FLEX
-    base = kv_pos_T[:1]
-    q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
-
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_doc_BS[b, q_idx] == kv_doc_BT[b, kv_idx]) & (kv_pos_T[kv_idx] <= q_pos_S[q_idx])
-
-    B, _, S, _ = q_BHSE.shape
-    block_mask = create_block_mask(same_document_causal, B, None, S, k_BHTE.shape[2], device=q_BHSE.device)
-    if compiled and _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    attend = _COMPILED_FLEX if compiled else flex_attention
+    if block_mask is None:
+        if torch.compiler.is_compiling():
+            raise ValueError("document masking in a compiled block needs Documents.block_mask, built outside "
+                             "the block (models/document_attention.prepared)")
+        block_mask = document_block_mask(doc_BL, q_pos_S, kv_pos_T)
+    assert block_mask.seq_lengths == (q_BHSE.shape[2], k_BHTE.shape[2]), (block_mask.seq_lengths, q_BHSE.shape)
+    if torch.compiler.is_compiling() or not compiled:  # in a compiled block: traced into its graph
+        attend = flex_attention
+    else:
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention)
+        attend = _COMPILED_FLEX
     # contiguous V: compiled flex inside a compiled block read a strided V wrongly (CPU, torch 2.13)
     return attend(q_BHSE, k_BHTE, v_BHTE.contiguous(), block_mask=block_mask, scale=scale)
 
@@ -128,8 +174,10 @@ def _key_range(q_doc_BQ, q_pos_Q, kv_doc_BT, kv_pos_T) -> tuple[int, int]:
     return lo, hi
 
 
+@torch.no_grad()
 def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float, block: int = 256) -> torch.Tensor:
-    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip)."""
+    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip). No grad: a
+    checkpointed recompute records nothing, so the forward must save nothing for it either."""
     base = kv_pos_T[:1]
     q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
     q_BHSE, kT_BHET = q_BHSE.float(), k_BHTE.float().transpose(-1, -2)

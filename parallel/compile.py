@@ -13,6 +13,15 @@ forward (count exchange, host sync for the split sizes, all-to-alls, grouped mat
 data-dependent number of received rows) is not compiled: only the direct EP path composes with
 compile, and its experts run eagerly while everything else of the block is compiled.
 
+Document masking (`block_path`): on the CUDA flex path the BlockMask is built once per micro-batch outside
+the blocks and carried into them with the documents (models/document_attention.py), so the regions are the
+same as without it. On the CPU block path each block's `attention` (projections, RoPE and the block path)
+stays eager: the block path reads document ids on the host to pick each query block's key range
+(data-dependent shapes: a new graph per document layout), and FlexAttention, whose shapes do not depend on
+the documents, has no CPU backward in torch 2.13. The attention's projections are not compiled one by one
+around it: every nn.Linear shares one code object, so each weight shape (and eval's no_grad) is a recompile
+of it, past dynamo's recompile limit with fullgraph (measured: 2 ranks, debug preset).
+
 Why this FSDP layout (the same units with and without compile): one unit per block (torchtitan
 0.3) cannot hold the experts once they live on a different mesh than the dense weights (a unit has
 one mesh), and it would move the router into the bf16 all-gather. Keeping the unit boundaries outside
@@ -67,13 +76,15 @@ def compile_refusal(layout) -> str | None:
             f"set training.compile=false or leave these knobs at their defaults")
 
 
-def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1) -> None:
+def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1,
+                  block_path: bool = False) -> None:
     """Compile every region of every block of `model.layers`, in place. `boundaries`: modules no compiled
     region may hold strictly inside (`region_boundaries`); `ep`: the expert-parallel degree (> 1: the
-    routed experts stay eager)."""
+    routed experts stay eager); `block_path`: document masking on the CPU (each block's attention stays eager)."""
     check_backend(backend)
+    eager = eager_modules(model, ep, block_path)
     for block in model.layers:
-        for module in compile_regions(block, boundaries, ep):
+        for module in compile_regions(block, boundaries, eager):
             module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
 
 
@@ -86,15 +97,19 @@ def region_boundaries(model: nn.Module, param_dtype: torch.dtype, activation_che
     return boundaries
 
 
-def compile_regions(block: nn.Module, boundaries: set[nn.Module], ep: int = 1) -> list[nn.Module]:
+def eager_modules(model: nn.Module, ep: int = 1, block_path: bool = False) -> set[nn.Module]:
+    """Modules that run eagerly: under ep > 1 the routed experts; on the document block path each
+    block's attention (module docstring)."""
+    eager = {m for m in model.modules() if isinstance(m, GroupedExperts)} if ep > 1 else set()
+    return eager | ({block.attention for block in model.layers} if block_path else set())
+
+
+def compile_regions(block: nn.Module, boundaries: set[nn.Module],
+                    eager: set[nn.Module] = frozenset()) -> list[nn.Module]:
     """The largest submodules of `block` (the block itself if it can) with no module of `boundaries`
-    strictly below them, in forward order; under ep > 1 without the routed experts."""
-    if _eager(block, ep):
+    strictly below them and none of `eager` in them, in forward order."""
+    if block in eager:
         return []
-    if not any(m in boundaries or _eager(m, ep) for m in list(block.modules())[1:]):
+    if not any(m in boundaries or m in eager for m in list(block.modules())[1:]):
         return [block]
-    return [region for child in block.children() for region in compile_regions(child, boundaries, ep)]
-
-
-def _eager(module: nn.Module, ep: int) -> bool:
-    return isinstance(module, GroupedExperts) and ep > 1
+    return [region for child in block.children() for region in compile_regions(child, boundaries, eager)]

@@ -131,7 +131,8 @@ class ContextParallelAttention(nn.Module):
         for documents straddling the chunks (models/document_attention.py; doc_BL covers the whole row)."""
         self.local_sdpa.record(q_BHSE, k_BHLE, q_pos_S, kv_pos_L, scale, documents)
         if documents is not None:
-            return document_attention(q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, documents.doc_BL, scale)
+            return document_attention(q_BHSE, k_BHLE, v_BHLE, q_pos_S, kv_pos_L, documents.doc_BL, scale,
+                                      block_mask=documents.block_mask)
         cp, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         return balanced_chunk_attention(q_BHSE, k_BHLE, v_BHLE, cp_rank, cp, scale)
 

@@ -9,6 +9,7 @@ too. Parameter names are unchanged throughout, so optimizers and checkpoints key
 import torch
 from torch import nn
 
+from models.document_attention import flex_path
 from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
@@ -22,9 +23,10 @@ from parallel.meshes import Meshes
 
 def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none",
-                compile_backend: str | None = None) -> nn.Module:
+                compile_backend: str | None = None, document_mask: bool = False) -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup.
-    `compile_backend` (None: eager): compile each block's regions with it (parallel/compile.py)."""
+    `compile_backend` (None: eager): compile each block's regions with it (parallel/compile.py);
+    `document_mask` (data.document_mask): off the flex path its attention stays eager there."""
     check_recompute(layout, activation_checkpoint)
     ep = EPConfig.from_layout(layout)
     _check_fp8(ep, meshes.ep.device_type)
@@ -34,7 +36,8 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
     apply_expert_parallel(model, meshes.ep, ep)  # experts: Shard(0) on ep; a dispatcher per MoE
     if compile_backend is not None:  # before checkpointing, which wraps the compiled forwards
         boundaries = region_boundaries(model, param_dtype, activation_checkpoint)
-        apply_compile(model, compile_backend, boundaries, layout.ep)
+        block_path = document_mask and not flex_path(meshes.dense.device_type)
+        apply_compile(model, compile_backend, boundaries, layout.ep, block_path)
     apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
     return model

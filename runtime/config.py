@@ -100,7 +100,7 @@ class TrainingConfig:
 
     def compile_backend_used(self, compilable: bool = True) -> str | None:
         """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
-        (no EP variant knob, no document masking: parallel/compile.py `compile_refusal`)."""
+        (no EP variant knob: parallel/compile.py `compile_refusal`)."""
         on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
         return self.compile_backend if on else None
 
@@ -184,9 +184,6 @@ class JobConfig:
             check_recompute(layout, self.training.activation_checkpoint)
             if self.training.compile == "true":  # "auto" compiles only what can be (runtime/train.py)
                 check_compile(layout)
-                if self.data.document_mask:  # its CPU path reads document ids on the host: graph breaks
-                    raise ValueError("training.compile=true with data.document_mask=true: document masking is not "
-                                     "compiled yet (docs/performance.md); set training.compile=false")
             for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
                 batch = {"batch_size": data.batch_size, "seq_len": data.seq_len,
                          "n_activated_experts": self.model.n_activated_experts,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import Transformer
+from models.document_attention import prepared
 from models.splits import muon_splits
 from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
 from optim.sharded.muon import ShardedMuon
@@ -66,8 +67,9 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
         model = Transformer(config.model)
     t = config.training
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint, compile_backend=t.compile_backend_used(
-                    compile_refusal(layout) is None and not config.data.document_mask))
+                activation_checkpoint=t.activation_checkpoint,
+                compile_backend=t.compile_backend_used(compile_refusal(layout) is None),
+                document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
     if init is not None:
@@ -111,7 +113,8 @@ def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) 
     if documents is None:
         logits_BSV = model(inputs_BS, positions_S)
     else:
-        logits_BSV = model(inputs_BS, positions_S, documents=documents.to(device))
+        documents = prepared(documents.to(device), positions_S)  # the flex path's BlockMask: once, not per layer
+        logits_BSV = model(inputs_BS, positions_S, documents=documents)
     return loss_fn(logits_BSV, labels_BS, global_tokens)
 
 

@@ -26,6 +26,9 @@ def test_every_section_runs_and_the_projection_reads_the_calibration(tmp_path):
     block = out["compiled_block"]
     assert block["dense_graphs"] >= 1 and block["moe_graphs"] >= 1, block
     assert block["dense_recompiles"] == block["moe_recompiles"] == 0, block
+    for kind in ("dense", "moe"):  # document masking: flex in the compiled blocks, new layouts recompile nothing
+        documents = block[f"{kind}_documents"]
+        assert documents["graphs"] >= 1 and documents["recompiles"] == 0 and documents["output_error_ratio"] <= 2
     step = out["train_step"]
     assert all(math.isfinite(x) for x in step["losses"]) and step["tokens_per_s"] > 0
     assert step["host_syncs"]["total"] == 1, step["host_syncs"]  # one process: the step's one readback
