@@ -37,7 +37,7 @@ token loads are assumed uniform):
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
-              (interleaved halves: one per half; parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py,
+              (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py,
               measured by benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
@@ -54,22 +54,13 @@ Time (device model: benchmarks/lib/device_model.py links; compute rates below, o
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
 CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
-routed experts' matmuls (`exposed_ep_s`) and what `parallel.ep_interleave`'s halves hide behind the
-other half's compute (ep = the idle compute stream of the block's two-stream program,
-benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); with `parallel.ep_pair_micro_batches`
-(parallel/ep_pairing.py) micro-batch m+1's forward runs inside m's backward at its gradient waits:
-F(0) alone + (M - 1) pairs (`ep_timeline.paired_program`, the crossing layers unpaired) + B(M-1) alone
-(with pieces instead of halves the pairing is not modelled: projected unpaired, an upper bound);
-with `parallel.ep_recompute_ahead` the block below's recompute runs at this block's first dispatch-gradient
-wait (`ep_timeline.backward_program`, and inside the pairs);
---overlap-ep shows the what-if
+routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if
 max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
 SYNC_S of idle device.
 MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
-with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer (paired
-micro-batches, recompute ahead: `memory_bytes`); otherwise
+with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer; otherwise
 ("none", and "selective", counted like it: an upper bound) one layer's for every layer (the K2/V3 presets
 then need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
 """
@@ -87,9 +78,9 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
-from benchmarks.lib import ep_projection, ep_timeline
+from benchmarks.lib import ep_projection
 from benchmarks.lib import network_model as net
-from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, RECOMPUTED, block_parts, flops_split, recompute_flops, seconds
+from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, flops_split, recompute_flops
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from benchmarks.lib.fsdp_traffic import (GPUS_PER_NODE, Link, all_gather, all_reduce, fsdp_traffic, fsdp_units,  # noqa: F401
                                          groups, on_wire, peers, unit_shard_numel)
@@ -154,29 +145,6 @@ def ep_collectives(config, layout, micro_batches: int, activation_checkpoint: st
     return out
 
 
-def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_bytes: int, seq_len: int,
-                     activation_checkpoint: str, device, rates: dict, skew: float = 1.0) -> float:
-    """EP seconds on the critical path per step with `parallel.ep_interleave`: the interleaved MoE
-    block's program (benchmarks/lib/ep_timeline.py) with each compute op's seconds from its parts'
-    forward FLOPs (benchmarks/lib/block_flops.py) x the local tokens at their rates, and each
-    all-to-all's from one exchange's bytes per direction (ep_projection.layer_bytes: the dispatch plan,
-    gradients as they cross), each as long as its slower link; x MoE layers x micro-batches."""
-    placement = ep_placement(config, layout)
-    per_layer = ep_projection.layer_bytes(config, layout, placement, local_tokens, act_bytes)
-    comm_s = {name: tuple(max(_ep_link_seconds(Link(*b).scale(skew), device, placement.n_nodes)) + net.LATENCY_S
-                          for b in directions) for name, directions in per_layer.items()}
-    parts = next(p for p in block_parts(config, seq_len) if "routed" in p)  # every MoE block has the same shapes
-    rerun = RECOMPUTED[activation_checkpoint]
-    ops = ep_timeline.OP_PARTS.items()
-    compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) * (skew if op == "experts" else 1)
-                             for op, names in ops},
-                 "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
-                               for op, names in ops}}
-    return ep_timeline.step_exposed_s(compute_s, comm_s, config.n_layers - config.n_dense_layers, micro_batches,
-                                      activation_checkpoint, layout.ep_recompute, layout.ep_pair_micro_batches,
-                                      layout.ep_recompute_ahead)
-
-
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
                gather: str) -> dict:
     """{"kv": the keys' all-gather forward + reduce-scatter backward, "positions": their all-gather
@@ -200,8 +168,7 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
-    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, interleaved 2, fixed
-    capacity 0), twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
+    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
     reuses the split sizes read before their call, and reads again those read inside it: the pieces'
     (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
@@ -216,17 +183,12 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
-                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0,
-                 micro_batches: int = 1) -> dict:
+                 param_bytes: int = 4, activation_checkpoint: str = "full",
+                 ep_nodes_per_token: float = 1.0) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
     activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
     micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
-    gradients of every unit. With parallel.ep_pair_micro_batches a second micro-batch's forward runs
-    inside the backward (benchmarks/lib/ep_timeline.paired_program): two more unsharded units, one more
-    layer's working activations, the kept buffers of `paired_kept_layers` MoE layers instead of n, and
-    the layer inputs of both micro-batches' unfinished layers (n_layers + dense layers + the extra MoE
-    layers; launch/estimate_memory.py counts it block by block). With parallel.ep_recompute_ahead one more
-    layer's working activations: the block below recomputes while this block's backward still runs."""
+    gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -241,18 +203,13 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
     per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
     n_moe = c.n_layers - c.n_dense_layers
-    paired = layout.ep_pair_micro_batches and micro_batches > 1
-    kept_moe = ep_timeline.paired_kept_layers(n_moe) if paired else n_moe  # MoE layers' kept buffers at the peak
-    inputs = c.n_layers + (c.n_dense_layers + kept_moe - n_moe if paired else 0)  # layer inputs alive at the peak
-    working = (2 if paired else 1) + layout.ep_recompute_ahead  # layers computing: B's, F's, ahead the one below
-    kept_layers = working * per_token_layer + inputs * c.dim if activation_checkpoint == "full" else \
-        inputs * per_token_layer
+    kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
+        c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
-    gathered *= 2 if paired else 1  # F's units too
     if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
         from parallel.ep_keep import kept_bytes_per_layer
 
-        activations += kept_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
+        activations += n_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -291,10 +248,9 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro, checkpointing)
-    shapes = {"local_tokens": local_tokens, "micro": micro, "act_bytes": act_bytes, "seq": seq,
-              "checkpointing": checkpointing, "expert_s": split["experts"] / rates["grouped_mm_bf16"],
+    shapes = {"micro": micro, "checkpointing": checkpointing, "expert_s": split["experts"] / rates["grouped_mm_bf16"],
               "fsdp_collectives": 3 * len(units) * micro, "cp_collectives": 2 * c.n_layers * micro * (layout.cp > 1)}
-    times = {skew: step_times(c, layout, device, rates, args, compute, ep_stages, fsdp_total, cp, shapes, skew)
+    times = {skew: step_times(c, layout, device, args, compute, ep_stages, fsdp_total, cp, shapes, skew)
              for skew in (1.0, SKEW_LOW)}
     t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": syncs * SYNC_S}
     t["step"] += opt_s + syncs * SYNC_S
@@ -304,7 +260,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
             per_gpu / step, per_gpu / step / min(net.CALIBRATION_RATIOS))
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
-                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token, micro)
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -322,21 +278,16 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     }
 
 
-def step_times(c, layout, device, rates, args, compute: float, ep_stages: dict, fsdp_total, cp, shapes: dict,
+def step_times(c, layout, device, args, compute: float, ep_stages: dict, fsdp_total, cp, shapes: dict,
                skew: float) -> dict:
     """The time terms of one row (module docstring) with the busiest EP rank at `skew` x the mean bytes
     and routed-expert compute; without the optimizer and host syncs."""
     compute = compute + (skew - 1) * shapes["expert_s"]
     stages = {name: link.scale(skew) for name, link in ep_stages.items()}
     nodes = ep_placement(c, layout).n_nodes if layout.ep > 1 else 1
-    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes,
-                        ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
-    if layout.ep_interleave:
-        ep_s = interleaved_ep_s(c, layout, shapes["local_tokens"], shapes["micro"], shapes["act_bytes"], shapes["seq"],
-                                shapes["checkpointing"], device, rates, skew)
-    else:
-        ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes,
-                          ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
+    collectives = ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages)
+    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes, collectives)
+    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes, collectives)
     cp_s = max(_link_seconds(cp, device)) + shapes["cp_collectives"] * net.LATENCY_S
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     fsdp_network_s += shapes["fsdp_collectives"] * net.LATENCY_S
@@ -357,9 +308,7 @@ def cpu_paths(layout) -> list[str]:
     paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
     if layout.ep > 1:
         paths.append("parallel/ep_plan.py (tests/test_ep_dispatch.py: EP bytes)")
-    names = {"ep_dedup": "parallel/ep_dedup*.py", "ep_interleave": "parallel/ep_interleave.py",
-             "ep_pair_micro_batches": "parallel/ep_pairing.py", "ep_recompute_ahead": "parallel/recompute_ahead.py"}
-    paths += [path for knob, path in names.items() if knobs.get(knob)]
+    paths += ["parallel/ep_dedup*.py"] * knobs["ep_dedup"]
     paths += ["parallel/ep_overlap.py"] * (knobs["ep_overlap_chunks"] > 1)
     paths += ["parallel/ep_fp8.py"] * (knobs["ep_dispatch_dtype"] != "compute")
     paths += ["parallel/ep_keep.py"] * (knobs.get("ep_recompute") == "keep")
@@ -469,7 +418,7 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     runtime implements (`dispatch_variants`), named name+variant."""
     variants = {name: layout}
     checkpointing = resolved(job, args)["activation_checkpoint"]
-    others = dispatch_variants(layout, checkpointing, job.training.grad_accum)
+    others = dispatch_variants(layout, checkpointing)
     variants |= {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
     rows = []
     for row_name, lay in variants.items():
@@ -530,8 +479,8 @@ def parse_args(argv=None):
                    help="override the config's training.grad_sync (parallel/overlap.py)")
     p.add_argument("--overlap-ep", action="store_true",
                    help="what-if: step = max(compute, EP + CP) instead of their sum: every EP/CP collective hidden "
-                        "behind compute, an upper bound beyond what any runtime path does (ep_overlap_chunks and "
-                        "ep_interleave hide part of it: their rows without this flag)")
+                        "behind compute, an upper bound beyond what any runtime path does (ep_overlap_chunks "
+                        "hides part of it: its rows without this flag)")
     p.add_argument("--compare", default="",
                    help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")

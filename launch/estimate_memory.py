@@ -1,7 +1,7 @@
 """Per-rank peak memory of a training job before launch: no GPU, no process group.
 
     python launch/estimate_memory.py --config configs/kimi_k2_256gpu.toml [--world 256] [--device h200]
-                                     [--rank 0] [--json PATH]
+                                     [--rank 0] [--routing-skew 1.0] [--json PATH]
 
 What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards):
   params        fp32 master shards (placements of parallel/fsdp.py, boxes of models/boxes.py)
@@ -19,14 +19,14 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
                 norm. On a GPU the S^2 term (attention probabilities, where the CPU runs the math SDPA
                 kernel: GQA with a mask) is dropped: the fused kernels keep only a log-sum-exp per row.
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
-                (selective) while it is recomputed in backward; with parallel.ep_recompute_ahead an MoE
-                block's backward also holds the block below's, recomputed at its dispatch gradient's wait
-  dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
+                (selective) while it is recomputed in backward
+  dispatch      expert parallelism: the received token copies and the combine output of one MoE layer,
+                x --routing-skew (the busiest ep rank's share of the routed rows over the mean; 1.0: uniform)
   ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
                 receive buffers until its backward (parallel/ep_keep.kept_bytes_per_layer, the mean over
                 ranks; dedup: at most min(K, nodes of the ep group, n_limited_groups x nodes a group spans) nodes per token); at block l's
                 backward, those of blocks 0..l (the dispatch term above still counts the recompute's
-                working copies: an upper bound)
+                working copies: an upper bound), x --routing-skew as the dispatch
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
                 log-softmax, gradient; parallel/gradients.py)
   muon_step     the optimizer step's transients: STEP_BUCKETS x this rank's largest bucket of blocks
@@ -35,9 +35,7 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
 Peak = params + grads + optimizer + runtime + max(forward/backward peak, muon_step), where the
 forward/backward peak is the largest moment of the backward timeline: the head's backward (every
 block's activations, the logits and their gradient alive) or block l's backward (blocks 0..l still
-saved, block l's recompute and FSDP buffers, its dispatch), and with parallel.ep_pair_micro_batches
-block l's backward with the next micro-batch's forward inside it (`paired_moments`: its units, saved
-inputs, one block's working activations and dispatch, its started layers' kept buffers). `per_rank_gib`
+saved, block l's recompute and FSDP buffers, its dispatch). `per_rank_gib`
 shows the parts at that moment (`peak_at`), so they add up to the total (when the optimizer step is the
 peak, the total is the sharded state, runtime and muon_step).
 """
@@ -56,7 +54,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from benchmarks.lib import ep_timeline  # noqa: E402
 from models import Transformer, TransformerBlock  # noqa: E402
 from models.boxes import local_box  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
@@ -86,6 +83,7 @@ class Job:
     layout: object
     rank: int
     device: str
+    routing_skew: float = 1.0  # the busiest ep rank's routed rows over the mean (dispatch and kept buffers)
 
     @property
     def tokens(self) -> tuple[int, int]:
@@ -160,14 +158,6 @@ def fsdp_buffers(job: Job) -> list[int]:
     r = DTYPE_BYTES[job.config.training.reduce_dtype]
     depth = max(1, job.config.training.fsdp_prefetch)
     return [(size + sum(sizes[max(0, u - depth):u])) * c + size * (c + r) for u, size in enumerate(sizes)]
-
-
-def forward_buffers(job: Job) -> list[int]:
-    """Per unit u (execution order), FSDP bytes while u runs its forward: u and the next
-    training.fsdp_prefetch units (at least 1) unsharded in param_dtype."""
-    sizes = unit_sizes(job.config.model, job.layout)
-    depth = max(1, job.config.training.fsdp_prefetch)
-    return [sum(sizes[u:u + 1 + depth]) * job.c for u in range(len(sizes))]
 
 
 # ---- activations (measured on the CPU at the real widths) ----------------------------------------
@@ -264,64 +254,17 @@ def activations(job: Job) -> tuple[list, list, int, dict]:
 
 def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
     """(bytes, parts) at the peak of forward/backward: the head's backward (every block's activations
-    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute and,
-    an MoE block with parallel.ep_recompute_ahead, the block below's and the unit that one's early
-    pre-backward prefetches), with paired micro-batches that
-    block's backward with the next micro-batch's forward inside it."""
+    and the logits alive) or a block's backward (the blocks before it still saved, its own recompute)."""
     buffers, lg, disp, ep_kept = fsdp_buffers(job), logits(job), dispatch(job), kept_rows(job)
     moe = [job.config.model.is_moe_layer(i) for i in range(len(kept_L))]
     moments = {"head": {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges, "recompute": 0,
                         "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": lg}}
-    ahead = [job.layout.ep_recompute_ahead and moe[l] and l > 0 for l in range(len(kept_L))]  # l - 1's recompute
-    # ... which runs l - 1's FSDP pre-backward early: its prefetch of one more unit below (units: embedding first)
-    sizes, depth = unit_sizes(job.config.model, job.layout), max(1, job.config.training.fsdp_prefetch)
-    early = [ahead[l] * sizes[l - depth] * job.c if l >= depth else 0 for l in range(len(kept_L))]
     for l in range(len(kept_L)):
-        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1] + early[l], "activations": sum(kept_L[: l + 1]) + edges,
-                                 "recompute": recompute_L[l] + ahead[l] * recompute_L[l - 1],
-                                 "dispatch": disp if moe[l] else 0,
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
                                  "ep_kept": ep_kept * sum(moe[: l + 1]), "logits": 0}
-    if job.layout.ep_pair_micro_batches and job.config.training.grad_accum > 1:
-        moments |= paired_moments(job, moments, kept_L, recompute_L, disp, ep_kept)
     at = max(moments, key=lambda k: sum(moments[k].values()))
     return at, moments[at]
-
-
-def paired_moments(job: Job, moments: dict, kept_L, recompute_L, disp, ep_kept) -> dict:
-    """parallel.ep_pair_micro_batches: B(m)'s backward of block l with F(m+1)'s forward run inside it at
-    B's gradient waits (benchmarks/lib/ep_timeline.paired_program; MoE layers are the top ones, dense
-    first). While B is in block l, F has started f MoE layers (`forward_layers_started`, the crossing
-    rule included; below B's last MoE layer, F waits with what it started), its current block g: then
-    B's moment "block l" plus F's:
-      fsdp_buffers  F's unit and the `fsdp_prefetch` after it unsharded (param_dtype, no gradient yet)
-      activations   F's saved inputs of blocks 0..g and its embedding output (t D param_dtype)
-      recompute     one block's working activations (block g's forward; `recompute_L[g]`)
-      dispatch      block g's dispatch buffers
-      ep_kept       the kept buffers of F's f MoE layers: with B's of layers 0..l, at most n + 1 layers
-                    alive (B frees one layer as F starts the next; the crossing stalls F), against n unpaired.
-    (B's moment holds block l - 1's recompute too with parallel.ep_recompute_ahead: `step_peak`.)
-    K2 on its previous config (rank 0, 1x2x128, bf16, one 4096-token sequence, full checkpointing, keep): B's top block
-    49.35 GiB (kept 60 x 0.656 = 39.38, inputs 61 x 0.055 + 0.22 = 3.56, recompute 2.93, units 2.61, dispatch
-    0.88) + F's first MoE block 5.67 (units 2 x 0.52 = 1.04, inputs 2 x 0.055 + 0.055 = 0.16, working 2.93,
-    dispatch 0.88, kept 0.66) = 55.03 GiB, the most of any paired moment (B frees a layer's kept buffers and
-    input as F adds one; the crossing stalls F), below the head's backward (55.46: the logits): the peak stays
-    121.2 GiB. On its config now, 1x4x64 (edp_shard inner), the units are larger and a paired moment is the peak: 122.5 GiB
-    (unpaired 121.5), 126.2 with parallel.ep_recompute_ahead (its recompute and early prefetch; unpaired: the head's backward, 121.5)."""
-    cfg, c = job.config.model, job.c
-    n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
-    started = ep_timeline.forward_layers_started(n_moe)
-    forward = forward_buffers(job)
-    n_seq, s_local = job.tokens
-    out = {}
-    for l in range(len(kept_L)):
-        f = started[max(l - n_dense, 0)] if n_moe else 0  # B's most recent MoE layer: l's, or the lowest one
-        if f == 0:
-            continue
-        g = n_dense + f - 1
-        extra = {"fsdp_buffers": forward[g + 1], "activations": sum(kept_L[: g + 1]) + n_seq * s_local * cfg.dim * c,
-                 "recompute": recompute_L[g], "dispatch": disp, "ep_kept": ep_kept * f, "logits": 0}
-        out[f"block {l} + forward block {g}"] = {k: v + extra[k] for k, v in moments[f"block {l}"].items()}
-    return out
 
 
 # ---- the rest ------------------------------------------------------------------------------------
@@ -331,11 +274,12 @@ def dispatch(job: Job) -> int:
     if job.layout.ep == 1 or not cfg.n_moe_layers:
         return 0
     n_seq, s_local = job.tokens
-    return 2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c
+    return int(2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c * job.routing_skew)
 
 
 def kept_rows(job: Job) -> float:
-    """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0)."""
+    """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0), on the
+    busiest ep rank (x job.routing_skew)."""
     from parallel.ep_keep import kept_bytes_per_layer
 
     cfg, layout = job.config.model, job.layout
@@ -351,7 +295,7 @@ def kept_rows(job: Job) -> float:
         span = max(len(set(node_of_expert[g * per_group:(g + 1) * per_group])) for g in range(cfg.n_expert_groups))
         nodes = min(nodes, cfg.n_limited_groups * span)
     n_seq, s_local = job.tokens
-    return kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
+    return job.routing_skew * kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
 
 
 def logits(job: Job) -> int:
@@ -405,6 +349,7 @@ def estimate(job: Job) -> dict:
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, parts, total),
             "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
             "activation_gib_per_block": per_block, "rank": job.rank, "world": job.layout.world_size,
+            "routing_skew": job.routing_skew,
             "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
 
 
@@ -433,6 +378,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--world", type=int, default=None, help="world size (default: the product of the config's dense degrees)")
     ap.add_argument("--device", choices=tuple(DEVICES), default="h200")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--routing-skew", type=float, default=1.0,
+                    help="the busiest ep rank's routed rows over the mean: scales its dispatch and kept EP buffers "
+                         "(1.0: uniform routing; the projection's low band uses 1.2)")
     ap.add_argument("--json", default=None)
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -464,16 +412,19 @@ def job_from_args(args, overrides: list[str]) -> Job:
         raise ValueError(f"--world {world}: must be >= 1")
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
+    if not args.routing_skew >= 1.0:  # also refuses nan
+        raise ValueError(f"--routing-skew {args.routing_skew}: must be >= 1.0 (the busiest rank over the mean)")
     if args.json:
         check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
-    return Job(config, config.layout(world), args.rank, args.device)
+    return Job(config, config.layout(world), args.rank, args.device, args.routing_skew)
 
 
 def format_table(r: dict) -> str:
     rows = [f"  {k:<13}{v:9.2f} GiB" for k, v in r["per_rank_gib"].items()]
     device = "cpu (no limit)" if r["device_gib"] is None else f"{r['device_gib']:.1f} GiB"
     verdict = "fits" if r["fits"] else "does NOT fit: " + "; ".join(r["suggestions"])
-    return "\n".join([f"rank {r['rank']} of {r['world']}, micro-batch {r['micro_batch']}", *rows,
+    skew = "" if r["routing_skew"] == 1.0 else f", routing skew {r['routing_skew']:g}"
+    return "\n".join([f"rank {r['rank']} of {r['world']}, micro-batch {r['micro_batch']}{skew}", *rows,
                       f"  {'peak':<13}{r['total_gib']:9.2f} GiB  (device {device}): {verdict}"])
 
 

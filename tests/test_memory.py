@@ -80,6 +80,8 @@ ESTIMATE_MISTAKES = {
                               "parallel.cp=1 = 256 ranks, but the world size is 8"),
     "rank_too_large": (["--world", "2", "--rank", "2"], "--rank 2: must be in 0..1 for a world of 2"),
     "rank_negative": (["--world", "2", "--rank", "-1"], "--rank -1: must be in 0..1 for a world of 2"),
+    "routing_skew_below_one": (["--world", "2", "--routing-skew", "0.8"], "--routing-skew 0.8: must be >= 1.0"),
+    "routing_skew_nan": (["--world", "2", "--routing-skew", "nan"], "--routing-skew nan: must be >= 1.0"),
     "json_in_a_missing_directory": (["--world", "2", "--json", "{tmp}/nodir/e.json"],
                                     "--json {tmp}/nodir/e.json: {tmp}/nodir does not exist"),
     "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp} is a directory; give a file such as {tmp}/estimate.json"),
@@ -130,65 +132,18 @@ def test_muon_step_transients_are_step_buckets_x_the_largest_bucket():
             assert 0.8 * STEP_BUCKETS[overlap] <= ratio <= STEP_BUCKETS[overlap], (overlap, ratio)
 
 
-def test_paired_micro_batches_add_the_next_forward_to_each_backward_moment():
-    """parallel.ep_pair_micro_batches on 5 MoE layers (+ 1 dense): while B is in its MoE layer 4, 3, 2, 1, 0
-    (blocks 5..1, then the dense block 0) F has started 1, 2, 2, 2, 3, 3 MoE layers (the crossing stalls it
-    through B's layers 2 and 1; benchmarks/lib/ep_timeline.py), its current block g = 1, 2, 2, 2, 3, 3. With
-    one unit per kept layer input, 10 per block's working activations, 100 dispatch, 1000 kept per MoE layer
-    and B's moments empty, each paired moment adds F's: its units (block g and the prefetched next, in
-    param_dtype), inputs of blocks 0..g + its embedding output (t D c), 10, 100, 1000 f. With B's kept
-    buffers (1000 per MoE layer 0..l) at most 6 layers' are alive: n + 1."""
-    import dataclasses
-
-    from launch.estimate_memory import forward_buffers, paired_moments, step_peak, unit_sizes
-
-    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=6", "--training.grad_accum=2",
-                          "--parallel.dp_replicate=1", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",
-                          "--parallel.edp_replicate=1", "--parallel.edp_shard=1", "--parallel.ep_interleave=true",
-                          "--parallel.ep_pair_micro_batches=true", "--training.activation_checkpoint=full",
-                          "--parallel.ep_recompute=keep"])
-    job = Job(config, config.layout(2), 0, "cpu")
-    empty = {k: 0 for k in ("fsdp_buffers", "activations", "recompute", "dispatch", "ep_kept", "logits")}
-    out = paired_moments(job, {f"block {l}": empty for l in range(6)}, [1] * 6, [10] * 6, 100, 1000)
-    sizes = unit_sizes(config.model, job.layout)  # embedding, blocks 0..5, head
-    n_seq, s_local = job.tokens
-    t_d_c = n_seq * s_local * 64 * 4  # debug: dim 64, fp32
-    alive = []
-    for l, g in zip(range(5, -1, -1), (1, 2, 2, 2, 3, 3)):
-        f = g  # F's MoE layers started = its block index (one dense block below)
-        assert out[f"block {l} + forward block {g}"] == {
-            "fsdp_buffers": (sizes[g + 1] + sizes[g + 2]) * 4, "activations": g + 1 + t_d_c, "recompute": 10,
-            "dispatch": 100, "ep_kept": 1000 * f, "logits": 0}
-        assert forward_buffers(job)[g + 1] == (sizes[g + 1] + sizes[g + 2]) * 4
-        alive.append(l + f)  # B's MoE blocks 1..l + F's f
-    assert alive == [6, 6, 5, 4, 4, 3]
-    unpaired = Job(config, dataclasses.replace(job.layout, ep_pair_micro_batches=False), 0, "cpu")
-    (at, paired_peak), (_, peak) = (step_peak(j, [1] * 6, [10] * 6, 0) for j in (job, unpaired))
-    assert sum(paired_peak.values()) > sum(peak.values()) and "forward block" in at
-
-
-def test_recompute_ahead_adds_the_block_below_s_recompute_to_each_moe_backward_moment():
-    """parallel.ep_recompute_ahead: the block below recomputes while an MoE block's backward waits for its
-    dispatch gradient, so block l's moment holds block l - 1's working activations too (and the unit block
-    l - 1's early pre-backward prefetched, with fsdp_prefetch 0: FSDP2's one): with recompute_L
-    4^l TiB (it dominates every moment) the top block's (unpaired, and paired with F's forward block 1) is
-    the peak, with block 4's 256 TiB more."""
-    import dataclasses
-
-    from launch.estimate_memory import step_peak, unit_sizes
-
-    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=6", "--training.grad_accum=2",
-                          "--parallel.dp_replicate=1", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",
-                          "--parallel.edp_replicate=1", "--parallel.edp_shard=1", "--parallel.ep_interleave=true",
-                          "--parallel.ep_pair_micro_batches=true", "--training.activation_checkpoint=full",
-                          "--parallel.ep_recompute_ahead=true"])
-    recompute_L = [2**40 * 4**l for l in range(6)]
-    for paired in (False, True):
-        ahead = Job(config, dataclasses.replace(config.layout(2), ep_pair_micro_batches=paired), 0, "cpu")
-        not_ahead = Job(config, dataclasses.replace(ahead.layout, ep_recompute_ahead=False), 0, "cpu")
-        (at, peak), (at_before, before) = (step_peak(j, [1] * 6, recompute_L, 0) for j in (ahead, not_ahead))
-        assert at == at_before and at.startswith("block 5") and ("forward block" in at) == paired
-        assert peak["recompute"] - before["recompute"] == recompute_L[4]
-        # block 4's early FSDP pre-backward prefetches one more unit: block 3's (units: embedding, blocks, head)
-        sizes = unit_sizes(config.model, ahead.layout)
-        assert peak["fsdp_buffers"] - before["fsdp_buffers"] == sizes[4] * ahead.c > 0
+def test_routing_skew_scales_the_busiest_rank_s_dispatch_and_kept_buffers_only():
+    """--routing-skew s: the busiest ep rank receives s x the mean routed rows, so its dispatch buffers and the
+    EP buffers it keeps for the recompute (ep_recompute = "keep") are s x the uniform estimate; every other
+    part is unchanged, and the peak (a block's backward, where both are alive) grows by their difference."""
+    argv = ["--config", "configs/debug.toml", "--parallel.dp_replicate=1", "--parallel.dp_shard=2",
+            "--parallel.cp=1", "--parallel.ep=2", "--parallel.edp_replicate=1", "--parallel.edp_shard=1",
+            "--training.activation_checkpoint=full", "--parallel.ep_recompute=keep"]
+    config = load_config(argv)
+    uniform, skewed = (estimate(Job(config, config.layout(2), 0, "cpu", skew)) for skew in (1.0, 1.2))
+    a, b = uniform["per_rank_gib"], skewed["per_rank_gib"]
+    assert uniform["peak_at"] == skewed["peak_at"] != "optimizer step" and a["dispatch"] > 0 and a["ep_kept"] > 0
+    for part in a:
+        assert b[part] == pytest.approx(1.2 * a[part] if part in ("dispatch", "ep_kept") else a[part], rel=1e-6), part
+    grown = skewed["total_gib"] - uniform["total_gib"]
+    assert grown == pytest.approx(0.2 * (a["dispatch"] + a["ep_kept"]), rel=1e-6) and skewed["routing_skew"] == 1.2

@@ -244,94 +244,25 @@ def test_blocks_forward_is_a_third_of_the_model_flops_without_the_head():
         assert 3 * blocks + 6 * (c.vocab_size * c.dim + c.dim) == flops_per_token(c, seq)  # + output head, norm
 
 
-def test_interleave_sends_the_direct_bytes_with_less_exposed(monkeypatch):
-    """The interleaved halves send the direct dispatch's rows (each half half of them) and one more count
-    exchange per layer (each half its own: L int64 per peer); their exposure comes from
-    benchmarks/lib/ep_timeline.py, at most the direct dispatch's serial all-to-alls. Without the latency per
-    collective: at the debug model's kilobytes the halves' twice as many collectives cost more latency than
-    their overlap hides (with it: more exposed, checked last)."""
+def test_dispatch_variants_are_the_runtime_s_combinations():
+    """Every row variant is a combination of the dispatch knobs the runtime implements: direct, FP8, pieces,
+    node dedup and fixed capacity, FP8 ones also with an FP8 combine gradient, and under checkpointing each
+    also with ep_recompute = "keep"; each variant sets exactly the knobs its name says."""
     import dataclasses
 
-    from benchmarks.lib import network_model
-
-    from benchmarks.lib.ep_projection import ep_bytes
-    from benchmarks.step_projection import ep_placement
-
-    assert _debug_row("none", ep_interleave=True)[1]["time_s"]["ep"] > _debug_row("none")[1]["time_s"]["ep"]
-    monkeypatch.setattr(network_model, "LATENCY_S", 0.0)
-    for checkpointing in ("none", "full"):
-        job, direct = _debug_row(checkpointing)
-        _, interleaved = _debug_row(checkpointing, ep_interleave=True)
-        c, layout = job.model, job.layout(8)
-        local_tokens = job.data.tokens_per_step() // 8  # one micro-batch, fp32 activations
-        stages = {on: ep_bytes(c, lay, ep_placement(c, lay), local_tokens, 1, 4, checkpointing)[0]
-                  for on, lay in ((False, layout), (True, dataclasses.replace(layout, ep_interleave=True)))}
-        for stage in ("dispatch", "combine"):
-            assert stages[True][stage] == stages[False][stage]
-        assert stages[True]["counts"] == tuple(2 * b for b in stages[False]["counts"])
-        counts_gb = sum(stages[False]["counts"]) / 1e9  # one more exchange per layer (and recompute)
-        assert sum(interleaved["ep"].values()) == pytest.approx(sum(direct["ep"].values()) + counts_gb, rel=1e-12)
-        assert 0 < interleaved["time_s"]["ep"] < direct["time_s"]["ep"]
-        passes = 2 if checkpointing == "full" else 1  # full checkpointing reads the split sizes again
-        assert interleaved["host_syncs"] == 1 + (c.n_layers - c.n_dense_layers) * 2 * passes
-
-
-def _paired_rows(micro_batches, checkpointing="full", ahead=False):
-    """debug_gqa with 6 layers (5 MoE) on 8 ranks, interleaved halves with keep (and the recompute
-    `ahead`), unpaired and paired."""
-    import dataclasses
-
-    overrides = [f"--training.grad_accum={micro_batches}", f"--training.activation_checkpoint={checkpointing}"]
-    job = load_config(ARGS + ["--model.preset=debug_gqa", "--model.n_layers=6"] + overrides)
-    device = device_model("h200")
-    layout = dataclasses.replace(job.layout(8), ep_interleave=True, ep_recompute="keep", ep_recompute_ahead=ahead)
-    return [project_layout(job, dataclasses.replace(layout, ep_pair_micro_batches=pair), device,
-                           compute_rates(device, None), parse_args(["--config", "-"]), optimizer=False)
-            for pair in (False, True)]
-
-
-def test_pairing_changes_only_the_exposure():
-    """parallel.ep_pair_micro_batches sends the same bytes with the same host syncs; its exposed EP is
-    F(0) and B(M-1) alone + (M - 1) pairs (benchmarks/lib/ep_timeline.py), not more than unpaired here,
-    and with one micro-batch the unpaired projection; the coarse memory adds a second micro-batch's
-    forward (one more kept layer, two more units, one more layer's working activations)."""
-    unpaired, paired = _paired_rows(2)
-    assert (paired["ep"], paired["fsdp"], paired["host_syncs"]) == (unpaired["ep"], unpaired["fsdp"],
-                                                                    unpaired["host_syncs"])
-    assert 0 < paired["time_s"]["ep"] < unpaired["time_s"]["ep"]
-    assert paired["time_s"]["compute"] == unpaired["time_s"]["compute"]
-    assert paired["memory_gib"]["activations"] > unpaired["memory_gib"]["activations"]
-    assert paired["memory_gib"]["gathered_units"] == 2 * unpaired["memory_gib"]["gathered_units"]
-    one, one_paired = _paired_rows(1)
-    assert one_paired["time_s"] == one["time_s"] and one_paired["memory_gib"] == one["memory_gib"]
-
-
-def test_recompute_ahead_changes_the_exposure_and_one_layers_working_activations():
-    """parallel.ep_recompute_ahead sends the same bytes with the same host syncs and exposes no more EP,
-    unpaired or paired; the coarse memory holds one more layer's working activations (the block below
-    recomputes inside this block's backward): one layer's activations, as without checkpointing."""
-    rows, ahead = _paired_rows(2), _paired_rows(2, ahead=True)
-    one_layer = _paired_rows(2, "none")[0]["memory_gib"]["activations"] / 6  # unpaired: all 6 layers' alive
-    for row, row_ahead in zip(rows, ahead):
-        assert (row_ahead["ep"], row_ahead["host_syncs"]) == (row["ep"], row["host_syncs"])
-        assert row_ahead["time_s"]["ep"] <= row["time_s"]["ep"]
-        assert row_ahead["memory_gib"]["activations"] - row["memory_gib"]["activations"] == pytest.approx(one_layer)
-        assert row_ahead["memory_gib"]["gathered_units"] == row["memory_gib"]["gathered_units"]
-
-
-def test_pairing_variants_need_halves_and_micro_batches():
-    import dataclasses
-
-    from benchmarks.lib.ep_projection import dispatch_variants
+    from benchmarks.lib.ep_projection import degrees_only, dispatch_knobs, dispatch_variants
 
     layout = dataclasses.replace(load_config(ARGS).layout(8), ep=8, edp_shard=1)
-    paired = {name for name, lay in dispatch_variants(layout, "full", 4).items()
-              if lay.ep_pair_micro_batches and not lay.ep_recompute_ahead}
-    assert paired == {"interleave_pair", "interleave_fp8_pair", "interleave_fp8_fp8g_pair", "interleave_keep_pair",
-                      "interleave_fp8_keep_pair", "interleave_fp8_fp8g_keep_pair"}
-    assert all(lay.ep_interleave for lay in dispatch_variants(layout, "full", 4).values() if lay.ep_pair_micro_batches)
-    assert not any(lay.ep_pair_micro_batches for lay in dispatch_variants(layout, "full", 1).values())
-    ahead = {name for name, lay in dispatch_variants(layout, "full", 4).items() if lay.ep_recompute_ahead}
-    assert ahead == {f"{name}_ahead" for name, lay in dispatch_variants(layout, "full", 4).items()
-                     if lay.ep_interleave and not lay.ep_recompute_ahead}  # interleaved ones, paired or not
-    assert not any(lay.ep_recompute_ahead for lay in dispatch_variants(layout, "selective", 4).values())
+    base = ["direct", "fp8", "overlap2", "overlap2_fp8", "dedup", "dedup_overlap2", "dedup_fp8", "dedup_overlap2_fp8",
+            "capacity1.25", "capacity1.25_fp8"]
+    base += [f"{name}_fp8g" for name in base if "fp8" in name]
+    assert list(dispatch_variants(layout, "none")) == base
+    assert list(dispatch_variants(layout, "full")) == base + [f"{name}_keep" for name in base]
+    default = dispatch_knobs(degrees_only(layout))
+    for name, lay in dispatch_variants(layout, "selective").items():
+        changed = {k for k, v in dispatch_knobs(lay).items() if v != default[k]}
+        said = {"ep_dedup": "dedup" in name, "ep_overlap_chunks": "overlap2" in name,
+                "ep_capacity_factor": "capacity" in name, "ep_dispatch_dtype": "_fp8" in f"_{name}",
+                "ep_combine_grad_dtype": "fp8g" in name, "ep_recompute": "keep" in name}
+        assert changed == {k for k, on in said.items() if on}, name
+    assert dispatch_variants(dataclasses.replace(layout, ep=1, edp_shard=8), "full") == {}
