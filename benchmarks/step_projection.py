@@ -407,21 +407,24 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     for world in worlds:
         scaled = scaled_job(job, world, config_world)
         base = job.layout(world) if world == config_world else None
+        layouts = {}
         for name, layout in candidate_layouts(scaled, world, base).items():
-            rows += project_variants(scaled, name, layout, device, rates, args)
-        recommend([r for r in rows if r["world"] == world], world)
+            layouts |= variants(scaled, name, layout, args)
+        rows += recommend(project_rows(scaled, layouts, device, rates, args), world, scaled, layouts, args)
     return rows
 
 
-def project_variants(job, name, layout, device, rates, args) -> list[dict]:
-    """The rows of one layout: with its own dispatch knobs, then with every other combination the
+def variants(job, name, layout, args) -> dict:
+    """{row name: layout} of one layout: with its own dispatch knobs, then with every other combination the
     runtime implements (`dispatch_variants`), named name+variant."""
-    variants = {name: layout}
     checkpointing = resolved(job, args)["activation_checkpoint"]
     others = dispatch_variants(layout, checkpointing)
-    variants |= {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
+    return {name: layout} | {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
+
+
+def project_rows(job, layouts: dict, device, rates, args) -> list[dict]:
     rows = []
-    for row_name, lay in variants.items():
+    for row_name, lay in layouts.items():
         row = project_layout(job, lay, device, rates, args)
         row["name"] = row_name
         rows.append(row)
@@ -429,14 +432,33 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     return rows
 
 
-def recommend(rows: list[dict], world: int) -> dict:
-    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`."""
-    best = min([r for r in rows if r["fits"]] or rows, key=lambda r: r["time_s"]["step"])
+def recommend(rows: list[dict], world: int, job, layouts: dict, args) -> list[dict]:
+    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`: by the coarse memory
+    model, or with --memory-estimate by launch/estimate_memory.py (rank 0, uniform routing), run on the rows
+    in order of step time until one fits (each checked row gets "estimate_gib")."""
+    by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
+    if args.memory_estimate:
+        best = next((r for r in by_time if estimate_fits(r, job, layouts[r["name"]], args.device)), by_time[0])
+        fits = best["estimate_fits"]
+    else:
+        best = next((r for r in by_time if r["fits"]), by_time[0])
+        fits = best["fits"]
     best["recommended"] = True
     print(f"  recommended at {world} GPUs: {best['name']}: {best['layout']} {describe_knobs(best['dispatch'])} "
-          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})",
+          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if fits else ', does NOT fit memory'})",
           flush=True)
-    return best
+    return rows
+
+
+def estimate_fits(row: dict, job, layout, device: str) -> bool:
+    """Whether launch/estimate_memory.py says `layout` fits `device` (rank 0, uniform routing); recorded in the row."""
+    from launch.estimate_memory import Job, estimate
+
+    result = estimate(Job(job, layout, 0, device))
+    row["estimate_gib"], row["estimate_fits"] = result["total_gib"], result["fits"]
+    print(f"  memory estimate of {row['name']} ({row['layout']}): {result['total_gib']:.1f} GiB, "
+          f"{'fits' if result['fits'] else 'does NOT fit'}", flush=True)
+    return result["fits"]
 
 
 HEADER = ("world layout                                   dispatch       step s  compute recomp  ep s  cp s "
@@ -484,6 +506,9 @@ def parse_args(argv=None):
     p.add_argument("--compare", default="",
                    help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
+    p.add_argument("--memory-estimate", action="store_true",
+                   help="recommend the fastest row that fits by launch/estimate_memory.py (--device h100|h200; "
+                        "rank 0, uniform routing) instead of the coarse memory model")
     return p.parse_args(argv)
 
 
@@ -501,6 +526,8 @@ def main(argv=None) -> dict:
     from runtime.config import load_config
 
     args = parse_args(argv)
+    if args.memory_estimate and args.device not in ("h100", "h200"):
+        raise ValueError(f"--memory-estimate: launch/estimate_memory.py knows h100 and h200, not --device {args.device}")
     job = load_config(["--config", args.config])
     check_outputs([("--json", args.json)], config_inputs(args.config, job)
                   + [("the --calibration file", args.calibration)])
@@ -518,8 +545,8 @@ def main(argv=None) -> dict:
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
     else:
-        rows = project_variants(job, "config", job.layout(world), device, rates, args)
-        recommend(rows, world)
+        layouts = variants(job, "config", job.layout(world), args)
+        rows = recommend(project_rows(job, layouts, device, rates, args), world, job, layouts, args)
     out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
            **used, "cp_gather": args.cp_gather, "memory_note": MEMORY_NOTE, "rows": rows}
     if args.json:

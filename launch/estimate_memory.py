@@ -42,6 +42,7 @@ peak, the total is the sharded state, runtime and muon_step).
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -209,6 +210,7 @@ def _total(snapshot) -> int:
     return sum(v["Total"] for v in snapshot.values())
 
 
+@functools.lru_cache(maxsize=None)  # the same probes for every layout of one model (benchmarks/step_projection.py)
 def block_fits(model_config, layer_id: int, dtype, modes, moe: bool) -> dict:
     """{mode: (a, b, e)}: kept bytes per sequence of length S = a*S + b*S^2 (+ e*S*E for an MoE block)."""
     e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
