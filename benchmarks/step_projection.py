@@ -168,8 +168,9 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
-    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
-    reuses the split sizes read before their call, and reads again those read inside it: the pieces'
+    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice
+    when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts reuses
+    the split sizes read before their call, and reads again those read inside it: the pieces'
     (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
     from parallel.ep_plan import host_syncs_per_layer

@@ -266,3 +266,27 @@ def test_dispatch_variants_are_the_runtime_s_combinations():
                 "ep_combine_grad_dtype": "fp8g" in name, "ep_recompute": "keep" in name}
         assert changed == {k for k, on in said.items() if on}, name
     assert dispatch_variants(dataclasses.replace(layout, ep=1, edp_shard=8), "full") == {}
+
+
+def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch, capsys):
+    """--memory-estimate walks the rows in order of step time through launch/estimate_memory.py and stops at
+    the first that fits: with the two fastest refused, the third is recommended and no fourth is estimated."""
+    import launch.estimate_memory as estimate_memory
+    from benchmarks.step_projection import main
+
+    estimated = []
+
+    def fake_estimate(job):
+        estimated.append(job.layout)
+        return {"total_gib": 150.0 - len(estimated), "fits": len(estimated) > 2}
+
+    monkeypatch.setattr(estimate_memory, "estimate", fake_estimate)
+    rows = main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate"])["rows"]
+    by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
+    assert len(estimated) == 3 and [r.get("estimate_fits") for r in by_time[:4]] == [False, False, True, None]
+    assert [r.get("recommended", False) for r in by_time[:3]] == [False, False, True]
+    assert sum(1 for r in rows if r.get("recommended")) == 1
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate", "--device", "b200"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("launch/estimate_memory.py knows h100 and h200, not --device b200")
