@@ -13,6 +13,7 @@ the docs cannot drift from the results):
                low / central / high (central MFU)
 """
 
+import argparse
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ if __package__ in (None, ""):  # `python benchmarks/bands_table.py`: make the re
 
 from benchmarks import calibrate
 from benchmarks.lib.ep_projection import describe_knobs
+from runtime.cli import user_errors
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(BENCHMARKS, "results")
@@ -81,7 +83,9 @@ def reranking_table() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+@user_errors  # a missing or unreadable result or case file: one line, exit 2
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     print(calibration_table())
     print()
     print(reranking_table())
