@@ -100,21 +100,6 @@ def test_a_broken_layout_fails_with_the_launchs_line(tmp_path, capfd):
     assert len(dry) == 1 and dry == launch and dry[0].startswith("config error: "), (dry, launch)
 
 
-def test_halves_bytes_equal_the_projections_terms(tmp_path):
-    """parallel.ep_interleave (parallel/ep_interleave.py) dry-runs as configured: its second count exchange
-    per layer (ep term) and the bf16 run's router units gathered once per half (4 gathers per micro-batch,
-    benchmarks/lib/fsdp_traffic.py) equal the projection's terms to the byte; with the recompute ahead as the
-    256-GPU configs set it (parallel/recompute_ahead.py: the dense block's recompute inside the MoE block's
-    dispatch-gradient wait, the same collectives)."""
-    out = tmp_path / "dry.json"
-    step = [a for a in STEP if "ep_overlap_chunks" not in a] + ["--parallel.ep_interleave=true",
-                                                                 "--parallel.ep_recompute_ahead=true"]
-    run_ranks(_dry_run, 1, [*ARGS, *step, "--ranks", "0", "--json", str(out)], timeout=300, as_torchrun=True)
-    r = json.load(open(out))
-    assert r["step_dispatch"] == "as configured"
-    assert r["projection_comparison"] and all(c["equal"] for c in r["projection_comparison"]), r["projection_comparison"]
-
-
 def test_bf16_matmuls_run_in_fp32_and_come_back_in_bf16():
     """The dry run's matmuls of bf16 CPU tensors (launch/dry_run_bytes.py `fp32_matmul`): fp32 products rounded
     once to bf16, against the bf16 kernel within one bf16 rounding of the output; grouped ones too."""
