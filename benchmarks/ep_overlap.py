@@ -9,7 +9,7 @@ all-to-alls both take time; ep over all ranks, FSDP over all ranks. The variants
 step (same data) so machine noise hits both alike; the first step of each is a warm-up. Reports
 the median step time of each and their ratio (overlap / none), and for the overlapped run the
 fraction of the first layer's grouped-matmul time during which another piece's all-to-all was in
-flight (from parallel/ep_overlap.py's timeline). On shared cores gloo's transfer threads compete
+flight (from parallel/ep/pieces.py's timeline). On shared cores gloo's transfer threads compete
 with the matmuls for the same CPUs, so the ratio measures little more than that the pipeline costs
 nothing; the overlap itself pays on a GPU, where the network and the SMs are separate hardware.
 """

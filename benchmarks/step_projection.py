@@ -23,7 +23,7 @@ token loads are assumed uniform):
               every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
               (every micro-batch; fewer with --grad-sync, parallel/overlap.py). Shards padded as
               FSDP2 pads them.
-  ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
+  ep          every all-to-all of the MoE layers (parallel/ep/plan.py, the plan the runtime dispatches
               with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
               the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
               backward and the recompute of activation checkpointing (none with parallel.ep_recompute =
@@ -37,7 +37,7 @@ token loads are assumed uniform):
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
-              (parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py,
+              (parallel/ep/plan.host_syncs_per_layer; runtime/syncs.py,
               measured by benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
@@ -121,7 +121,7 @@ def ep_seconds(stages: dict, device, expert_s: float, chunks: int, nodes: int, c
     the previous one's data), each as long as its slower link at the calibrated all-to-all efficiency of
     an EP group over `nodes` nodes, plus a latency per collective (`collectives[name]` per step); with
     pieces, the pipelined stages hide behind the routed experts' matmuls as `exposed_ep_s` says: the
-    direct dispatch and combine, or with dedup its node hop (parallel/ep_dedup_overlap.py: each piece's
+    direct dispatch and combine, or with dedup its node hop (parallel/ep/pieces.py: each piece's
     fan-out stays serial)."""
     seconds = {name: max(_ep_link_seconds(link, device, nodes)) + collectives[name] * net.LATENCY_S
                for name, link in stages.items()}
@@ -168,15 +168,15 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
-    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice
+    (parallel/ep/plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice
     when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts reuses
     the split sizes read before their call, and reads again those read inside it: the pieces'
-    (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
+    (parallel/ep/pieces.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
-    from parallel.ep_plan import host_syncs_per_layer
+    from parallel.ep.plan import host_syncs_per_layer
 
     per_layer = host_syncs_per_layer(layout)
-    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep_keep.py)
+    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep/keep.py)
         per_layer *= 2
     elif layout.ep_recompute == "resend" and activation_checkpoint == "selective" and layout.ep_overlap_chunks > 1:
         per_layer += layout.ep_overlap_chunks if layout.ep_dedup else 1  # read inside the experts' call
@@ -188,7 +188,7 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
                  ep_nodes_per_token: float = 1.0) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
     activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
-    micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
+    micro-batch, parallel/ep/keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
     gradients of every unit."""
     from models.splits import muon_splits
 
@@ -207,8 +207,8 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
         c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
-    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
-        from parallel.ep_keep import kept_bytes_per_layer
+    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep/keep.py
+        from parallel.ep.keep import kept_bytes_per_layer
 
         activations += n_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
     unsharded_grads = 0.0
@@ -308,11 +308,11 @@ def cpu_paths(layout) -> list[str]:
     knobs = dispatch_knobs(layout)
     paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
     if layout.ep > 1:
-        paths.append("parallel/ep_plan.py (tests/test_ep_dispatch.py: EP bytes)")
-    paths += ["parallel/ep_dedup*.py"] * knobs["ep_dedup"]
-    paths += ["parallel/ep_overlap.py"] * (knobs["ep_overlap_chunks"] > 1)
-    paths += ["parallel/ep_fp8.py"] * (knobs["ep_dispatch_dtype"] != "compute")
-    paths += ["parallel/ep_keep.py"] * (knobs.get("ep_recompute") == "keep")
+        paths.append("parallel/ep/plan.py (tests/test_ep_dispatch.py: EP bytes)")
+    paths += ["parallel/ep/dedup.py"] * knobs["ep_dedup"]
+    paths += ["parallel/ep/pieces.py"] * (knobs["ep_overlap_chunks"] > 1)
+    paths += ["parallel/ep/direct.py (FP8 rows)"] * (knobs["ep_dispatch_dtype"] != "compute")
+    paths += ["parallel/ep/keep.py"] * (knobs.get("ep_recompute") == "keep")
     return paths
 
 

@@ -218,16 +218,11 @@ def step_dispatch(layout):
     received from peers (expert ids, pair counts), and the pipelined dispatch sizes its pieces from the
     piece counts peers send, neither of which the fake backend delivers, so the step runs the direct,
     unpipelined dispatch of the same routing (same rows and bytes but for the counts; every other EP knob
-    as configured). parallel.ep_pair_micro_batches runs each next forward in a second thread, which the
-    collective log (a dispatch mode: per thread) would not see; pairing only reorders the same collectives,
-    so the step runs the micro-batches one after another."""
-    off = {k: v for k, v in (("ep_dedup", False), ("ep_overlap_chunks", 1), ("ep_pair_micro_batches", False))
-           if getattr(layout, k) != v}
+    as configured)."""
+    off = {k: v for k, v in (("ep_dedup", False), ("ep_overlap_chunks", 1)) if getattr(layout, k) != v}
     if not off or layout.ep == 1:
         return layout, "as configured"
-    names = ", ".join(f"parallel.{k}" for k in off if k != "ep_pair_micro_batches")
-    if not names:
-        return dataclasses.replace(layout, **off), "as configured, micro-batches unpaired (same collectives)"
+    names = ", ".join(f"parallel.{k}" for k in off)
     return dataclasses.replace(layout, **off), f"direct, unpipelined ({names}: needs peers' data, not dry-runnable)"
 
 

@@ -35,7 +35,7 @@ KIND = {"_allgather_base": "all_gather", "allgather": "all_gather", "allgather_i
         "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
         "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "all_reduce": "all_reduce",
         "all_reduce_coalesced": "all_reduce", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}
-SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep_", "ep"), ("/parallel/expert_parallel.py", "ep"),
+SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep/", "ep"),
            ("/optim/", "optimizer"))
 
 
@@ -158,7 +158,7 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     materialized one) and its per-layer EP term on `routings`, for this rank."""
     from benchmarks.lib import ep_projection, fsdp_traffic
     from models import Transformer
-    from parallel.ep_plan import Placement
+    from parallel.ep.plan import Placement
     from runtime.train import DTYPES
 
     t = job.training
@@ -183,9 +183,8 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
         ranks, me = dist.get_process_group_ranks(ep_group), dist.get_rank(ep_group)
         placement = Placement(job.model.n_routed_experts, tuple(ranks), layout.ranks_per_node)
         row = out.setdefault(("all_to_all", names.get(ep_group.group_name), "ep"), [0, 0])
-        halves = 2 if layout.ep_interleave else 1  # parallel/ep_interleave.py routes each layer in two calls
-        for i in range(0, len(routings), halves):
-            routing = symmetric_routing(torch.cat(routings[i:i + halves]), me, layout.ep, placement.local_experts)
+        for routing in routings:
+            routing = symmetric_routing(routing, me, layout.ep, placement.local_experts)
             stages = ep_projection.layer_stages(job.model, layout, routing, param_bytes, placement)
             intra, inter = ep_projection.layer_link_bytes(stages, placement, me, t.activation_checkpoint, layout)
             row[0], row[1] = row[0] + intra, row[1] + inter

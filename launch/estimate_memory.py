@@ -23,7 +23,7 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer,
                 x --routing-skew (the busiest ep rank's share of the routed rows over the mean; 1.0: uniform)
   ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
-                receive buffers until its backward (parallel/ep_keep.kept_bytes_per_layer, the mean over
+                receive buffers until its backward (parallel/ep/keep.kept_bytes_per_layer, the mean over
                 ranks; dedup: at most min(K, nodes of the ep group, n_limited_groups x nodes a group spans) nodes per token); at block l's
                 backward, those of blocks 0..l (the dispatch term above still counts the recompute's
                 working copies: an upper bound), x --routing-skew as the dispatch
@@ -282,7 +282,7 @@ def dispatch(job: Job) -> int:
 def kept_rows(job: Job) -> float:
     """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0), on the
     busiest ep rank (x job.routing_skew)."""
-    from parallel.ep_keep import kept_bytes_per_layer
+    from parallel.ep.keep import kept_bytes_per_layer
 
     cfg, layout = job.config.model, job.layout
     if layout.ep == 1 or layout.ep_recompute != "keep" or job.config.training.activation_checkpoint == "none":

@@ -17,8 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
-from parallel.ep import refusals as ep_refusals  # noqa: E402
-from parallel.ep_fp8 import check_fp8_device  # noqa: E402
+from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime import init_source, pretrained  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
@@ -39,7 +38,6 @@ def check_environment(config) -> None:
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
-    ep_refusals.check_objective(config.parallel, "posttrain")  # EP schedules pretraining only (parallel/ep/refusals.py)
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):
         if getattr(config.parallel, key) != "compute":
             check_fp8_device(config.training.device_type(), key)  # parallel.<key>: float8 on this device

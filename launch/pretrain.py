@@ -23,7 +23,7 @@ from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import one_line  # noqa: E402
 from runtime.comm import init_process_group  # noqa: E402
 from runtime.config import help_text, load_config  # noqa: E402
-from parallel.ep_fp8 import check_fp8_device  # noqa: E402
+from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.paths import check_run_dir_apart, check_run_kind, record_run_kind  # noqa: E402

@@ -33,13 +33,8 @@ class TransformerBlock(nn.Module):
         self.attention = build_attention(c)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = MoE(c) if c.is_moe_layer(layer_id) else FeedForward(c.dim, c.inter_dim)
-        # Another order of the same operations, when set (parallel/ep_interleave.py `Halves`: two halves
-        # of the micro-batch, one's expert all-to-alls in flight while the other computes); not for decoding.
-        self.schedule = None
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
-        if self.schedule is not None and cache is None:
-            return self.schedule.forward(self, x_BSD, positions_S, documents)
         attention_in_BSD = self.attention_norm(x_BSD)
         if documents is not None:
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, documents=documents)

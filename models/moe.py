@@ -45,9 +45,6 @@ class Router(nn.Module):
         # d(training loss)/d(aux loss) of one forward: the runtime sets it to this micro-batch's share
         # of the global batch's sequences, so the aux loss is the mean over ALL sequences of the step.
         self.aux_loss_weight = 1.0
-        # parallel/ep/halves.py: the micro-batch arrives in two calls, halves along this dim (0: sequences,
-        # 1: positions); the balance loss waits for the second and is computed once over both.
-        self.split_dim, self._first_half = None, None
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
@@ -66,15 +63,7 @@ class Router(nn.Module):
         return weights_TK, experts_TK
 
     def _with_aux_loss(self, weights_TK, scores_BSE, experts_BSK):
-        """weights_TK carrying the balance loss's gradient. With `split_dim` set, the first half's scores wait
-        for the second half's call, which carries the loss of both (the same value as one call's)."""
-        if self.split_dim is not None:
-            if self._first_half is None:
-                self._first_half = (scores_BSE, experts_BSK)
-                return weights_TK
-            (first_scores, first_experts), self._first_half = self._first_half, None
-            scores_BSE = torch.cat([first_scores, scores_BSE], self.split_dim)
-            experts_BSK = torch.cat([first_experts, experts_BSK], self.split_dim)
+        """weights_TK carrying the balance loss's gradient."""
         aux_loss = self.aux_loss_alpha * sequence_balance_loss(scores_BSE, experts_BSK)
         self.aux_loss = aux_loss.detach()
         return _AddAuxLoss.apply(weights_TK, aux_loss, self.aux_loss_weight)

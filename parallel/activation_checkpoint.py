@@ -21,12 +21,12 @@ twice per micro-batch), so recomputing costs compute, not weight traffic.
 Communication inside a recomputed region runs again in backward: the ep dispatch and combine
 all-to-alls (under `full`, also the count exchange and its one host sync) and the cp K/V all-gather;
 with `parallel.ep_recompute = "keep"` the EP ones do not (the forward keeps what they received,
-parallel/ep_keep.py). Every rank recomputes the same regions in
+parallel/ep/keep.py). Every rank recomputes the same regions in
 the same (reverse layer) order, so the collectives match across ranks.
 
 Router statistics: recomputing a router would add the micro-batch's top-k counts to
 `tokens_per_expert` a second time; the recompute restores every router of the region afterwards (and
-the drop counters of the EP dispatchers whose experts' call it reruns, parallel/ep_capacity.py).
+the drop counters of the EP dispatchers whose experts' call it reruns, parallel/ep/capacity.py).
 QK-clip maxima (optim/qk_clip.py): the original forward recorded them; the recompute of the same
 logits records nothing (it would cost one more Q K^T per layer for the same maxima).
 """
@@ -39,24 +39,22 @@ from torch.utils.checkpoint import checkpoint
 from models.attention import CausalAttention
 from models.experts import GroupedExperts
 from models.moe import MoE, Router
-from parallel import ep_keep, recompute_ahead
+from parallel.ep import keep as ep_keep
 from parallel.ep.dispatcher import Dispatcher
 from parallel.overlap import forward_prefetch_paused
 
 MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpoint(model: nn.Module, mode: str, ahead: bool = False) -> None:
-    """Wrap the forwards of the regions `mode` names, in every block of `model.layers`; in place. `ahead`
-    (parallel.ep_recompute_ahead, "full" only): each block's recompute may start inside the backward of
-    the block above (parallel/recompute_ahead.py)."""
+def apply_activation_checkpoint(model: nn.Module, mode: str) -> None:
+    """Wrap the forwards of the regions `mode` names, in every block of `model.layers`; in place."""
     if mode not in MODES:
         raise ValueError(f"training.activation_checkpoint={mode!r} must be one of {', '.join(MODES)}")
     if mode == "none":
         return
     for block in model.layers:
         for module in checkpoint_regions(block, mode):
-            _checkpoint_forward(module, block, ahead and mode == "full")
+            _checkpoint_forward(module, block)
 
 
 def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
@@ -66,7 +64,7 @@ def checkpoint_regions(block: nn.Module, mode: str) -> list[nn.Module]:
     return [block.attention] + [m for m in block.modules() if isinstance(m, GroupedExperts)]
 
 
-def _checkpoint_forward(module: nn.Module, block: nn.Module, ahead: bool) -> None:
+def _checkpoint_forward(module: nn.Module, block: nn.Module) -> None:
     inner = module.forward
     routers = [m for m in module.modules() if isinstance(m, Router)]
     recorders = [m for m in module.modules() if isinstance(m, CausalAttention)]  # under cp: the local sdpa
@@ -74,20 +72,15 @@ def _checkpoint_forward(module: nn.Module, block: nn.Module, ahead: bool) -> Non
     # the EP dispatchers (parallel/ep/dispatcher.py) whose experts' call the region reruns
     dispatchers = [m.dispatcher for m in block.modules() if isinstance(m, MoE) and m.experts in inside
                    and isinstance(m.dispatcher, Dispatcher)]
-    dropping = [d for d in dispatchers if d.config.capacity_factor > 0]  # parallel/ep_capacity.py
-    keep = any(d.config.keep for d in dispatchers)  # parallel/ep_keep.py
+    dropping = [d for d in dispatchers if d.config.capacity_factor > 0]  # parallel/ep/capacity.py
+    keep = any(d.config.keep for d in dispatchers)  # parallel/ep/keep.py
 
     def context_fn():
         forward_context, replay = ep_keep.contexts(keep)
         return forward_context, _recompute(module, _as_recompute(routers, dropping, recorders, replay))
 
-    prepare = recompute_ahead.anchored(module, inner) if ahead else None
-
     def forward(*args, **kwargs):
-        if prepare is None:
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-        checkpointed, finish = prepare(args[0])  # one Call per micro-batch, linked to the block below's
-        return finish(checkpoint(checkpointed, *args, use_reentrant=False, context_fn=context_fn, **kwargs))
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward
 
@@ -105,7 +98,7 @@ def _as_recompute(routers: list[Router], dropping: list[nn.Module], recorders: l
     """Around a recompute: leave the routers' token counts (and EP drop counts) as the original forward
     left them (read when the recompute starts: the drop counters exist from the first forward on),
     record no QK-clip maxima (the original forward recorded the same logits), and inside `replay`
-    (parallel/ep_keep.py: the EP exchanges read back from the forward, or nothing)."""
+    (parallel/ep/keep.py: the EP exchanges read back from the forward, or nothing)."""
     counters = [r.tokens_per_expert for r in routers] + [d.drop_counts for d in dropping
                                                          if d.drop_counts is not None]
     saved = [counter.clone() for counter in counters]

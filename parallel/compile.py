@@ -59,9 +59,7 @@ def compile_refusal(layout) -> str | None:
                 "ep_overlap_chunks": layout.ep_overlap_chunks > 1,
                 "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute",
                 "ep_recompute": layout.ep_recompute != "resend",
-                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute",
-                "ep_interleave": layout.ep_interleave,
-                "ep_pair_micro_batches": layout.ep_pair_micro_batches, "ep_recompute_ahead": layout.ep_recompute_ahead}
+                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute"}
     on = [f"parallel.{key}={getattr(layout, key)!r}" for key, enabled in variants.items() if enabled]
     if not on:
         return None

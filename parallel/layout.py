@@ -50,15 +50,12 @@ class ParallelConfig:
     edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
     expert_inner: Literal["ep", "edp_shard"] = "ep"  # expert axis on consecutive ranks (inside a node): ep = all-to-all in a node, expert FSDP across nodes; edp_shard = expert FSDP in a node, ep across nodes
     ranks_per_node: int = 8  # ranks per node (consecutive ranks): the optimizer plan's and the EP dispatch's intra/inter-node split
-    ep_dedup: bool = False  # EP: send a token once per destination node, fan out inside it, sum inside it on the way back (parallel/ep_dedup.py)
-    ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep_capacity.py)
-    ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep_overlap.py)
+    ep_dedup: bool = False  # EP: send a token once per destination node, fan out inside it, sum inside it on the way back (parallel/ep/dedup.py)
+    ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep/capacity.py)
+    ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep/pieces.py)
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
-    ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep_keep.py)
-    ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep_fp8.py)
-    ep_interleave: bool = False  # EP: each MoE block runs its micro-batch as two halves, one half's all-to-alls in flight while the other computes attention, experts and shared experts (parallel/ep_interleave.py)
-    ep_pair_micro_batches: bool = False  # EP: each micro-batch's backward runs paired with the next micro-batch's forward, one's all-to-alls in flight while the other computes (parallel/ep_pairing.py; needs ep_interleave or ep_overlap_chunks > 1, and training.grad_accum > 1)
-    ep_recompute_ahead: bool = False  # EP under training.activation_checkpoint = "full" with ep_interleave: the block below starts its recompute while this block's dispatch gradient crosses (parallel/recompute_ahead.py; one more block's recomputed activations alive)
+    ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep/keep.py)
+    ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep/direct.py)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -86,7 +83,16 @@ def _check_expert_inner(value) -> None:
 
 
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-            "ep_combine_grad_dtype", "ep_interleave", "ep_pair_micro_batches", "ep_recompute_ahead")
+            "ep_combine_grad_dtype")
+# EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
+# a config that still sets one fails naming it (runtime/config.py), with what to use instead
+REMOVED_EP_KNOBS = {
+    "ep_interleave": "removed (two halves per MoE block); to overlap the all-to-alls with the experts use "
+                     "parallel.ep_overlap_chunks = 2",
+    "ep_pair_micro_batches": "removed (paired micro-batches); delete the line: micro-batches run one after another",
+    "ep_recompute_ahead": "removed (the recompute ahead); delete the line: with parallel.ep_recompute = \"keep\" "
+                          "the recompute still sends nothing",
+}
 DISPATCH_DTYPES = ("compute", "float8_e4m3")
 RECOMPUTE_MODES = ("resend", "keep")
 
@@ -152,9 +158,6 @@ class Layout:
     ep_dispatch_dtype: str = "compute"
     ep_recompute: str = "resend"
     ep_combine_grad_dtype: str = "compute"
-    ep_interleave: bool = False
-    ep_pair_micro_batches: bool = False
-    ep_recompute_ahead: bool = False
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:

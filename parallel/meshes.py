@@ -119,7 +119,6 @@ class Meshes:
     expert_fsdp: DeviceMesh  # ("edp_replicate", "edp_shard"): HSDP mesh of the routed-expert weights
     ep: DeviceMesh  # ("ep",): expert-parallel all-to-all
     cp: DeviceMesh  # ("cp",): context-parallel K/V all-gather
-    ep_counts: dist.ProcessGroup | None = None  # the ep ranks again, for the count exchanges (`_counts_group`)
 
     def dp_rank(self) -> int:
         """Which of the `layout.dp` slices of the global batch this rank reads."""
@@ -150,16 +149,5 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
         expert_fsdp=_torch_private.concatenate([numbered["edp_replicate"], numbered["edp_shard"]]),
         ep=numbered["ep"],
         cp=dense["cp"],
-        ep_counts=_counts_group(expert, layout),
     )
 
-
-def _counts_group(expert: DeviceMesh, layout: Layout) -> dist.ProcessGroup | None:
-    """Collective: a second process group per ep group, for the count exchanges where another all-to-all of
-    rows can be in flight when they start: the other half's dispatch (parallel.ep_interleave) or the paired
-    backward's gradients (parallel.ep_pair_micro_batches). On one group (one NCCL stream, one gloo queue)
-    the counts and the host sync after them would wait behind those rows; on their own they do not
-    (benchmarks/lib/ep_timeline.py models them on a stream of their own). None where neither is on."""
-    if layout.ep == 1 or not (layout.ep_interleave or layout.ep_pair_micro_batches):
-        return None
-    return dist.new_subgroups_by_enumeration(expert.mesh.reshape(-1, layout.ep).tolist())[0]

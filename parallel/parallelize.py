@@ -2,23 +2,19 @@
 
 Order matters: expert weights must be DTensors on `ep` before FSDP wraps them (FSDP then shards
 them further over the expert mesh); the cp attention swap touches no parameters; each MoE layer gets
-its EP dispatcher (and each MoE block its two-halves schedule under parallel.ep_interleave) before
-activation checkpointing wraps the blocks, so their communication is recomputed too. Parameter
-names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
+its EP dispatcher before activation checkpointing wraps the blocks, so their communication is recomputed
+too. Parameter names are unchanged throughout, so optimizers and checkpoints key on the single-process FQNs.
 """
 
 import torch
 from torch import nn
 
-from models.moe import MoE
 from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.compile import apply_compile, check_compile, region_boundaries
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep.config import EPConfig
+from parallel.ep.direct import check_fp8_device
 from parallel.ep.dispatcher import apply_expert_parallel
-from parallel.ep_fp8 import check_fp8_device
-from parallel.ep_interleave import Halves
-from parallel.ep_pairing import apply_pairing
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
@@ -35,22 +31,12 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
     if compile_backend is not None:
         check_compile(layout)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
-    apply_expert_parallel(model, meshes.ep, ep, meshes.ep_counts)  # experts: Shard(0) on ep; a dispatcher per MoE
-    if layout.ep_interleave:
-        for block in model.layers:
-            if isinstance(block.feed_forward, MoE):
-                block.schedule = Halves()  # two halves per MoE block (parallel/ep_interleave.py)
+    apply_expert_parallel(model, meshes.ep, ep)  # experts: Shard(0) on ep; a dispatcher per MoE
     if compile_backend is not None:  # before checkpointing, which wraps the compiled forwards
         boundaries = region_boundaries(model, param_dtype, activation_checkpoint)
         apply_compile(model, compile_backend, boundaries, layout.ep)
-    apply_activation_checkpoint(model, activation_checkpoint, layout.ep_recompute_ahead)  # recompute in backward: none | full | selective
+    apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
     apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
-    if layout.ep_recompute_ahead:
-        from parallel._torch_private import check_fsdp_unit_states
-
-        check_fsdp_unit_states("ep_recompute_ahead", model.layers[0])
-    if layout.ep_pair_micro_batches:
-        apply_pairing(model)  # each backward paired with the next micro-batch's forward
     return model
 
 

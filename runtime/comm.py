@@ -98,8 +98,6 @@ def group_names(meshes) -> dict[str, str]:
         mesh = getattr(meshes, label)
         for axis in mesh.mesh_dim_names:
             names.setdefault(mesh.get_group(axis).group_name, []).append(f"{label}.{axis}")
-    if getattr(meshes, "ep_counts", None) is not None:  # the count exchanges' own group (parallel/meshes.py)
-        names.setdefault(meshes.ep_counts.group_name, []).append("expert.ep")
     names.setdefault(dist.group.WORLD.group_name, []).append("world")
     return {group: " = ".join(dict.fromkeys(labels)) for group, labels in names.items()}
 

@@ -35,7 +35,7 @@ from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
 from parallel.compile import check_compile
-from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig, check_recompute
+from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
 from runtime import init_source
 from runtime.checkpoint import CheckpointConfig
 from runtime.comm import CommConfig
@@ -371,6 +371,8 @@ def _lookup(sections: dict, section: str, key: str):
     if f"{section}.{key}" in MOVED_KEYS:
         raise ConfigError(f"{section}.{key}: moved to {MOVED_KEYS[f'{section}.{key}']} (one node size for the "
                           f"whole job: the optimizer plan and the EP dispatch read it)")
+    if section == "parallel" and key in REMOVED_EP_KNOBS:
+        raise ConfigError(f"parallel.{key}: {REMOVED_EP_KNOBS[key]}")
     types = _key_types(section, sections[section])
     if key not in types:
         raise ConfigError(f"{section}.{key}: unknown key (valid: {', '.join(types)})")

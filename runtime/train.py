@@ -30,7 +30,6 @@ from models.splits import muon_splits
 from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
 from optim.sharded.muon import ShardedMuon
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
-from parallel import ep_pairing
 from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
@@ -121,17 +120,10 @@ def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device
     """Accumulate gradients over the micro-batches; returns this rank's share of the global mean loss.
     `grad_sync`: when FSDP reduces the gradients (parallel/overlap.py)."""
     micro_batches = list(micro_batches)
-
-    def before_backward(i: int) -> None:
-        if grad_sync != "every":
-            set_gradient_sync(model, grad_sync, last_micro_batch=i == len(micro_batches) - 1)
-
-    if ep_pairing.paired(model):  # parallel.ep_pair_micro_batches
-        return ep_pairing.forward_backward(micro_batches, lambda mb: micro_batch_loss(model, mb, global_tokens, device),
-                                           before_backward, model, device)
     local_loss = torch.zeros((), device=device)
     for i, micro_batch in enumerate(micro_batches):
-        before_backward(i)
+        if grad_sync != "every":
+            set_gradient_sync(model, grad_sync, last_micro_batch=i == len(micro_batches) - 1)
         loss = micro_batch_loss(model, micro_batch, global_tokens, device)
         loss.backward()
         local_loss += loss.detach()

@@ -60,7 +60,7 @@ def toy_full(name, shape, salt):
 
 
 def ep_shard_experts(model, ep_mesh):
-    """The toy's expert weights as DTensors Shard(0) on `ep_mesh`, as parallel/expert_parallel.py does."""
+    """The toy's expert weights as DTensors Shard(0) on `ep_mesh`, as parallel/ep/direct.py does."""
     for name, weight in list(model.experts.named_parameters()):
         setattr(model.experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)])))
 

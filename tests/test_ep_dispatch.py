@@ -1,42 +1,25 @@
-"""EP dispatch at scale: the dispatch plan (parallel/ep_plan.py) against plain loops, and the runtime's
-dispatch variants on 8 gloo ranks in two simulated nodes (parallel.ranks_per_node=4) against the
-single-process step, with every all-to-all byte counted (benchmarks/lib/ep_traffic.py) and compared with
-the plan.
-
-Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
-relative; allowed 2e-5 on gradients, 1e-5 on the loss and the norm).
-
-The model is the debug preset without its dense block (MODEL): two MoE blocks, so every per-layer
-question (caches, kept exchanges replayed per layer under recompute) still meets a second layer, and the
-dense FFN under these layouts is tests/test_parallel_parity.py's (headline_cp2_ep8,
-hsdp_cp2_ep4_edp_shard_inner). Cases of one layout share its meshes (_meshes): the process groups are not
-what is tested here (building them per case was ~6% of the fixture, profiled). Both together took the
-fixture from 283 s to 64 s on 2 busy cores.
+"""EP dispatch at scale: the dispatch plan (parallel/ep/plan.py) against plain loops, and hand-picked dispatch
+cases beyond tests/test_ep_grid.py's grid (no checkpointing, selective checkpointing, the folded HSDP layout,
+dropping capacity, FP8 dispatch and FP8 combine gradient each alone) on 8 gloo ranks in two simulated nodes
+(parallel.ranks_per_node=4) against the single-process step, with every all-to-all byte counted
+(benchmarks/lib/ep_traffic.py) and compared with the plan. Shared fixtures and tolerances: tests/ep_cases.py.
 """
 
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
-from models import Transformer, preset
+from ep_cases import (FOLDED, HEADLINE, MODEL, NORM_RTOL, RPN, SEQ, WORLD, assert_matches_single_process,
+                      build_model, planned_bytes, reference_step, run_case)
+from models import preset
 from multirank import run_ranks
-from parallel.context_parallel import load_balanced_positions
-from parallel.ep.dispatcher import dispatchers, read_drop_counts
-from runtime.syncs import count_syncs
-from parallel.ep_plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic, sent_bytes
-from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
+from parallel.ep.plan import Placement, capacity_slots, distinct_nodes_per_token, layer_traffic
+from parallel.gradients import global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
 
-WORLD, BATCH, SEQ, RPN = 8, 8, 32, 4
-MODEL = preset("debug", n_layers=2, n_dense_layers=0)  # two MoE blocks (module docstring)
-GRAD_RTOL, NORM_RTOL = 2e-5, 1e-5
-HEADLINE = dict(dp_shard=4, cp=2, ep=8, edp_shard=1, ranks_per_node=RPN)
-FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard", ranks_per_node=RPN)
 CASES = {f"{name}_{knob}": ParallelConfig(**layout, **extra)
          for (name, layout), (knob, extra) in itertools.product(
              (("headline", HEADLINE), ("folded", FOLDED)),
@@ -51,8 +34,6 @@ CASES["headline_overlap_fp8"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, 
 CASES["folded_dedup_overlap_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_overlap_chunks=2,
                                                    ep_dispatch_dtype="float8_e4m3")
 CASES["folded_dedup_fp8"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_dispatch_dtype="float8_e4m3")
-CASES["headline_direct_full_resend"] = ParallelConfig(**HEADLINE)
-CASES["headline_direct_full_keep"] = ParallelConfig(**HEADLINE, ep_recompute="keep")
 CASES["folded_dedup_full_keep"] = ParallelConfig(**FOLDED, ep_dedup=True, ep_recompute="keep")
 CASES["headline_overlap_selective_keep"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, ep_recompute="keep")
 CASES["headline_dedup_overlap_selective_resend"] = ParallelConfig(**HEADLINE, ep_dedup=True, ep_overlap_chunks=2)
@@ -63,7 +44,7 @@ CASES["headline_direct_fp8g"] = ParallelConfig(**HEADLINE, **FP8G)
 CASES["headline_overlap_fp8g"] = ParallelConfig(**HEADLINE, ep_overlap_chunks=2, **FP8G)
 CASES["headline_capacity_fp8g"] = ParallelConfig(**HEADLINE, ep_capacity_factor=8.0, **FP8G)
 CASES["folded_dedup_fp8g"] = ParallelConfig(**FOLDED, ep_dedup=True, **FP8G)
-# (dedup + overlap would run no other combine code: parallel/ep_overlap.py's box, as headline_overlap_fp8g, and the
+# (dedup + overlap would run no other combine code: parallel/ep/pieces.py's box, as headline_overlap_fp8g, and the
 # direct combine for the fan-in, as folded_dedup_fp8g)
 # activation checkpointing of the cases named ..._full_... / ..._selective_... (the others: none)
 CHECKPOINT = {name: mode for name in CASES for mode in ("full", "selective") if f"_{mode}_" in name}
@@ -141,110 +122,14 @@ def test_bad_dispatch_knobs_fail_in_one_line(argv, world, message):
 
 # -- 8 ranks, two simulated nodes
 
-def _model(config=MODEL) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights()
-    return model
-
-
-def _batch(vocab_size):
-    tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _reference(build=None) -> dict:
-    """The single-process step of `build()` (default: `_model`): loss, clipped gradient norm, gradients."""
-    model = (build or _model)()
-    inputs, labels = _batch(model.config.vocab_size)
-    loss = loss_fn(model(inputs), labels, BATCH * SEQ)
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    return {"loss": loss.item(), "norm": norm.item(), "grads": grads}
-
-
-def _run_case(config, reference, checkpoint="none"):
-    from torch.distributed.tensor import distribute_tensor
-
-    model = _model()
-    layout = config.resolve(dist.get_world_size())
-    layout.validate(model.config, SEQ, BATCH)
-    meshes = _meshes(layout)
-    parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
-    routing, timeline = [], []
-    dispatchers(model)[0].timeline = timeline  # the first MoE layer's pieces
-    for router in model.routers():
-        router.register_forward_hook(lambda m, args, out: routing.append(out[1].clone()))
-    tapes = _collect_tapes()
-    inputs, labels = _batch(model.config.vocab_size)
-    rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
-    positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
-    with count_all_to_all() as forward, count_syncs() as syncs:
-        loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
-                       BATCH * SEQ)
-    forward_routing = list(routing)  # the forward's (a recompute routes again)
-    kept = sum(v.numel() * v.element_size() for tape in tapes for _, v in tape.entries if isinstance(v, torch.Tensor))
-    with count_all_to_all() as backward:
-        loss.backward()
-    grad_err = {}
-    for fqn, p in model.named_parameters():
-        expected = distribute_tensor(reference["grads"][fqn], p.grad.device_mesh, p.grad.placements,
-                                     src_data_rank=None).to_local()
-        diff = p.grad.to_local() - expected
-        grad_err[fqn] = (diff.abs().max().item() if diff.numel() else 0.0, reference["grads"][fqn].abs().max().item())
-    drops = read_drop_counts(model)
-    return {"timeline": timeline, "drops": None if drops is None else drops.tolist(),
-            "loss": global_loss(loss).item(), "norm": clip_grad_norm_(model.parameters(), 1.0).item(),
-            "grad_err": grad_err, "routing": forward_routing, "kept_bytes": kept, "ep_ranks": dist.get_process_group_ranks(meshes.ep.get_group()),
-            "forward": split_by_node(forward, RPN), "backward": split_by_node(backward, RPN),
-            "syncs": {k: v for k, v in syncs.by_kind.items() if k != "copy"}}
-
-
-_MESHES = {}  # this rank process's meshes, by what build_meshes reads of a layout
-
-
-def _meshes(layout):
-    """build_meshes(layout), built once per rank process for each distinct set of degrees, numbering and
-    count-exchange group (parallel/meshes.py reads nothing else of the layout)."""
-    key = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp, layout.ep, layout.edp_replicate,
-           layout.edp_shard, layout.expert_inner, layout.ep_interleave or layout.ep_pair_micro_batches)
-    if key not in _MESHES:
-        _MESHES[key] = build_meshes(layout, "cpu")
-    return _MESHES[key]
-
-
-def _collect_tapes() -> list:
-    """The tapes parallel/ep_keep.py makes from now on (this rank process only), to weigh what they keep."""
-    from parallel import ep_keep
-
-    tapes = []
-    base = getattr(ep_keep.Tape, "original", ep_keep.Tape)  # not a subclass of the previous case's
-
-    class Tape(base):
-        original = base
-
-        def __init__(self):
-            super().__init__()
-            tapes.append(self)
-
-    ep_keep.Tape = Tape
-    return tapes
-
-
 def _run_all(rank, world, reference):
     torch.manual_seed(0)
-    return {name: _run_case(config, reference, CHECKPOINT.get(name, "none")) for name, config in CASES.items()}
+    return {name: run_case(config, reference, CHECKPOINT.get(name, "none")) for name, config in CASES.items()}
 
 
 @pytest.fixture(scope="module")
 def results():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = _reference()
-    finally:
-        torch.set_num_threads(threads)
+    reference = reference_step()
     return reference, run_ranks(_run_all, WORLD, reference, timeout=300)
 
 
@@ -252,37 +137,6 @@ def results():
 def test_step_matches_single_process(results, name):
     reference, per_rank = results
     assert_matches_single_process(reference, [by_case[name] for by_case in per_rank])
-
-
-def assert_matches_single_process(reference: dict, per_rank: list[dict]) -> None:
-    """Every rank's loss and norm within NORM_RTOL of the reference's, every gradient within GRAD_RTOL."""
-    for rank, got in enumerate(per_rank):
-        assert got["loss"] == pytest.approx(reference["loss"], rel=NORM_RTOL), f"rank {rank} loss"
-        assert got["norm"] == pytest.approx(reference["norm"], rel=NORM_RTOL), f"rank {rank} grad norm"
-        for fqn, (err, scale) in got["grad_err"].items():
-            assert err <= GRAD_RTOL * scale, f"rank {rank} grad {fqn}: max error {err:.3g}, max |grad| {scale:.3g}"
-
-
-def planned_bytes(per_rank, name, backward=False, stages=None) -> dict[int, tuple[int, int]]:
-    """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
-    (benchmarks/lib/ep_projection.layer_stages: the runtime's dispatch plan) give for the run's own
-    routing, summed over the MoE layers (only the named `stages` when given)."""
-    from benchmarks.lib.ep_projection import layer_stages
-
-    config, out = MODEL, {}
-    layout = CASES[name].resolve(WORLD)
-    for ep_ranks in {tuple(r[name]["ep_ranks"]) for r in per_rank}:
-        placement = Placement(config.n_routed_experts, ep_ranks, RPN)
-        totals = {r: [0, 0] for r in ep_ranks}
-        for layer in range(len(per_rank[ep_ranks[0]][name]["routing"])):
-            routing = [per_rank[r][name]["routing"][layer] for r in ep_ranks]
-            planned = [s for s in layer_stages(config, layout, routing, 4, placement) if stages is None or s.name in stages]
-            sent = sent_bytes(planned, placement, backward)
-            for i, r in enumerate(ep_ranks):
-                totals[r][0] += int(sent["intra"][i])
-                totals[r][1] += int(sent["inter"][i])
-        out.update({r: tuple(v) for r, v in totals.items()})
-    return out
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -294,12 +148,12 @@ def test_counted_bytes_equal_the_plan(results, name):
 
     resent = {"full": None, "selective": expert_call_stages(CASES[name])}.get(CHECKPOINT.get(name), ())
     for direction in ("forward", "backward"):
-        plan = planned_bytes(per_rank, name, direction == "backward")
+        plan = planned_bytes(per_rank, name, CASES[name], direction == "backward")
         counted = {rank: by_case[name][direction] for rank, by_case in enumerate(per_rank)}
         if direction == "backward" and resent != () and CASES[name].ep_recompute == "resend":
-            again = planned_bytes(per_rank, name, stages=resent)  # the recompute sends them again
+            again = planned_bytes(per_rank, name, CASES[name], stages=resent)  # the recompute sends them again
             if "node_combine" in (resent or ()):  # torch's early stop: the last piece's node combine is not resent
-                least = planned_bytes(per_rank, name, stages=tuple(s for s in resent if s != "node_combine"))
+                least = planned_bytes(per_rank, name, CASES[name], stages=tuple(s for s in resent if s != "node_combine"))
                 for rank, (a, b) in plan.items():
                     assert a + least[rank][0] <= counted[rank][0] <= a + again[rank][0], rank
                     assert b + least[rank][1] < counted[rank][1] < b + again[rank][1], rank
@@ -308,8 +162,7 @@ def test_counted_bytes_equal_the_plan(results, name):
         assert counted == plan, direction
 
 
-@pytest.mark.parametrize("keep, twin", [("headline_direct_full_keep", "headline_direct"),
-                                        ("folded_dedup_full_keep", "folded_dedup"),
+@pytest.mark.parametrize("keep, twin", [("folded_dedup_full_keep", "folded_dedup"),
                                         ("headline_overlap_selective_keep", "headline_overlap"),
                                         ("folded_dedup_fp8_full_keep", "folded_dedup_fp8")])
 def test_keep_recomputes_without_resending(results, keep, twin):
@@ -317,8 +170,8 @@ def test_keep_recomputes_without_resending(results, keep, twin):
     forward and backward, equal the same dispatch without checkpointing (same routing), count exchanges
     included (their host read of split sizes is replayed with them: runtime/syncs.py cannot see a
     .tolist() inside a CPU recompute, its documented blind spot); loss and gradient norm equal the
-    twin's (FP8 included: the replayed rows are the bytes that arrived). 'resend' (full) sends the
-    forward's all-to-alls again in backward."""
+    twin's (FP8 included: the replayed rows are the bytes that arrived). (tests/test_ep_grid.py: keep against
+    resend on every route, wire dtype and schedule.)"""
     _, per_rank = results
     for rank, by_case in enumerate(per_rank):
         got, want = by_case[keep], by_case[twin]
@@ -326,8 +179,6 @@ def test_keep_recomputes_without_resending(results, keep, twin):
         assert (got["forward"], got["backward"]) == (want["forward"], want["backward"]), rank
         assert got["loss"] == pytest.approx(want["loss"], rel=NORM_RTOL)
         assert got["norm"] == pytest.approx(want["norm"], rel=NORM_RTOL)
-        resend, plain = by_case["headline_direct_full_resend"], by_case["headline_direct"]
-        assert resend["backward"] == tuple(a + b for a, b in zip(plain["backward"], plain["forward"]))
 
 
 def test_dedup_sends_fewer_bytes_across_nodes(results):
@@ -458,7 +309,7 @@ def test_fp8_combine_gradient_changes_only_the_backward(results, name):
     _, per_rank = results
     twin, D = name.removesuffix("_fp8g"), MODEL.dim
     combines = ("combine", "fan_in", "node_combine")
-    fp8, full = (planned_bytes(per_rank, n, True, combines) for n in (name, twin))
+    fp8, full = (planned_bytes(per_rank, n, CASES[n], True, combines) for n in (name, twin))
     for rank, by_case in enumerate(per_rank):
         got, want = by_case[name], by_case[twin]
         assert [torch.equal(a, b) for a, b in zip(got["routing"], want["routing"])] == [True] * len(want["routing"])
@@ -474,9 +325,9 @@ def test_fp8_combine_gradient_changes_only_the_backward(results, name):
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].ep_recompute == "keep"])
 def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
     """The row buffers the tapes hold after the forward, summed over the 8 ranks, equal
-    parallel/ep_keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
+    parallel/ep/keep.kept_bytes_per_layer (what launch/estimate_memory.py and the projection add) x MoE
     layers x ranks, with the run's mean distinct nodes per token (a plain loop over its routing)."""
-    from parallel.ep_keep import kept_bytes_per_layer
+    from parallel.ep.keep import kept_bytes_per_layer
 
     _, per_rank = results
     c, layout = MODEL, CASES[name].resolve(WORLD)
@@ -505,7 +356,7 @@ def _train_losses(rank, world, variants, steps):
     """Per variant (param dtype, EP knobs): the global loss of `steps` AdamW steps on 2 ranks (ep=2)."""
     out = {}
     for name, (param_dtype, knobs) in variants.items():
-        model = _model(preset("debug"))  # the whole debug preset: the bf16 yardstick is measured on it
+        model = build_model(preset("debug"))  # the whole debug preset: the bf16 yardstick is measured on it
         layout = ParallelConfig(dp_shard=2, ep=2, edp_shard=1, **knobs).resolve(world)
         parallelize(model, build_meshes(layout, "cpu"), layout, param_dtype=param_dtype)
         opt = torch.optim.AdamW([p for p in model.parameters()], lr=3e-3, foreach=False)
@@ -579,10 +430,10 @@ def test_group_limited_routing_reaches_at_most_topk_group_nodes():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_host_syncs_are_the_plans(results, name):
-    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep_plan.host_syncs_per_layer:
+    """Host syncs of the forward (runtime/syncs.py) = MoE layers x parallel/ep/plan.host_syncs_per_layer:
     direct and overlapped 1, dedup 2, capacity 0. Index tensors the dispatch makes from host data once
     and caches ("copy", a first-forward cost) are left out."""
-    from parallel.ep_plan import host_syncs_per_layer
+    from parallel.ep.plan import host_syncs_per_layer
 
     _, per_rank = results
     expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))

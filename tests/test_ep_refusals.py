@@ -57,7 +57,7 @@ def test_parallel_imports_have_no_circle():
 
 
 def test_private_torch_names_only_in_the_private_module():
-    """`torch._x`, `from torch..._x import`, and FSDP2's `_get_fsdp_state` / `_training_state` / `_pre_backward`."""
+    """`torch._x`, `from torch..._x import`, and FSDP2's internal state (`_get_fsdp_state`, `_training_state`, ...)."""
     pattern = re.compile(r"torch\._[a-z]|from torch[\w.]* import _|_get_fsdp_state|_training_state|_pre_backward"
                          r"|_execution_engine|_plugins|\._base\b")
     hits = [f"{p.name}:{i}" for p in PARALLEL.rglob("*.py") if p.name != "_torch_private.py"
@@ -66,16 +66,17 @@ def test_private_torch_names_only_in_the_private_module():
     assert hits == []
 
 
-def test_fsdp_probe_refuses_in_one_line_naming_the_torch_version():
-    """A unit without FSDP2's state stands for a torch whose internals moved: the knob is refused."""
-    import torch
-    from torch import nn
 
-    from parallel._torch_private import check_fsdp_unit_states
+@pytest.mark.parametrize("key", ["ep_interleave", "ep_pair_micro_batches", "ep_recompute_ahead"])
+def test_a_removed_ep_knob_fails_in_one_line_naming_it_with_exit_2(tmp_path, monkeypatch, capsys, key):
+    """In a config file or on the command line, before any process group: the key, "removed", what instead."""
+    from launch.pretrain import main
+    from parallel.layout import REMOVED_EP_KNOBS
 
-    check_fsdp_unit_states("ep_recompute_ahead")  # this torch: the states and methods are there
-    with pytest.raises(ValueError) as error:
-        check_fsdp_unit_states("ep_recompute_ahead", nn.Linear(2, 2))
-    message = str(error.value)
-    assert message.startswith(f"parallel.ep_recompute_ahead: FSDP2 internals it relies on differ in torch "
-                              f"{torch.__version__}") and "\n" not in message
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = tmp_path / "old.toml"
+    config.write_text(f"[parallel]\nep = 1\n{key} = true\n")
+    for argv in (["--config", str(config)], [f"--parallel.{key}=true"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"config error: parallel.{key}: {REMOVED_EP_KNOBS[key]}" and "removed" in err

@@ -104,7 +104,7 @@ def test_expert_parallel_adds_one_readback_per_moe_layer_and_micro_batch(counts)
         for result in counts[8, larger]:
             inherent = result["moe_layers"] * result["micro_batches"]
             assert result["ep"] == 8 and result["per_step"] == 1 + inherent, result["by_site"]
-            assert sum(v for site, v in result["by_site"].items() if "expert_parallel" in site) == inherent
+            assert sum(v for site, v in result["by_site"].items() if "parallel/ep/direct.py" in site) == inherent
     assert counts[8, True][0]["moe_layers"] * counts[8, True][0]["micro_batches"] == 8  # 4 MoE layers x 2
 
 

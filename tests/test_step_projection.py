@@ -186,7 +186,7 @@ def test_command_line_on_the_debug_config(tmp_path):
     from benchmarks.step_projection import main
 
     out = main(["--config", "configs/debug.toml", "--world", "8", "--json", str(tmp_path / "p.json")])
-    row, *variants = out["rows"]  # the config's own dispatch, then the other combinations (parallel/ep_plan.py)
+    row, *variants = out["rows"]  # the config's own dispatch, then the other combinations (parallel/ep/plan.py)
     assert row["layout"] == "dense 1x4x2 | experts 1x1x8" and row["name"] == "config"
     assert row["host_syncs"] == 1 + 2  # the step's readback + 2 MoE layers x 1 micro-batch under ep=8
     assert row["time_s"]["step"] > 0 and 0 < row["mfu"] < 1 and row["fits"]

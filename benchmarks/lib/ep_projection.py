@@ -1,10 +1,10 @@
-"""EP traffic for the whole-step projection, from the runtime's dispatch plan (parallel/ep_plan.py).
+"""EP traffic for the whole-step projection, from the runtime's dispatch plan (parallel/ep/plan.py).
 
 benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch combination
-(`dispatch_variants`): the stages of parallel/ep_plan.layer_traffic, the code the runtime dispatches
+(`dispatch_variants`): the stages of parallel/ep/plan.layer_traffic, the code the runtime dispatches
 with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
 byte is one the runtime would send for that routing (tests/test_ep_dispatch.py checks it to the byte
-on real 8-rank runs); the host syncs come from parallel/ep_plan.host_syncs_per_layer; the overlap is
+on real 8-rank runs); the host syncs come from parallel/ep/plan.host_syncs_per_layer; the overlap is
 modelled as the runtime does it (`exposed_ep_s`).
 """
 
@@ -17,7 +17,7 @@ import torch
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
 EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
-PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep_overlap.py)
+PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep/pieces.py)
 NODE_HOP_STAGES = ("node_dispatch", "node_weights", "node_ids", "node_combine")  # with dedup (ep_dedup_overlap.py)
 
 
@@ -43,17 +43,17 @@ def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int
 
 def placement(config, size: int, stride: int, gpus_per_node: int):
     """The plan's placement of an ep group of `size` ranks `stride` apart from rank 0."""
-    from parallel.ep_plan import Placement
+    from parallel.ep.plan import Placement
 
     return Placement(config.n_routed_experts, tuple(i * stride for i in range(size)), gpus_per_node)
 
 
 def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
-    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
+    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep/plan.layer_traffic) for
     this routing (experts_TK per ep index) and the layout's dispatch knobs."""
-    from parallel.ep_plan import layer_traffic
+    from parallel.ep.plan import layer_traffic
 
-    fp8_row = config.dim + 4  # parallel/ep_fp8.py: D e4m3 values and one fp32 scale per row
+    fp8_row = config.dim + 4  # parallel/ep/direct.py (FP8 rows): D e4m3 values and one fp32 scale per row
     dispatch = fp8_row if layout.ep_dispatch_dtype == "float8_e4m3" else None
     combine_grad = fp8_row if layout.ep_combine_grad_dtype == "float8_e4m3" else None
     return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
@@ -66,9 +66,9 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     """({stage name: (intra-node, inter-node bytes one rank sends per step)}, distinct nodes per token):
     `layer_bytes` of each exchange, forward (as often as `forward_passes` says: once, plus what
     activation checkpointing reruns: full, the layer's forward; selective, the experts' dispatch and
-    combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py) and backward, every MoE
+    combine; nothing with parallel.ep_recompute = "keep", parallel/ep/keep.py) and backward, every MoE
     layer and micro-batch."""
-    from parallel.ep_plan import distinct_nodes_per_token
+    from parallel.ep.plan import distinct_nodes_per_token
 
     n = (config.n_layers - config.n_dense_layers) * micro_batches
     out = {}
@@ -85,8 +85,8 @@ def layer_bytes(config, layout, placement, local_tokens: int, act_bytes: int) ->
     exchange of each all-to-all of one MoE layer and micro-batch: the dispatch plan on the model's own
     routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
     scaled to `local_tokens` (the count exchanges not); backward: the gradient rows
-    (parallel/ep_plan.sent_bytes(..., backward=True)), none for integer stages."""
-    from parallel.ep_plan import sent_bytes
+    (parallel/ep/plan.sent_bytes(..., backward=True)), none for integer stages."""
+    from parallel.ep.plan import sent_bytes
 
     routing = sampled_routing(config, layout.ep)
     out = {}
@@ -102,7 +102,7 @@ def forward_passes(stage_name: str, activation_checkpoint: str, layout) -> int:
     """How often a stage's forward all-to-all runs per MoE layer and micro-batch: once, plus what
     activation checkpointing reruns (full: the layer's forward; selective: the all-to-alls issued inside
     the experts' call, `expert_call_stages`); none with `parallel.ep_recompute = "keep"`, whose recompute
-    replays what the forward received (parallel/ep_keep.py). Its backward (differentiable stages) runs once."""
+    replays what the forward received (parallel/ep/keep.py). Its backward (differentiable stages) runs once."""
     if layout.ep_recompute == "keep":
         return 1
     reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
@@ -114,7 +114,7 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
     """(intra-node, inter-node) bytes ep index `index` sends in one MoE layer and micro-batch for
     these stages (one routing): `ep_bytes`'s per-layer term for one rank, unscaled (launch/dry_run.py
     compares it with the all-to-alls it counts)."""
-    from parallel.ep_plan import sent_bytes
+    from parallel.ep.plan import sent_bytes
 
     out = [0, 0]
     for stage in stages:
@@ -128,8 +128,8 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
 def expert_call_stages(layout) -> tuple:
     """The all-to-alls issued inside the GroupedExperts call (what `activation_checkpoint = "selective"`
     reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
-    pieces also the count exchange (parallel/ep_overlap.py), and with dedup in pieces the whole node hop
-    (parallel/ep_dedup_overlap.py; an upper bound there: torch's checkpoint stops the recompute after the
+    pieces also the count exchange (parallel/ep/pieces.py), and with dedup in pieces the whole node hop
+    (parallel/ep/pieces.py; an upper bound there: torch's checkpoint stops the recompute after the
     last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
     if layout.ep_overlap_chunks > 1 and layout.ep_dedup:
         return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
@@ -138,7 +138,7 @@ def expert_call_stages(layout) -> tuple:
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
     """EP seconds on the critical path. Without overlap all of them. With n pieces
-    (parallel/ep_overlap.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
+    (parallel/ep/pieces.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
     piece's dispatch and the last piece's combine wait for / are waited for by nothing, so the layer
     takes max(E + C/n, C + E/n), of which max(C/n, C - E (n-1)/n) beyond the matmuls. Only the routed
     experts' matmuls hide all-to-alls (the runtime overlaps nothing else with them)."""
@@ -164,7 +164,7 @@ def degrees_only(layout):
 def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
     """{name: layout} for every EP dispatch combination the runtime implements, ep > 1 only; each with FP8
     dispatch also with its combine gradient in FP8 (`_fp8g`: the low-precision communication DeepSeek-V3
-    uses, parallel/ep_fp8.py; not alone, to keep the list short); under activation checkpointing each
+    uses, parallel/ep/direct.py (FP8 rows); not alone, to keep the list short); under activation checkpointing each
     also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}

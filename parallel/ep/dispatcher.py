@@ -10,11 +10,10 @@ calls it (models/moe.py `LocalDispatcher`, the interface):
                                                grouped matmul on the local experts -> combine all-to-all
 
 `run` is one of (chosen at build time, never swapped later): the direct dispatch
-(parallel/expert_parallel.py), fixed capacity without host sync (parallel/ep_capacity.py), or n pieces
-pipelined (parallel/ep_overlap.py). `DedupDispatcher` routes node-deduplicated (parallel/ep_dedup.py; in
-pieces: parallel/ep_dedup_overlap.py). The two-halves block schedule (parallel/ep_interleave.py) calls
-the same dispatcher. What modules carried before as attributes lives here: the groups, the wire dtypes,
-the block index (micro-batch pairing), the timeline tests and benchmarks record, the drop counters.
+(parallel/ep/direct.py), fixed capacity without host sync (parallel/ep/capacity.py), or n pieces
+pipelined (parallel/ep/pieces.py). `DedupDispatcher` routes node-deduplicated (parallel/ep/dedup.py; in
+pieces: parallel/ep/pieces.py). What the dispatcher holds (no module carries it): the group,
+the wire dtypes, the timeline tests and benchmarks record, the drop counters.
 """
 
 import time
@@ -27,22 +26,22 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from models.experts import GroupedExperts, swiglu_experts
 from models.moe import LocalDispatcher, MoE
-from parallel import ep_capacity, ep_dedup, ep_dedup_overlap, ep_overlap
+from parallel.ep import capacity, dedup, pieces
 from parallel.ep.config import EPConfig
-from parallel.ep_keep import kept
-from parallel.ep_plan import Placement
-from parallel.expert_parallel import direct_run, exchange_counts, local_weight
+from parallel.ep.direct import direct_run, exchange_counts, local_weight
+from parallel.ep.keep import kept
+from parallel.ep.plan import Placement
 
 EXPERT_WEIGHTS = ("w13", "w2")
 
 
 class Dispatcher(LocalDispatcher):
-    """One MoE layer's EP dispatch over `group` (module docstring); `block`: the layer's block index."""
+    """One MoE layer's EP dispatch over `group` (module docstring)."""
 
-    def __init__(self, config: EPConfig, group, counts_group, block: int):
-        self.config, self.group, self.counts_group, self.block = config, group, counts_group, block
+    def __init__(self, config: EPConfig, group):
+        self.config, self.group = config, group
         self.n_ranks = dist.get_world_size(group)
-        self.mirror_counts = dist.get_backend(group) == "fake"  # the dry run (expert_parallel.exchange_counts)
+        self.mirror_counts = dist.get_backend(group) == "fake"  # the dry run (direct.exchange_counts)
         self.timeline = None  # a list while a test or benchmark records (event, piece, time.perf_counter())
         self.drop_counts = None  # fixed capacity: [dropped, routed] (device), from the first forward on
         self._run = self._choose_run()
@@ -51,17 +50,17 @@ class Dispatcher(LocalDispatcher):
         if self.n_ranks == 1:
             return lambda x_ND, counts, w13, w2, training: swiglu_experts(x_ND, w13, w2, counts)
         if self.config.capacity_factor > 0:
-            return lambda x_ND, counts, w13, w2, training: ep_capacity.capacity_run(self, x_ND, counts, w13, w2,
+            return lambda x_ND, counts, w13, w2, training: capacity.capacity_run(self, x_ND, counts, w13, w2,
                                                                                     training)
         if self.config.chunks > 1 and not self.config.dedup:
-            return lambda x_ND, counts, w13, w2, training: ep_overlap.pieces_run(self, x_ND, counts, w13, w2)
+            return lambda x_ND, counts, w13, w2, training: pieces.pieces_run(self, x_ND, counts, w13, w2)
         return lambda x_ND, counts, w13, w2, training: direct_run(self, x_ND, counts, w13, w2)
 
     def exchange(self, counts_E: torch.Tensor):
         """The direct dispatch's count exchange (one host sync, later); the other runs exchange their own."""
         if self.n_ranks == 1 or self.config.capacity_factor > 0 or (self.config.chunks > 1 and not self.config.dedup):
             return counts_E
-        return kept("counts", lambda: exchange_counts(counts_E, self.n_ranks, self.counts_group, self.mirror_counts))
+        return kept("counts", lambda: exchange_counts(counts_E, self.n_ranks, self.group, self.mirror_counts))
 
     def run(self, experts: GroupedExperts, x_ND: torch.Tensor, counts) -> torch.Tensor:
         w13, w2 = (local_weight(getattr(experts, n)) for n in EXPERT_WEIGHTS)  # [L, 2F, D], [L, D, F]
@@ -74,23 +73,22 @@ class Dispatcher(LocalDispatcher):
 
 
 class DedupDispatcher(Dispatcher):
-    """Node-deduplicated routing (parallel/ep_dedup.py), its node hop in pieces when `config.chunks` > 1
-    (parallel/ep_dedup_overlap.py); the fan-out inside a node is the direct dispatch."""
+    """Node-deduplicated routing (parallel/ep/dedup.py), its node hop in pieces when `config.chunks` > 1
+    (parallel/ep/pieces.py); the fan-out inside a node is the direct dispatch."""
 
-    def __init__(self, config: EPConfig, group, counts_group, block: int, placement: Placement):
-        super().__init__(config, group, counts_group, block)
+    def __init__(self, config: EPConfig, group, placement: Placement):
+        super().__init__(config, group)
         self.placement, self.rank = placement, dist.get_rank(group)
 
     def route(self, moe: MoE, x_TD, weights_TK, experts_TK) -> torch.Tensor:
         if self.config.chunks > 1:
-            return ep_dedup_overlap.pipelined_route(self, moe, x_TD, weights_TK, experts_TK)
-        return ep_dedup.dedup_route(self, moe, x_TD, weights_TK, experts_TK)
+            return pieces.pipelined_route(self, moe, x_TD, weights_TK, experts_TK)
+        return dedup.dedup_route(self, moe, x_TD, weights_TK, experts_TK)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, config: EPConfig, counts_group=None) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, config: EPConfig) -> None:
     """Make every GroupedExperts' weights DTensors Shard(0) on `ep_mesh` and give every MoE layer its
-    dispatcher (the count exchanges on `counts_group` when given: parallel/meshes.py `_counts_group`,
-    else on the ep group). Applied for ep == 1 too (a size-1 mesh), so expert weights have the same
+    dispatcher. Applied for ep == 1 too (a size-1 mesh), so expert weights have the same
     placements in every layout. Each rank keeps its own slice of the (identical) full weights: no
     communication."""
     group = ep_mesh.get_group()
@@ -100,17 +98,16 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, config: EPConfi
                 full = getattr(module, name)
                 local = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
-    for block_index, block in enumerate(model.layers):
+    for block in model.layers:
         if isinstance(block.feed_forward, MoE):
-            block.feed_forward.dispatcher = build_dispatcher(config, group, counts_group or group, block_index,
-                                                             block.feed_forward.router.n_experts)
+            block.feed_forward.dispatcher = build_dispatcher(config, group, block.feed_forward.router.n_experts)
 
 
-def build_dispatcher(config: EPConfig, group, counts_group, block: int, n_experts: int) -> Dispatcher:
+def build_dispatcher(config: EPConfig, group, n_experts: int) -> Dispatcher:
     if not config.dedup:
-        return Dispatcher(config, group, counts_group, block)
+        return Dispatcher(config, group)
     placement = Placement(n_experts, tuple(dist.get_process_group_ranks(group)), config.ranks_per_node)
-    return DedupDispatcher(config, group, counts_group, block, placement)
+    return DedupDispatcher(config, group, placement)
 
 
 def dispatchers(model: nn.Module) -> list[Dispatcher]:
@@ -120,7 +117,7 @@ def dispatchers(model: nn.Module) -> list[Dispatcher]:
 
 def read_drop_counts(model: nn.Module) -> torch.Tensor | None:
     """[dropped, routed] token copies summed over this rank's MoE layers since the last call (device,
-    float64), or None when no layer drops (parallel/ep_capacity.py); resets the counters."""
+    float64), or None when no layer drops (parallel/ep/capacity.py); resets the counters."""
     dropping = [d for d in dispatchers(model) if d.config.capacity_factor > 0]
     if not dropping:
         return None

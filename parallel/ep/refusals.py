@@ -5,8 +5,7 @@ Each row names the keys it reads, says in one line what it refuses (`rule`, the 
 the one-line ValueError (`message`, naming every key and value involved). `check` runs the rows in
 order on a resolved Layout plus whatever other settings the caller knows; a row that reads a setting
 the caller did not pass is skipped (parallel/layout.py checks the layout alone; parallel/parallelize.py
-and runtime/config.py add training.activation_checkpoint; runtime/config.py the batch; launch/posttrain.py
-the objective). Ranges of single knobs (a negative capacity, an unknown dtype) are parallel/layout.py's.
+and runtime/config.py add training.activation_checkpoint; runtime/config.py the batch). Ranges of single knobs (a negative capacity, an unknown dtype) are parallel/layout.py's.
 """
 
 from dataclasses import dataclass
@@ -17,8 +16,7 @@ EP_SWITCHES = {  # knob: is it on (a knob that is on needs ep > 1)
     "ep_dedup": lambda s: s.ep_dedup, "ep_capacity_factor": lambda s: s.ep_capacity_factor > 0,
     "ep_overlap_chunks": lambda s: s.ep_overlap_chunks > 1,
     "ep_dispatch_dtype": lambda s: s.ep_dispatch_dtype != "compute", "ep_recompute": lambda s: s.ep_recompute == "keep",
-    "ep_combine_grad_dtype": lambda s: s.ep_combine_grad_dtype != "compute", "ep_interleave": lambda s: s.ep_interleave,
-    "ep_pair_micro_batches": lambda s: s.ep_pair_micro_batches, "ep_recompute_ahead": lambda s: s.ep_recompute_ahead,
+    "ep_combine_grad_dtype": lambda s: s.ep_combine_grad_dtype != "compute",
 }
 
 
@@ -28,12 +26,10 @@ class Refusal:
     rule: str  # what it refuses, one line (the docs' table)
     when: Callable[[SimpleNamespace], bool]
     message: Callable[[SimpleNamespace], str]
-    objective: str | None = None  # "posttrain": checked where the objective is known (launch/posttrain.py)
 
     def needs(self) -> set[str]:
         """Settings beyond the layout's (`parallel.*`) it reads: the caller must pass them."""
-        return {k.split(".")[1] for k in self.keys if not k.startswith("parallel.")} | (
-            {"objective"} if self.objective else set())
+        return {k.split(".")[1] for k in self.keys if not k.startswith("parallel.")}
 
 
 def _on(s) -> str:
@@ -75,76 +71,19 @@ REFUSALS = (
                       f"data.seq_len={s.seq_len} / cp={s.cp} x top-k {s.n_activated_experts} x ep={s.ep} / "
                       f"{s.n_routed_experts} experts): a piece would average under one row per expert; use at most "
                       f"that many"),
-    Refusal(("parallel.ep_pair_micro_batches", "parallel.ep_interleave", "parallel.ep_overlap_chunks"),
-            "pairing without the halves or pieces (it runs at their asynchronous waits)",
-            lambda s: s.ep_pair_micro_batches and not (s.ep_interleave or s.ep_overlap_chunks > 1),
-            lambda s: "parallel.ep_pair_micro_batches needs parallel.ep_interleave = true or parallel.ep_overlap_chunks "
-                      "> 1 (the pairing runs at their asynchronous all-to-alls' waits)"),
-    Refusal(("parallel.ep_pair_micro_batches", "parallel.ep_dedup"), "pairing with ep_dedup",
-            lambda s: s.ep_pair_micro_batches and s.ep_dedup,
-            lambda s: "parallel.ep_pair_micro_batches with parallel.ep_dedup: not combined yet; choose one"),
-    Refusal(("parallel.ep_interleave", "parallel.ep_dedup", "parallel.ep_capacity_factor", "parallel.ep_overlap_chunks"),
-            "the halves with ep_dedup, a fixed capacity or pieces",
-            lambda s: s.ep_interleave and (s.ep_dedup or s.ep_capacity_factor > 0 or s.ep_overlap_chunks > 1),
-            lambda s: f"parallel.ep_interleave with parallel.{_halves_other(s)}={getattr(s, _halves_other(s))!r}: not "
-                      f"combined (the halves replace the pieces; dedup and capacity are not interleaved yet); choose one"),
     Refusal(("parallel.ep_recompute", "training.activation_checkpoint"), "ep_recompute = \"keep\" with nothing recomputed",
             lambda s: s.ep_recompute == "keep" and s.activation_checkpoint == "none",
             lambda s: "parallel.ep_recompute='keep' has no effect with training.activation_checkpoint='none' (nothing is "
                       "recomputed); use 'full' or 'selective', or ep_recompute='resend'"),
-    Refusal(("parallel.ep_interleave", "training.activation_checkpoint"), "the halves with selective checkpointing",
-            lambda s: s.ep_interleave and s.activation_checkpoint == "selective",
-            lambda s: "parallel.ep_interleave with training.activation_checkpoint='selective': not combined (the experts' "
-                      "region would rerun a dispatch another region waits for); use 'full' or 'none'"),
-    Refusal(("parallel.ep_recompute_ahead", "training.activation_checkpoint", "parallel.ep_interleave"),
-            "recompute ahead without full checkpointing and the halves",
-            lambda s: s.ep_recompute_ahead and not (s.activation_checkpoint == "full" and s.ep_interleave),
-            lambda s: f"parallel.ep_recompute_ahead needs training.activation_checkpoint='full' and parallel.ep_interleave "
-                      f"= true (got {s.activation_checkpoint!r} and {s.ep_interleave}): the block below reruns inside "
-                      f"the halves' dispatch-gradient waits"),
-    Refusal(("parallel.ep_interleave", "data.document_mask"), "the halves with document masking",
-            lambda s: s.ep_interleave and s.document_mask,
-            lambda s: "parallel.ep_interleave with data.document_mask: not combined yet; choose one"),
-    Refusal(("parallel.ep_interleave", "parallel.cp", "data.batch_size", "training.grad_accum"),
-            "the halves cut by positions (an odd number of sequences per rank and micro-batch) under cp > 1",
-            lambda s: s.ep_interleave and s.cp > 1 and _local_batch(s) % 2,
-            lambda s: f"parallel.ep_interleave with parallel.cp={s.cp}: {_local_batch(s)} sequence(s) per rank and "
-                      f"micro-batch are cut by positions, which needs cp=1; use an even number per micro-batch "
-                      f"(data.batch_size / (training.grad_accum x dp))"),
-    Refusal(("parallel.ep_pair_micro_batches", "training.grad_accum"), "pairing with one micro-batch per step",
-            lambda s: s.ep_pair_micro_batches and s.grad_accum < 2,
-            lambda s: f"parallel.ep_pair_micro_batches with training.grad_accum={s.grad_accum}: nothing to pair (one "
-                      f"micro-batch per step); set grad_accum >= 2"),
-    Refusal(("parallel.ep_pair_micro_batches",), "pairing in post-training",
-            lambda s: s.ep_pair_micro_batches and s.objective == "posttrain",
-            lambda s: "parallel.ep_pair_micro_batches: pretraining only (post-training's teacher and student passes "
-                      "are not paired); set it false", objective="posttrain"),
-    Refusal(("parallel.ep_recompute_ahead",), "recompute ahead in post-training",
-            lambda s: s.ep_recompute_ahead and s.objective == "posttrain",
-            lambda s: "parallel.ep_recompute_ahead: pretraining only (not tested with post-training's teacher and "
-                      "student passes); set it false", objective="posttrain"),
 )
-
-
-def _halves_other(s) -> str:
-    return next(k for k, on in (("ep_dedup", s.ep_dedup), ("ep_capacity_factor", s.ep_capacity_factor > 0),
-                                ("ep_overlap_chunks", s.ep_overlap_chunks > 1)) if on)
 
 
 def check(layout, **settings) -> None:
     """ValueError (one line) for the first refused combination of `layout`'s EP knobs with `settings`
-    (activation_checkpoint, document_mask, batch_size, grad_accum, objective: those known)."""
+    (activation_checkpoint, batch_size, seq_len, grad_accum, ...: those known)."""
     s = SimpleNamespace(**{k: getattr(layout, k) for k in vars(layout)}, dp=layout.dp, **settings)
     for refusal in REFUSALS:
         if refusal.needs() <= settings.keys() and refusal.when(s):
-            raise ValueError(refusal.message(s))
-
-
-def check_objective(parallel_config, objective: str) -> None:
-    """ValueError (one line) for an EP knob of `parallel_config` the `objective` does not run."""
-    s = SimpleNamespace(**{k: getattr(parallel_config, k) for k in EP_SWITCHES}, objective=objective)
-    for refusal in REFUSALS:
-        if refusal.objective == objective and refusal.when(s):
             raise ValueError(refusal.message(s))
 
 

@@ -1,8 +1,8 @@
 """The EP dispatch plan: where each routed token copy goes, and what every all-to-all of a MoE layer moves.
 
 Pure functions of the routing (`experts_TK`) and the placement (which global rank holds which experts,
-which node each rank sits on): no process group. The runtime (parallel/expert_parallel.py,
-parallel/ep_dedup.py) builds its send buffers and split sizes with them, and the whole-step projection
+which node each rank sits on): no process group. The runtime (parallel/ep/direct.py,
+parallel/ep/dedup.py) builds its send buffers and split sizes with them, and the whole-step projection
 (benchmarks/step_projection.py) counts bytes with the same functions on sampled routing, so a byte
 in the projection is a byte the runtime sends.
 
@@ -127,7 +127,7 @@ class Stage:
 
 
 def capacity_slots(copies: int, n_ranks: int, factor: float) -> int:
-    """C: the rows a rank sends every peer under a fixed capacity (parallel/ep_capacity.py), from
+    """C: the rows a rank sends every peer under a fixed capacity (parallel/ep/capacity.py), from
     host-known sizes only (T K copies of this rank)."""
     return max(1, math.ceil(factor * copies / n_ranks))
 
@@ -141,8 +141,8 @@ def layer_traffic(experts_by_rank: list[torch.Tensor], placement: Placement, dim
     `combine_grad_bytes`: bytes of one row of a combine's gradient when not dim x act_bytes
     (parallel.ep_combine_grad_dtype; with dedup both the fan-in's and the node combine's).
     `capacity_factor` > 0: the fixed-capacity dispatch (C rows to every peer, their expert ids);
-    `chunks` > 1: the overlapped dispatch (parallel/ep_overlap.py: the same rows in `chunks` pieces,
-    one count exchange of chunks x L ints per peer; with dedup, parallel/ep_dedup_overlap.py: the node
+    `chunks` > 1: the overlapped dispatch (parallel/ep/pieces.py: the same rows in `chunks` pieces,
+    one count exchange of chunks x L ints per peer; with dedup, parallel/ep/pieces.py: the node
     hop's counts per piece, and each piece's fan-out exchanging L ints per peer)."""
     P, L, K = placement.size, placement.local_experts, experts_by_rank[0].shape[1]
     dispatch_bytes = dim * act_bytes if dispatch_bytes is None else dispatch_bytes
@@ -197,11 +197,8 @@ def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False
 def host_syncs_per_layer(layout) -> int:
     """Host readbacks of split sizes per MoE layer forward under EP: the direct dispatch 1 (its count
     exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), dedup in
-    n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep_dedup_overlap.py), fixed
-    capacity 0, two halves 2 (parallel/ep_interleave.py: one count exchange each) (tests/test_ep_dispatch.py,
-    tests/test_ep_interleave.py and tests/test_host_syncs.py count them)."""
-    if layout.ep_interleave:
-        return 2
+    n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep/pieces.py), fixed
+    capacity 0 (tests/test_ep_dispatch.py and tests/test_host_syncs.py count them)."""
     if layout.ep_capacity_factor > 0:
         return 0
     if layout.ep_dedup:

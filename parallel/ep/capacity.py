@@ -1,6 +1,6 @@
 """Sync-free EP dispatch with a fixed capacity (`parallel.ep_capacity_factor` > 0).
 
-The direct dispatch (parallel/expert_parallel.py) needs the split sizes on the host: NCCL's
+The direct dispatch (parallel/ep/direct.py) needs the split sizes on the host: NCCL's
 all-to-all takes them as integers, so each MoE layer waits for the device once. Here every rank
 sends exactly C rows to every ep peer, C = ceil(factor x T K / P) (T K token copies of this rank),
 so the split sizes are the constant [C] * P and nothing is read back:
@@ -28,8 +28,8 @@ experts, C slots per peer, S = P C slots.
 import torch
 
 from models.experts import swiglu_experts
-from parallel.ep_plan import capacity_slots
-from parallel.expert_parallel import all_to_all, dispatch_rows
+from parallel.ep.direct import all_to_all, dispatch_rows
+from parallel.ep.plan import capacity_slots
 
 
 def capacity_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2, training: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ import threading
 import torch
 
 _ACTIVE = threading.local()  # .tape: the Tape of the checkpointed region running now on this thread (recording or
-# replaying), else None; per thread, as parallel/ep_pairing.py runs one micro-batch's forward beside another's backward
+# replaying), else None; per thread, as autograd may run a backward (and its recompute) on a thread of its own
 
 
 class Tape:

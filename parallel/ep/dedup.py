@@ -1,7 +1,7 @@
 """Node-deduplicated EP dispatch (`parallel.ep_dedup`): a token crosses to each destination node once.
 
 The `route` of parallel/ep/dispatcher.py `DedupDispatcher` (the dispatch interface, models/moe.py). For
-one MoE layer, on each rank (the plan: parallel/ep_plan.py, "dedup"):
+one MoE layer, on each rank (the plan: parallel/ep/plan.py, "dedup"):
   1. pairs: the distinct (token, node) pairs of this rank's routing, ordered by node then token;
      their counts and their expert copies' counts are exchanged with the gateways (all-to-all of 2
      ints per peer) and read on the host (host sync 1: split sizes),
@@ -9,15 +9,15 @@ one MoE layer, on each rank (the plan: parallel/ep_plan.py, "dedup"):
      other nodes) and K expert ids (-1 for experts on other nodes) go to the node's gateway
      (three all-to-alls; the only ones that cross nodes on the way out),
   3. fan-out: the gateway sorts the received copies by expert and runs the EP experts
-     (parallel/expert_parallel.py: count exchange, host sync 2, dispatch, grouped matmul, combine;
-     or their pieces pipelined, parallel/ep_overlap.py); every copy's expert is on the gateway's
+     (parallel/ep/direct.py: count exchange, host sync 2, dispatch, grouped matmul, combine;
+     or their pieces pipelined, parallel/ep/pieces.py); every copy's expert is on the gateway's
      node, so these rows stay inside it (the node hop itself is not pipelined),
   4. the gateway weights each copy's output and sums them per pair (index_add), and one row per
      pair goes back to the source (the only combine rows that cross nodes), which sums its nodes'
      rows per token.
 Every step is differentiable (index ops and autograd all-to-alls), so the backward mirrors it: the
 gradient of a pair's row crosses nodes once each way (under parallel.ep_combine_grad_dtype the node
-combine's and the fan-in's gradients as FP8 rows, parallel/ep_fp8.py: rounded twice). Exact up to the
+combine's and the fan-in's gradients as FP8 rows, parallel/ep/direct.py: rounded twice). Exact up to the
 summation order of the K weighted outputs (node partial sums, then across nodes): fp32 results equal
 the direct path's to a few ulps (tests/test_ep_dispatch.py).
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from models.moe import expert_counts
-from parallel.ep_keep import kept
-from parallel.ep_plan import Placement, expert_nodes, index_tensor, pair_order, pairs_per_node
-from parallel.expert_parallel import all_to_all, dispatch_rows
+from parallel.ep.direct import all_to_all, dispatch_rows
+from parallel.ep.keep import kept
+from parallel.ep.plan import Placement, expert_nodes, index_tensor, pair_order, pairs_per_node
 
 
 def dedup_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:

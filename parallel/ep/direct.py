@@ -1,4 +1,4 @@
-"""Expert parallelism, the direct dispatch: routed experts split over the `ep` axis on the expert dim.
+"""The direct EP dispatch, and the all-to-all of rows every route uses (in the compute dtype or in FP8).
 
 After `parallel/ep/dispatcher.apply_expert_parallel`, each GroupedExperts weight (w13 [E, 2F, D], w2
 [E, D, F]) is a DTensor Shard(0) over the ep mesh: ep rank p owns experts [p*L, (p+1)*L), L = E/ep. The
@@ -14,8 +14,19 @@ MoE layer's dispatcher (parallel/ep/dispatcher.py) runs, with the functions of t
 Both all-to-alls are autograd functions whose backward is the opposite all-to-all, so the expert
 weights get exactly the gradient of the tokens they saw. A rank or expert with no tokens computes
 an empty grouped matmul, which still yields a (zero) gradient for every local expert weight, so
-all ranks reduce the same gradients. Every EP exchange goes through `kept` (parallel/ep_keep.py:
+all ranks reduce the same gradients. Every EP exchange goes through `kept` (parallel/ep/keep.py:
 a recompute may read it back instead of sending again).
+
+FP8 rows (`parallel.ep_dispatch_dtype` / `ep_combine_grad_dtype = "float8_e4m3"`): each row x_D crosses
+as D float8_e4m3fn values q = x / s with one fp32 scale per token, s = max|x| / 448 (the format's
+largest finite value), packed with the scale into one uint8 row of D + 4 bytes (`encode`; half the bytes
+of bf16 rows), and dequantized on arrival (`decode`, q s in the compute dtype). The dispatch crosses so
+in forward and its gradient goes back unquantized (straight through); the combine's gradient (the expert
+outputs' gradient, in backward) crosses so and the forward combine stays in the compute dtype:
+DeepSeek-V3 (arXiv:2412.19437, "Low-Precision Storage and Communication") quantizes "the activation
+gradient before MoE down-projections" for that backward dispatch and keeps both combines in BF16, as
+here. Not exact: e4m3 keeps 3 mantissa bits (a relative rounding of up to 2^-4 per value);
+tests/test_ep_dispatch.py bounds each knob's effect by the bf16-vs-fp32 difference.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
 F expert hidden dim, E experts, L local experts (E/ep), P ep ranks, B = D + 4 bytes of a packed FP8 row.
@@ -28,9 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from models.experts import swiglu_experts
-from parallel.ep_fp8 import decode, encode
-from parallel.ep_keep import kept
-
+from parallel.ep.keep import kept
 
 @dataclass
 class ExchangedCounts:
@@ -102,7 +111,7 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def dispatch_rows(d, x_ND: torch.Tensor, out_splits, in_splits) -> torch.Tensor:
     """The dispatch all-to-all of activation rows over `d.group`, in FP8 when `d.config.dispatch_fp8`
-    (parallel/ep_fp8.py), else in x's dtype. A GPU dispatch backend would replace this call."""
+    (`encode`), else in x's dtype. A GPU dispatch backend would replace this call."""
     if d.config.dispatch_fp8:
         return _Fp8AllToAll.apply(x_ND, out_splits, in_splits, d.group)
     return all_to_all(x_ND, out_splits, in_splits, d.group)
@@ -124,12 +133,12 @@ def receive_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]
 
 class _AllToAll(torch.autograd.Function):
     """Autograd all-to-all; the backward sends each row's gradient back the way the row came (as FP8
-    rows, encoded before and decoded after, when `grad_fp8`: parallel/ep_fp8.py)."""
+    rows, encoded before and decoded after, when `grad_fp8`)."""
 
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group, grad_fp8=False):
         ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, grad_fp8
-        return kept("rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep_keep.py
+        return kept("rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep/keep.py
 
     @staticmethod
     def backward(ctx, grad_MD):
@@ -141,11 +150,40 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _Fp8AllToAll(_AllToAll):
-    """The dispatch with FP8 rows (parallel/ep_fp8.py); the backward is _AllToAll's (the gradient crosses
-    in x's dtype)."""
+    """The dispatch with FP8 rows; the backward is _AllToAll's (the gradient crosses in x's dtype)."""
 
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, False
         out_MB = kept("fp8_rows", lambda: receive_rows(encode(x_ND), out_splits, in_splits, group))  # FP8 rows
         return decode(out_MB, x_ND.dtype)
+
+
+# -- FP8 rows (module docstring)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_BYTES = 4
+
+
+def check_fp8_device(device_type: str, key: str = "ep_dispatch_dtype") -> None:
+    """ValueError (one line, naming parallel.`key`) where the device cannot convert to float8_e4m3fn."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"parallel.{key}='float8_e4m3': torch {torch.__version__} has no float8_e4m3fn")
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ValueError(f"parallel.{key}='float8_e4m3' needs a GPU with float8 support (compute "
+                         f"capability >= 8.9: Ada, Hopper or newer); this one is {major}.{minor}")
+
+
+def encode(x_ND: torch.Tensor) -> torch.Tensor:
+    """Rows -> packed uint8 [N, D + 4]: D e4m3 values, then the row's fp32 scale."""
+    scale_N1 = x_ND.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    q_ND = (x_ND.detach().float() / scale_N1).to(torch.float8_e4m3fn)
+    return torch.cat([q_ND.view(torch.uint8), scale_N1.view(torch.uint8)], dim=1)
+
+
+def decode(packed_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed rows -> rows in `dtype` (q s computed in fp32, then rounded to dtype)."""
+    q_ND = packed_NB[:, :-SCALE_BYTES].contiguous().view(torch.float8_e4m3fn)
+    scale_N1 = packed_NB[:, -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (q_ND.float() * scale_N1).to(dtype)
