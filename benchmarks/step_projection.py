@@ -23,7 +23,7 @@ token loads are assumed uniform):
               every micro-batch; HSDP all-reduce of the gradient shard over the replicate axis
               (every micro-batch; fewer with --grad-sync, parallel/overlap.py). Shards padded as
               FSDP2 pads them.
-  ep          every all-to-all of the MoE layers (parallel/ep_plan.py, the plan the runtime dispatches
+  ep          every all-to-all of the MoE layers (parallel/ep/plan.py, the plan the runtime dispatches
               with, for the layout's EP knobs: direct, node-dedup, fixed capacity, pieces, FP8), on
               the model's own Router's routing of sampled tokens scaled to the local tokens: forward,
               backward and the recompute of activation checkpointing (none with parallel.ep_recompute =
@@ -37,7 +37,7 @@ token loads are assumed uniform):
   optimizer   the sharded Muon step from the optimizer projection (benchmarks/projection.py's
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
-              (interleaved halves: one per half; parallel/ep_plan.host_syncs_per_layer; runtime/syncs.py,
+              (parallel/ep/plan.host_syncs_per_layer; runtime/syncs.py,
               measured by benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
 Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
@@ -54,22 +54,13 @@ Time (device model: benchmarks/lib/device_model.py links; compute rates below, o
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
 CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
-routed experts' matmuls (`exposed_ep_s`) and what `parallel.ep_interleave`'s halves hide behind the
-other half's compute (ep = the idle compute stream of the block's two-stream program,
-benchmarks/lib/ep_timeline.py, x MoE layers x micro-batches); with `parallel.ep_pair_micro_batches`
-(parallel/ep_pairing.py) micro-batch m+1's forward runs inside m's backward at its gradient waits:
-F(0) alone + (M - 1) pairs (`ep_timeline.paired_program`, the crossing layers unpaired) + B(M-1) alone
-(with pieces instead of halves the pairing is not modelled: projected unpaired, an upper bound);
-with `parallel.ep_recompute_ahead` the block below's recompute runs at this block's first dispatch-gradient
-wait (`ep_timeline.backward_program`, and inside the pairs);
---overlap-ep shows the what-if
+routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if
 max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
 SYNC_S of idle device.
 MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
-with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer (paired
-micro-batches, recompute ahead: `memory_bytes`); otherwise
+with training.activation_checkpoint = "full", one layer's plus a t x D checkpoint per layer; otherwise
 ("none", and "selective", counted like it: an upper bound) one layer's for every layer (the K2/V3 presets
 then need ~1 MB per token and layer and fit no layout). A layout "fits" below FIT_FRACTION of memory.
 """
@@ -87,9 +78,9 @@ if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make th
 
 import torch
 
-from benchmarks.lib import ep_projection, ep_timeline
+from benchmarks.lib import ep_projection
 from benchmarks.lib import network_model as net
-from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, RECOMPUTED, block_parts, flops_split, recompute_flops, seconds
+from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, flops_split, recompute_flops
 from benchmarks.lib.ep_projection import degrees_only, describe_knobs, dispatch_knobs, dispatch_variants, exposed_ep_s
 from benchmarks.lib.fsdp_traffic import (GPUS_PER_NODE, Link, all_gather, all_reduce, fsdp_traffic, fsdp_units,  # noqa: F401
                                          groups, on_wire, peers, unit_shard_numel)
@@ -130,7 +121,7 @@ def ep_seconds(stages: dict, device, expert_s: float, chunks: int, nodes: int, c
     the previous one's data), each as long as its slower link at the calibrated all-to-all efficiency of
     an EP group over `nodes` nodes, plus a latency per collective (`collectives[name]` per step); with
     pieces, the pipelined stages hide behind the routed experts' matmuls as `exposed_ep_s` says: the
-    direct dispatch and combine, or with dedup its node hop (parallel/ep_dedup_overlap.py: each piece's
+    direct dispatch and combine, or with dedup its node hop (parallel/ep/pieces.py: each piece's
     fan-out stays serial)."""
     seconds = {name: max(_ep_link_seconds(link, device, nodes)) + collectives[name] * net.LATENCY_S
                for name, link in stages.items()}
@@ -152,29 +143,6 @@ def ep_collectives(config, layout, micro_batches: int, activation_checkpoint: st
         pieces = layout.ep_overlap_chunks if name in pipelined and layout.ep_overlap_chunks > 1 else 1
         out[name] = n * calls * pieces
     return out
-
-
-def interleaved_ep_s(config, layout, local_tokens: int, micro_batches: int, act_bytes: int, seq_len: int,
-                     activation_checkpoint: str, device, rates: dict, skew: float = 1.0) -> float:
-    """EP seconds on the critical path per step with `parallel.ep_interleave`: the interleaved MoE
-    block's program (benchmarks/lib/ep_timeline.py) with each compute op's seconds from its parts'
-    forward FLOPs (benchmarks/lib/block_flops.py) x the local tokens at their rates, and each
-    all-to-all's from one exchange's bytes per direction (ep_projection.layer_bytes: the dispatch plan,
-    gradients as they cross), each as long as its slower link; x MoE layers x micro-batches."""
-    placement = ep_placement(config, layout)
-    per_layer = ep_projection.layer_bytes(config, layout, placement, local_tokens, act_bytes)
-    comm_s = {name: tuple(max(_ep_link_seconds(Link(*b).scale(skew), device, placement.n_nodes)) + net.LATENCY_S
-                          for b in directions) for name, directions in per_layer.items()}
-    parts = next(p for p in block_parts(config, seq_len) if "routed" in p)  # every MoE block has the same shapes
-    rerun = RECOMPUTED[activation_checkpoint]
-    ops = ep_timeline.OP_PARTS.items()
-    compute_s = {"forward": {op: local_tokens * seconds(parts, names, rates) * (skew if op == "experts" else 1)
-                             for op, names in ops},
-                 "recompute": {op: local_tokens * seconds(parts, [n for n in names if n in rerun], rates)
-                               for op, names in ops}}
-    return ep_timeline.step_exposed_s(compute_s, comm_s, config.n_layers - config.n_dense_layers, micro_batches,
-                                      activation_checkpoint, layout.ep_recompute, layout.ep_pair_micro_batches,
-                                      layout.ep_recompute_ahead)
 
 
 def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: int, act_bytes: int,
@@ -200,15 +168,15 @@ def cp_traffic(config, layout, local_tokens: int, seq_len: int, micro_batches: i
 
 def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = "none") -> int:
     """1 per step + under EP the dispatch's split-size readbacks per MoE layer and micro-batch
-    (parallel/ep_plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, interleaved 2, fixed
-    capacity 0), twice when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts
-    reuses the split sizes read before their call, and reads again those read inside it: the pieces'
-    (parallel/ep_overlap.py: 1; with dedup each piece's fan-out: n); any recompute with
+    (parallel/ep/plan.host_syncs_per_layer: direct and overlapped 1, dedup 2, fixed capacity 0), twice
+    when "full" checkpointing reruns the whole MoE layer (a "selective" recompute of the experts reuses
+    the split sizes read before their call, and reads again those read inside it: the pieces'
+    (parallel/ep/pieces.py: 1; with dedup each piece's fan-out: n); any recompute with
     parallel.ep_recompute = "keep" reads none)."""
     from parallel.ep.plan import host_syncs_per_layer
 
     per_layer = host_syncs_per_layer(layout)
-    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep_keep.py)
+    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep/keep.py)
         per_layer *= 2
     elif layout.ep_recompute == "resend" and activation_checkpoint == "selective" and layout.ep_overlap_chunks > 1:
         per_layer += layout.ep_overlap_chunks if layout.ep_dedup else 1  # read inside the experts' call
@@ -216,17 +184,12 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
 
 
 def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int, grad_sync: str = "every",
-                 param_bytes: int = 4, activation_checkpoint: str = "full", ep_nodes_per_token: float = 1.0,
-                 micro_batches: int = 1) -> dict:
+                 param_bytes: int = 4, activation_checkpoint: str = "full",
+                 ep_nodes_per_token: float = 1.0) -> dict:
     """Per GPU (module docstring): states of the local shards, two unsharded units (in param_bytes),
     activations (with parallel.ep_recompute = "keep", every MoE layer's kept all-to-all buffers per
-    micro-batch, parallel/ep_keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
-    gradients of every unit. With parallel.ep_pair_micro_batches a second micro-batch's forward runs
-    inside the backward (benchmarks/lib/ep_timeline.paired_program): two more unsharded units, one more
-    layer's working activations, the kept buffers of `paired_kept_layers` MoE layers instead of n, and
-    the layer inputs of both micro-batches' unfinished layers (n_layers + dense layers + the extra MoE
-    layers; launch/estimate_memory.py counts it block by block). With parallel.ep_recompute_ahead one more
-    layer's working activations: the block below recomputes while this block's backward still runs."""
+    micro-batch, parallel/ep/keep.kept_bytes_per_layer), and with grad_sync="last" the unsharded fp32
+    gradients of every unit."""
     from models.splits import muon_splits
 
     muon = muon_splits(model)
@@ -241,18 +204,13 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     head = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) if c.attn == "mla" else 2 * c.head_dim
     per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
     n_moe = c.n_layers - c.n_dense_layers
-    paired = layout.ep_pair_micro_batches and micro_batches > 1
-    kept_moe = ep_timeline.paired_kept_layers(n_moe) if paired else n_moe  # MoE layers' kept buffers at the peak
-    inputs = c.n_layers + (c.n_dense_layers + kept_moe - n_moe if paired else 0)  # layer inputs alive at the peak
-    working = (2 if paired else 1) + layout.ep_recompute_ahead  # layers computing: B's, F's, ahead the one below
-    kept_layers = working * per_token_layer + inputs * c.dim if activation_checkpoint == "full" else \
-        inputs * per_token_layer
+    kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
+        c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
-    gathered *= 2 if paired else 1  # F's units too
-    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep_keep.py
+    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep/keep.py
         from parallel.ep.keep import kept_bytes_per_layer
 
-        activations += kept_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
+        activations += n_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -291,10 +249,9 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro, checkpointing)
-    shapes = {"local_tokens": local_tokens, "micro": micro, "act_bytes": act_bytes, "seq": seq,
-              "checkpointing": checkpointing, "expert_s": split["experts"] / rates["grouped_mm_bf16"],
+    shapes = {"micro": micro, "checkpointing": checkpointing, "expert_s": split["experts"] / rates["grouped_mm_bf16"],
               "fsdp_collectives": 3 * len(units) * micro, "cp_collectives": 2 * c.n_layers * micro * (layout.cp > 1)}
-    times = {skew: step_times(c, layout, device, rates, args, compute, ep_stages, fsdp_total, cp, shapes, skew)
+    times = {skew: step_times(c, layout, device, args, compute, ep_stages, fsdp_total, cp, shapes, skew)
              for skew in (1.0, SKEW_LOW)}
     t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": syncs * SYNC_S}
     t["step"] += opt_s + syncs * SYNC_S
@@ -304,7 +261,7 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
             per_gpu / step, per_gpu / step / min(net.CALIBRATION_RATIOS))
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
-                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token, micro)
+                          DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
     gb = lambda link: {"intra_gb": link.intra / 1e9, "inter_gb": link.inter / 1e9}  # noqa: E731
     return {
         "layout": describe(layout), "world": layout.world_size, "tokens_per_step": tokens, "micro_batches": micro,
@@ -322,21 +279,16 @@ def project_layout(config_job, layout, device, rates: dict, args, optimizer=True
     }
 
 
-def step_times(c, layout, device, rates, args, compute: float, ep_stages: dict, fsdp_total, cp, shapes: dict,
+def step_times(c, layout, device, args, compute: float, ep_stages: dict, fsdp_total, cp, shapes: dict,
                skew: float) -> dict:
     """The time terms of one row (module docstring) with the busiest EP rank at `skew` x the mean bytes
     and routed-expert compute; without the optimizer and host syncs."""
     compute = compute + (skew - 1) * shapes["expert_s"]
     stages = {name: link.scale(skew) for name, link in ep_stages.items()}
     nodes = ep_placement(c, layout).n_nodes if layout.ep > 1 else 1
-    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes,
-                        ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
-    if layout.ep_interleave:
-        ep_s = interleaved_ep_s(c, layout, shapes["local_tokens"], shapes["micro"], shapes["act_bytes"], shapes["seq"],
-                                shapes["checkpointing"], device, rates, skew)
-    else:
-        ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes,
-                          ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages))
+    collectives = ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages)
+    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes, collectives)
+    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes, collectives)
     cp_s = max(_link_seconds(cp, device)) + shapes["cp_collectives"] * net.LATENCY_S
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     fsdp_network_s += shapes["fsdp_collectives"] * net.LATENCY_S
@@ -356,13 +308,11 @@ def cpu_paths(layout) -> list[str]:
     knobs = dispatch_knobs(layout)
     paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
     if layout.ep > 1:
-        paths.append("parallel/ep_plan.py (tests/test_ep_dispatch.py: EP bytes)")
-    names = {"ep_dedup": "parallel/ep_dedup*.py", "ep_interleave": "parallel/ep_interleave.py",
-             "ep_pair_micro_batches": "parallel/ep_pairing.py", "ep_recompute_ahead": "parallel/recompute_ahead.py"}
-    paths += [path for knob, path in names.items() if knobs.get(knob)]
-    paths += ["parallel/ep_overlap.py"] * (knobs["ep_overlap_chunks"] > 1)
-    paths += ["parallel/ep_fp8.py"] * (knobs["ep_dispatch_dtype"] != "compute")
-    paths += ["parallel/ep_keep.py"] * (knobs.get("ep_recompute") == "keep")
+        paths.append("parallel/ep/plan.py (tests/test_ep_dispatch.py: EP bytes)")
+    paths += ["parallel/ep/dedup.py"] * knobs["ep_dedup"]
+    paths += ["parallel/ep/pieces.py"] * (knobs["ep_overlap_chunks"] > 1)
+    paths += ["parallel/ep/direct.py (FP8 rows)"] * (knobs["ep_dispatch_dtype"] != "compute")
+    paths += ["parallel/ep/keep.py"] * (knobs.get("ep_recompute") == "keep")
     return paths
 
 
@@ -458,21 +408,24 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
     for world in worlds:
         scaled = scaled_job(job, world, config_world)
         base = job.layout(world) if world == config_world else None
+        layouts = {}
         for name, layout in candidate_layouts(scaled, world, base).items():
-            rows += project_variants(scaled, name, layout, device, rates, args)
-        recommend([r for r in rows if r["world"] == world], world)
+            layouts |= variants(scaled, name, layout, args)
+        rows += recommend(project_rows(scaled, layouts, device, rates, args), world, scaled, layouts, args)
     return rows
 
 
-def project_variants(job, name, layout, device, rates, args) -> list[dict]:
-    """The rows of one layout: with its own dispatch knobs, then with every other combination the
+def variants(job, name, layout, args) -> dict:
+    """{row name: layout} of one layout: with its own dispatch knobs, then with every other combination the
     runtime implements (`dispatch_variants`), named name+variant."""
-    variants = {name: layout}
     checkpointing = resolved(job, args)["activation_checkpoint"]
-    others = dispatch_variants(layout, checkpointing, job.training.grad_accum)
-    variants |= {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
+    others = dispatch_variants(layout, checkpointing)
+    return {name: layout} | {f"{name}+{v}": lay for v, lay in others.items() if lay != layout}
+
+
+def project_rows(job, layouts: dict, device, rates, args) -> list[dict]:
     rows = []
-    for row_name, lay in variants.items():
+    for row_name, lay in layouts.items():
         row = project_layout(job, lay, device, rates, args)
         row["name"] = row_name
         rows.append(row)
@@ -480,14 +433,33 @@ def project_variants(job, name, layout, device, rates, args) -> list[dict]:
     return rows
 
 
-def recommend(rows: list[dict], world: int) -> dict:
-    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`."""
-    best = min([r for r in rows if r["fits"]] or rows, key=lambda r: r["time_s"]["step"])
+def recommend(rows: list[dict], world: int, job, layouts: dict, args) -> list[dict]:
+    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`: by the coarse memory
+    model, or with --memory-estimate by launch/estimate_memory.py (rank 0, uniform routing), run on the rows
+    in order of step time until one fits (each checked row gets "estimate_gib")."""
+    by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
+    if args.memory_estimate:
+        best = next((r for r in by_time if estimate_fits(r, job, layouts[r["name"]], args.device)), by_time[0])
+        fits = best["estimate_fits"]
+    else:
+        best = next((r for r in by_time if r["fits"]), by_time[0])
+        fits = best["fits"]
     best["recommended"] = True
     print(f"  recommended at {world} GPUs: {best['name']}: {best['layout']} {describe_knobs(best['dispatch'])} "
-          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if best['fits'] else ', does NOT fit memory'})",
+          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if fits else ', does NOT fit memory'})",
           flush=True)
-    return best
+    return rows
+
+
+def estimate_fits(row: dict, job, layout, device: str) -> bool:
+    """Whether launch/estimate_memory.py says `layout` fits `device` (rank 0, uniform routing); recorded in the row."""
+    from launch.estimate_memory import Job, estimate
+
+    result = estimate(Job(job, layout, 0, device))
+    row["estimate_gib"], row["estimate_fits"] = result["total_gib"], result["fits"]
+    print(f"  memory estimate of {row['name']} ({row['layout']}): {result['total_gib']:.1f} GiB, "
+          f"{'fits' if result['fits'] else 'does NOT fit'}", flush=True)
+    return result["fits"]
 
 
 HEADER = ("world layout                                   dispatch       step s  compute recomp  ep s  cp s "
@@ -530,11 +502,14 @@ def parse_args(argv=None):
                    help="override the config's training.grad_sync (parallel/overlap.py)")
     p.add_argument("--overlap-ep", action="store_true",
                    help="what-if: step = max(compute, EP + CP) instead of their sum: every EP/CP collective hidden "
-                        "behind compute, an upper bound beyond what any runtime path does (ep_overlap_chunks and "
-                        "ep_interleave hide part of it: their rows without this flag)")
+                        "behind compute, an upper bound beyond what any runtime path does (ep_overlap_chunks "
+                        "hides part of it: its rows without this flag)")
     p.add_argument("--compare", default="",
                    help="comma-separated world sizes: candidate layouts at each (e.g. 256,1024)")
     p.add_argument("--memory-gib", type=float, default=139.0, help="device memory for the fit check (H200: 139)")
+    p.add_argument("--memory-estimate", action="store_true",
+                   help="recommend the fastest row that fits by launch/estimate_memory.py (--device h100|h200; "
+                        "rank 0, uniform routing) instead of the coarse memory model")
     return p.parse_args(argv)
 
 
@@ -552,6 +527,8 @@ def main(argv=None) -> dict:
     from runtime.config import load_config
 
     args = parse_args(argv)
+    if args.memory_estimate and args.device not in ("h100", "h200"):
+        raise ValueError(f"--memory-estimate: launch/estimate_memory.py knows h100 and h200, not --device {args.device}")
     job = load_config(["--config", args.config])
     check_outputs([("--json", args.json)], config_inputs(args.config, job)
                   + [("the --calibration file", args.calibration)])
@@ -569,8 +546,8 @@ def main(argv=None) -> dict:
     if args.compare:
         rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
     else:
-        rows = project_variants(job, "config", job.layout(world), device, rates, args)
-        recommend(rows, world)
+        layouts = variants(job, "config", job.layout(world), args)
+        rows = recommend(project_rows(job, layouts, device, rates, args), world, job, layouts, args)
     out = {"config": args.config, "device": device.__dict__, "rates_tflops": {k: v / 1e12 for k, v in rates.items()},
            **used, "cp_gather": args.cp_gather, "memory_note": MEMORY_NOTE, "rows": rows}
     if args.json:

@@ -1,7 +1,7 @@
 """Per-rank peak memory of a training job before launch: no GPU, no process group.
 
     python launch/estimate_memory.py --config configs/kimi_k2_256gpu.toml [--world 256] [--device h200]
-                                     [--rank 0] [--json PATH]
+                                     [--rank 0] [--routing-skew 1.0] [--json PATH]
 
 What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards):
   params        fp32 master shards (placements of parallel/fsdp.py, boxes of models/boxes.py)
@@ -20,12 +20,13 @@ What is counted, for one rank (default rank 0, which holds the largest torch.chu
                 kernel: GQA with a mask) is dropped: the fused kernels keep only a log-sum-exp per row.
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
                 (selective) while it is recomputed in backward
-  dispatch      expert parallelism: the received token copies and the combine output of one MoE layer
+  dispatch      expert parallelism: the received token copies and the combine output of one MoE layer,
+                x --routing-skew (the busiest ep rank's share of the routed rows over the mean; 1.0: uniform)
   ep_kept       parallel.ep_recompute = "keep" under checkpointing: every MoE layer's kept all-to-all
                 receive buffers until its backward (parallel/ep/keep.kept_bytes_per_layer, the mean over
                 ranks; dedup: at most min(K, nodes of the ep group, n_limited_groups x nodes a group spans) nodes per token); at block l's
                 backward, those of blocks 0..l (the dispatch term above still counts the recompute's
-                working copies: an upper bound)
+                working copies: an upper bound), x --routing-skew as the dispatch
   logits        logits and their gradient in the compute dtype, plus one fp32 loss chunk (x3: upcast,
                 log-softmax, gradient; parallel/gradients.py)
   muon_step     the optimizer step's transients: STEP_BUCKETS x this rank's largest bucket of blocks
@@ -41,6 +42,7 @@ peak, the total is the sharded state, runtime and muon_step).
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -82,6 +84,7 @@ class Job:
     layout: object
     rank: int
     device: str
+    routing_skew: float = 1.0  # the busiest ep rank's routed rows over the mean (dispatch and kept buffers)
 
     @property
     def tokens(self) -> tuple[int, int]:
@@ -207,6 +210,7 @@ def _total(snapshot) -> int:
     return sum(v["Total"] for v in snapshot.values())
 
 
+@functools.lru_cache(maxsize=None)  # the same probes for every layout of one model (benchmarks/step_projection.py)
 def block_fits(model_config, layer_id: int, dtype, modes, moe: bool) -> dict:
     """{mode: (a, b, e)}: kept bytes per sequence of length S = a*S + b*S^2 (+ e*S*E for an MoE block)."""
     e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
@@ -259,8 +263,7 @@ def step_peak(job: Job, kept_L, recompute_L, edges) -> tuple[float, dict]:
                         "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": lg}}
     for l in range(len(kept_L)):
         moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[: l + 1]) + edges,
-                                 "recompute": recompute_L[l],
-                                 "dispatch": disp if moe[l] else 0,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
                                  "ep_kept": ep_kept * sum(moe[: l + 1]), "logits": 0}
     at = max(moments, key=lambda k: sum(moments[k].values()))
     return at, moments[at]
@@ -273,11 +276,12 @@ def dispatch(job: Job) -> int:
     if job.layout.ep == 1 or not cfg.n_moe_layers:
         return 0
     n_seq, s_local = job.tokens
-    return 2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c
+    return int(2 * n_seq * s_local * cfg.n_activated_experts * cfg.dim * job.c * job.routing_skew)
 
 
 def kept_rows(job: Job) -> float:
-    """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0)."""
+    """Bytes one MoE layer keeps for its recompute under parallel.ep_recompute = "keep" (else 0), on the
+    busiest ep rank (x job.routing_skew)."""
     from parallel.ep.keep import kept_bytes_per_layer
 
     cfg, layout = job.config.model, job.layout
@@ -293,7 +297,7 @@ def kept_rows(job: Job) -> float:
         span = max(len(set(node_of_expert[g * per_group:(g + 1) * per_group])) for g in range(cfg.n_expert_groups))
         nodes = min(nodes, cfg.n_limited_groups * span)
     n_seq, s_local = job.tokens
-    return kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
+    return job.routing_skew * kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
 
 
 def logits(job: Job) -> int:
@@ -347,6 +351,7 @@ def estimate(job: Job) -> dict:
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, parts, total),
             "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
             "activation_gib_per_block": per_block, "rank": job.rank, "world": job.layout.world_size,
+            "routing_skew": job.routing_skew,
             "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
 
 
@@ -375,6 +380,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--world", type=int, default=None, help="world size (default: the product of the config's dense degrees)")
     ap.add_argument("--device", choices=tuple(DEVICES), default="h200")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--routing-skew", type=float, default=1.0,
+                    help="the busiest ep rank's routed rows over the mean: scales its dispatch and kept EP buffers "
+                         "(1.0: uniform routing; the projection's low band uses 1.2)")
     ap.add_argument("--json", default=None)
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -406,16 +414,19 @@ def job_from_args(args, overrides: list[str]) -> Job:
         raise ValueError(f"--world {world}: must be >= 1")
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank {args.rank}: must be in 0..{world - 1} for a world of {world}")
+    if not args.routing_skew >= 1.0:  # also refuses nan
+        raise ValueError(f"--routing-skew {args.routing_skew}: must be >= 1.0 (the busiest rank over the mean)")
     if args.json:
         check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
-    return Job(config, config.layout(world), args.rank, args.device)
+    return Job(config, config.layout(world), args.rank, args.device, args.routing_skew)
 
 
 def format_table(r: dict) -> str:
     rows = [f"  {k:<13}{v:9.2f} GiB" for k, v in r["per_rank_gib"].items()]
     device = "cpu (no limit)" if r["device_gib"] is None else f"{r['device_gib']:.1f} GiB"
     verdict = "fits" if r["fits"] else "does NOT fit: " + "; ".join(r["suggestions"])
-    return "\n".join([f"rank {r['rank']} of {r['world']}, micro-batch {r['micro_batch']}", *rows,
+    skew = "" if r["routing_skew"] == 1.0 else f", routing skew {r['routing_skew']:g}"
+    return "\n".join([f"rank {r['rank']} of {r['world']}, micro-batch {r['micro_batch']}{skew}", *rows,
                       f"  {'peak':<13}{r['total_gib']:9.2f} GiB  (device {device}): {verdict}"])
 
 

@@ -80,6 +80,8 @@ ESTIMATE_MISTAKES = {
                               "parallel.cp=1 = 256 ranks, but the world size is 8"),
     "rank_too_large": (["--world", "2", "--rank", "2"], "--rank 2: must be in 0..1 for a world of 2"),
     "rank_negative": (["--world", "2", "--rank", "-1"], "--rank -1: must be in 0..1 for a world of 2"),
+    "routing_skew_below_one": (["--world", "2", "--routing-skew", "0.8"], "--routing-skew 0.8: must be >= 1.0"),
+    "routing_skew_nan": (["--world", "2", "--routing-skew", "nan"], "--routing-skew nan: must be >= 1.0"),
     "json_in_a_missing_directory": (["--world", "2", "--json", "{tmp}/nodir/e.json"],
                                     "--json {tmp}/nodir/e.json: {tmp}/nodir does not exist"),
     "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp} is a directory; give a file such as {tmp}/estimate.json"),
@@ -129,3 +131,19 @@ def test_muon_step_transients_are_step_buckets_x_the_largest_bucket():
         for overlap, ratio in ratios.items():
             assert 0.8 * STEP_BUCKETS[overlap] <= ratio <= STEP_BUCKETS[overlap], (overlap, ratio)
 
+
+def test_routing_skew_scales_the_busiest_rank_s_dispatch_and_kept_buffers_only():
+    """--routing-skew s: the busiest ep rank receives s x the mean routed rows, so its dispatch buffers and the
+    EP buffers it keeps for the recompute (ep_recompute = "keep") are s x the uniform estimate; every other
+    part is unchanged, and the peak (a block's backward, where both are alive) grows by their difference."""
+    argv = ["--config", "configs/debug.toml", "--parallel.dp_replicate=1", "--parallel.dp_shard=2",
+            "--parallel.cp=1", "--parallel.ep=2", "--parallel.edp_replicate=1", "--parallel.edp_shard=1",
+            "--training.activation_checkpoint=full", "--parallel.ep_recompute=keep"]
+    config = load_config(argv)
+    uniform, skewed = (estimate(Job(config, config.layout(2), 0, "cpu", skew)) for skew in (1.0, 1.2))
+    a, b = uniform["per_rank_gib"], skewed["per_rank_gib"]
+    assert uniform["peak_at"] == skewed["peak_at"] != "optimizer step" and a["dispatch"] > 0 and a["ep_kept"] > 0
+    for part in a:
+        assert b[part] == pytest.approx(1.2 * a[part] if part in ("dispatch", "ep_kept") else a[part], rel=1e-6), part
+    grown = skewed["total_gib"] - uniform["total_gib"]
+    assert grown == pytest.approx(0.2 * (a["dispatch"] + a["ep_kept"]), rel=1e-6) and skewed["routing_skew"] == 1.2

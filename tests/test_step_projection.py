@@ -242,3 +242,51 @@ def test_blocks_forward_is_a_third_of_the_model_flops_without_the_head():
         c = PRESETS[name]
         blocks = sum(sum(parts.values()) for parts in block_parts(c, seq))
         assert 3 * blocks + 6 * (c.vocab_size * c.dim + c.dim) == flops_per_token(c, seq)  # + output head, norm
+
+
+def test_dispatch_variants_are_the_runtime_s_combinations():
+    """Every row variant is a combination of the dispatch knobs the runtime implements: direct, FP8, pieces,
+    node dedup and fixed capacity, FP8 ones also with an FP8 combine gradient, and under checkpointing each
+    also with ep_recompute = "keep"; each variant sets exactly the knobs its name says."""
+    import dataclasses
+
+    from benchmarks.lib.ep_projection import degrees_only, dispatch_knobs, dispatch_variants
+
+    layout = dataclasses.replace(load_config(ARGS).layout(8), ep=8, edp_shard=1)
+    base = ["direct", "fp8", "overlap2", "overlap2_fp8", "dedup", "dedup_overlap2", "dedup_fp8", "dedup_overlap2_fp8",
+            "capacity1.25", "capacity1.25_fp8"]
+    base += [f"{name}_fp8g" for name in base if "fp8" in name]
+    assert list(dispatch_variants(layout, "none")) == base
+    assert list(dispatch_variants(layout, "full")) == base + [f"{name}_keep" for name in base]
+    default = dispatch_knobs(degrees_only(layout))
+    for name, lay in dispatch_variants(layout, "selective").items():
+        changed = {k for k, v in dispatch_knobs(lay).items() if v != default[k]}
+        said = {"ep_dedup": "dedup" in name, "ep_overlap_chunks": "overlap2" in name,
+                "ep_capacity_factor": "capacity" in name, "ep_dispatch_dtype": "_fp8" in f"_{name}",
+                "ep_combine_grad_dtype": "fp8g" in name, "ep_recompute": "keep" in name}
+        assert changed == {k for k, on in said.items() if on}, name
+    assert dispatch_variants(dataclasses.replace(layout, ep=1, edp_shard=8), "full") == {}
+
+
+def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch, capsys):
+    """--memory-estimate walks the rows in order of step time through launch/estimate_memory.py and stops at
+    the first that fits: with the two fastest refused, the third is recommended and no fourth is estimated."""
+    import launch.estimate_memory as estimate_memory
+    from benchmarks.step_projection import main
+
+    estimated = []
+
+    def fake_estimate(job):
+        estimated.append(job.layout)
+        return {"total_gib": 150.0 - len(estimated), "fits": len(estimated) > 2}
+
+    monkeypatch.setattr(estimate_memory, "estimate", fake_estimate)
+    rows = main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate"])["rows"]
+    by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
+    assert len(estimated) == 3 and [r.get("estimate_fits") for r in by_time[:4]] == [False, False, True, None]
+    assert [r.get("recommended", False) for r in by_time[:3]] == [False, False, True]
+    assert sum(1 for r in rows if r.get("recommended")) == 1
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate", "--device", "b200"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("launch/estimate_memory.py knows h100 and h200, not --device b200")

@@ -1,12 +1,11 @@
-"""EP traffic for the whole-step projection, from the runtime's dispatch plan (parallel/ep_plan.py).
+"""EP traffic for the whole-step projection, from the runtime's dispatch plan (parallel/ep/plan.py).
 
 benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch combination
-(`dispatch_variants`): the stages of parallel/ep_plan.layer_traffic, the code the runtime dispatches
+(`dispatch_variants`): the stages of parallel/ep/plan.layer_traffic, the code the runtime dispatches
 with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
 byte is one the runtime would send for that routing (tests/test_ep_dispatch.py checks it to the byte
-on real 8-rank runs); the host syncs come from parallel/ep_plan.host_syncs_per_layer; the overlap is
-modelled as the runtime does it (`exposed_ep_s`; the interleaved halves: benchmarks/lib/ep_timeline.py on
-`layer_bytes`).
+on real 8-rank runs); the host syncs come from parallel/ep/plan.host_syncs_per_layer; the overlap is
+modelled as the runtime does it (`exposed_ep_s`).
 """
 
 import dataclasses
@@ -18,7 +17,7 @@ import torch
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
 EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
-PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep_overlap.py)
+PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep/pieces.py)
 NODE_HOP_STAGES = ("node_dispatch", "node_weights", "node_ids", "node_combine")  # with dedup (ep_dedup_overlap.py)
 
 
@@ -50,11 +49,11 @@ def placement(config, size: int, stride: int, gpus_per_node: int):
 
 
 def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
-    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep_plan.layer_traffic) for
+    """One MoE layer's all-to-alls from the runtime's dispatch plan (parallel/ep/plan.layer_traffic) for
     this routing (experts_TK per ep index) and the layout's dispatch knobs."""
     from parallel.ep.plan import layer_traffic
 
-    fp8_row = config.dim + 4  # parallel/ep_fp8.py: D e4m3 values and one fp32 scale per row
+    fp8_row = config.dim + 4  # parallel/ep/direct.py (FP8 rows): D e4m3 values and one fp32 scale per row
     dispatch = fp8_row if layout.ep_dispatch_dtype == "float8_e4m3" else None
     combine_grad = fp8_row if layout.ep_combine_grad_dtype == "float8_e4m3" else None
     return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
@@ -67,7 +66,7 @@ def ep_bytes(config, layout, placement, local_tokens: int, micro_batches: int, a
     """({stage name: (intra-node, inter-node bytes one rank sends per step)}, distinct nodes per token):
     `layer_bytes` of each exchange, forward (as often as `forward_passes` says: once, plus what
     activation checkpointing reruns: full, the layer's forward; selective, the experts' dispatch and
-    combine; nothing with parallel.ep_recompute = "keep", parallel/ep_keep.py) and backward, every MoE
+    combine; nothing with parallel.ep_recompute = "keep", parallel/ep/keep.py) and backward, every MoE
     layer and micro-batch."""
     from parallel.ep.plan import distinct_nodes_per_token
 
@@ -86,7 +85,7 @@ def layer_bytes(config, layout, placement, local_tokens: int, act_bytes: int) ->
     exchange of each all-to-all of one MoE layer and micro-batch: the dispatch plan on the model's own
     routing of SAMPLE_TOKENS tokens per ep rank, mean over the ep ranks, token-proportional stages
     scaled to `local_tokens` (the count exchanges not); backward: the gradient rows
-    (parallel/ep_plan.sent_bytes(..., backward=True)), none for integer stages."""
+    (parallel/ep/plan.sent_bytes(..., backward=True)), none for integer stages."""
     from parallel.ep.plan import sent_bytes
 
     routing = sampled_routing(config, layout.ep)
@@ -103,14 +102,12 @@ def forward_passes(stage_name: str, activation_checkpoint: str, layout) -> int:
     """How often a stage's forward all-to-all runs per MoE layer and micro-batch: once, plus what
     activation checkpointing reruns (full: the layer's forward; selective: the all-to-alls issued inside
     the experts' call, `expert_call_stages`); none with `parallel.ep_recompute = "keep"`, whose recompute
-    replays what the forward received (parallel/ep_keep.py). Its backward (differentiable stages) runs once.
-    With `parallel.ep_interleave` each half of the micro-batch exchanges its own counts: twice per pass."""
-    per_pass = 2 if layout.ep_interleave and stage_name == "counts" else 1
+    replays what the forward received (parallel/ep/keep.py). Its backward (differentiable stages) runs once."""
     if layout.ep_recompute == "keep":
-        return per_pass
+        return 1
     reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
     selective = activation_checkpoint == "selective" and stage_name in expert_call_stages(layout)
-    return per_pass * (1 + reruns + selective)
+    return 1 + reruns + selective
 
 
 def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint: str, layout) -> tuple[int, int]:
@@ -131,8 +128,8 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
 def expert_call_stages(layout) -> tuple:
     """The all-to-alls issued inside the GroupedExperts call (what `activation_checkpoint = "selective"`
     reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
-    pieces also the count exchange (parallel/ep_overlap.py), and with dedup in pieces the whole node hop
-    (parallel/ep_dedup_overlap.py; an upper bound there: torch's checkpoint stops the recompute after the
+    pieces also the count exchange (parallel/ep/pieces.py), and with dedup in pieces the whole node hop
+    (parallel/ep/pieces.py; an upper bound there: torch's checkpoint stops the recompute after the
     last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
     if layout.ep_overlap_chunks > 1 and layout.ep_dedup:
         return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
@@ -141,7 +138,7 @@ def expert_call_stages(layout) -> tuple:
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
     """EP seconds on the critical path. Without overlap all of them. With n pieces
-    (parallel/ep_overlap.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
+    (parallel/ep/pieces.py), a layer's all-to-alls (C) and grouped matmuls (E) pipeline: the first
     piece's dispatch and the last piece's combine wait for / are waited for by nothing, so the layer
     takes max(E + C/n, C + E/n), of which max(C/n, C - E (n-1)/n) beyond the matmuls. Only the routed
     experts' matmuls hide all-to-alls (the runtime overlaps nothing else with them)."""
@@ -150,50 +147,38 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
     return max(ep_s / chunks, ep_s - expert_s * (chunks - 1) / chunks)
 
 
+DISPATCH_KNOBS = ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
+                  "ep_combine_grad_dtype")  # the layout's EP dispatch knobs the projection varies
+
+
 def dispatch_knobs(layout) -> dict:
-    return {k: getattr(layout, k) for k in ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype",
-                                            "ep_recompute", "ep_interleave", "ep_combine_grad_dtype",
-                                            "ep_pair_micro_batches", "ep_recompute_ahead")}
+    return {k: getattr(layout, k) for k in DISPATCH_KNOBS}
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
     return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_interleave=False,
-                               ep_combine_grad_dtype="compute", ep_pair_micro_batches=False,
-                               ep_recompute_ahead=False)
+                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_combine_grad_dtype="compute")
 
 
-def dispatch_variants(layout, activation_checkpoint: str = "none", micro_batches: int = 1) -> dict:
-    """{name: layout} for every EP dispatch combination the runtime implements (parallel/layout.py refuses
-    the others: the interleaved halves not with dedup, capacity or pieces), ep > 1 only; each with FP8
+def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
+    """{name: layout} for every EP dispatch combination the runtime implements, ep > 1 only; each with FP8
     dispatch also with its combine gradient in FP8 (`_fp8g`: the low-precision communication DeepSeek-V3
-    uses, parallel/ep_fp8.py; not alone, to keep the list short); under activation checkpointing each
-    also with ep_recompute = "keep"; with more than one micro-batch each interleaved one also with
-    ep_pair_micro_batches (`_pair`: no other bytes, less exposed, benchmarks/lib/ep_timeline.py; the
-    pairing of pieces is not modelled, so not listed); under full checkpointing each interleaved one also
-    with ep_recompute_ahead (`_ahead`: the block below recomputes while the dispatch gradient crosses)."""
+    uses, parallel/ep/direct.py (FP8 rows); not alone, to keep the list short); under activation checkpointing each
+    also with ep_recompute = "keep"."""
     if layout.ep == 1:
         return {}
     base = degrees_only(layout)
     fp8, dedup, overlap = {"ep_dispatch_dtype": "float8_e4m3"}, {"ep_dedup": True}, {"ep_overlap_chunks": 2}
-    interleave = {"ep_interleave": True}
     combos = {"direct": {}, "fp8": fp8, "overlap2": overlap, "overlap2_fp8": overlap | fp8,
               "dedup": dedup, "dedup_overlap2": dedup | overlap, "dedup_fp8": dedup | fp8,
               "dedup_overlap2_fp8": dedup | overlap | fp8,
               "capacity1.25": {"ep_capacity_factor": 1.25},
-              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8,
-              "interleave": interleave, "interleave_fp8": interleave | fp8}
+              "capacity1.25_fp8": {"ep_capacity_factor": 1.25} | fp8}
     combos |= {f"{name}_fp8g": knobs | {"ep_combine_grad_dtype": "float8_e4m3"} for name, knobs in combos.items()
                if "ep_dispatch_dtype" in knobs}
     if activation_checkpoint != "none":
         combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
-    if micro_batches > 1:
-        combos |= {f"{name}_pair": knobs | {"ep_pair_micro_batches": True} for name, knobs in combos.items()
-                   if "ep_interleave" in knobs}
-    if activation_checkpoint == "full":
-        combos |= {f"{name}_ahead": knobs | {"ep_recompute_ahead": True} for name, knobs in combos.items()
-                   if "ep_interleave" in knobs}
     return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
 
 
@@ -201,10 +186,7 @@ def describe_knobs(knobs: dict) -> str:
     parts = [("dedup" if knobs["ep_dedup"] else ""),
              (f"capacity {knobs['ep_capacity_factor']:g}" if knobs["ep_capacity_factor"] > 0 else ""),
              (f"{knobs['ep_overlap_chunks']} pieces" if knobs["ep_overlap_chunks"] > 1 else ""),
-             ("interleaved halves" if knobs.get("ep_interleave") else ""),
              ("fp8 dispatch" if knobs["ep_dispatch_dtype"] != "compute" else ""),
              ("fp8 combine gradient" if knobs.get("ep_combine_grad_dtype", "compute") != "compute" else ""),
-             ("recompute keeps" if knobs.get("ep_recompute") == "keep" else ""),
-             ("micro-batches paired" if knobs.get("ep_pair_micro_batches") else ""),
-             ("recompute ahead" if knobs.get("ep_recompute_ahead") else "")]
+             ("recompute keeps" if knobs.get("ep_recompute") == "keep" else "")]
     return "[" + (", ".join(p for p in parts if p) or "direct") + "]"

@@ -8,7 +8,7 @@ A dispatch mode (like benchmarks/lib/counters.py's) sees each c10d `alltoall_bas
 whoever issues it (forward or backward, any module), and records the bytes of the input's rows for
 each peer (self excluded) by GLOBAL rank; a peer on the same node (ranks_per_node consecutive global
 ranks) is intra-node. The counts come from the tensors and split sizes handed to the collective, not
-from the code that planned them: tests compare them with parallel/ep_plan.py.
+from the code that planned them: tests compare them with parallel/ep/plan.py.
 
 Private torch APIs (checked on torch 2.13.0): `TorchDispatchMode` and `ProcessGroup.unbox`, as in
 benchmarks/lib/counters.py.

@@ -116,15 +116,10 @@ def fsdp_traffic(units, layout, config, micro_batches: int, param_bytes: int, gr
         shard = unit_shard_numel(unit, shapes, layout, config.n_routed_experts)
         mesh, gathered_bytes = ("dense", 4) if unit == "router" else (unit, param_bytes)  # routers: fp32
         size, stride = shard_axis[mesh]
-        per_mb = {"all_gather": all_gather(shard * gathered_bytes, size, stride).scale(_gathers(unit, layout, param_bytes)),
+        per_mb = {"all_gather": all_gather(shard * gathered_bytes, size, stride).scale(2),  # forward + backward
                   "reduce_scatter": on_wire("reduce_scatter", shard * size * grad_bytes, size, stride),
                   "all_reduce": all_reduce(shard * grad_bytes, *replicate_axis[mesh])}
         for k, v in per_mb.items():
             out[mesh][k] = out[mesh][k] + v.scale(times[k])
     return out
 
-
-def _gathers(unit: str, layout, param_bytes: int) -> int:
-    """All-gathers of a unit per micro-batch: forward + backward; a router that is a unit of its own (weights
-    not fp32) and is called once per half (parallel.ep_interleave) twice as many (launch/dry_run.py counts 4)."""
-    return 4 if unit == "router" and param_bytes != 4 and getattr(layout, "ep_interleave", False) else 2

@@ -19,9 +19,10 @@ How each was chosen (sources in docs/performance.md#calibration):
                           few peers, large messages.
   NCCL_A2A_HALF_NODES 9   from the published NCCL all-to-all across 64 H800 (8 nodes): ~24 GB/s busbw on
                           50 GB/s NICs = 0.48 -> 0.80 / (1 + 6 / 9) = 0.48. Not fitted to a training run.
-  DEEPEP_EFFICIENCY 0.80  DeepEP's README (H800, CX7 50 GB/s, DeepSeek-V3 pre-training shapes): normal
-                          kernels reach 43-58 GB/s "RDMA bottleneck bandwidth" at EP 16-64 (their byte
-                          accounting); 0.80 of line for the bytes we count, the same figure as two-node NCCL.
+  DEEPEP_EFFICIENCY 0.45  FITTED on torchtitan's DeepEP run (benchmarks/calibration/torchtitan_dsv3_b200_deepep.toml).
+                          DeepEP's README (H800, CX7 50 GB/s) reports 43-58 GB/s "RDMA bottleneck bandwidth" for
+                          its normal kernels at EP 16-64, about line rate in its own accounting; inside that
+                          training run it reached less, and its gain over NCCL is the deduplication.
   RING_EFFICIENCY 0.80    the old model's figure for every inter-node collective (nccl-tests all-reduce busbw on
                           400 Gb/s NDR: 40-45 GB/s per GPU at large sizes).
   NVLINK_EFFICIENCY 0.80  nccl-tests all-reduce busbw inside an H100 node: ~360 of 450 GB/s per direction.
