@@ -8,6 +8,12 @@ Muon) and runs one training step (forward/backward, clipping, optimizer step) un
 MemTracker (benchmarks/lib/memory_peak.py): the peak of all live tensors on rank 0 (parameters,
 gradients, optimizer state, FSDP buffers, activations, temporaries). Prints estimate, measured and
 their ratio per case.
+
+Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
+trajectories (POSTTRAIN_SHAPE: one flagged assistant turn at the end, so today's per-item teacher row,
+L + H positions, is the prefix-shared pass the estimate models, L + H + T, less the turn), one step of
+launch/posttrain.py's objective (teacher pass, student forward/backward, clipping, optimizer step, EMA
+update) with the live and the ema teacher, each rank's slot holding one trajectory.
 """
 
 import argparse
@@ -22,8 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once before forking)
 
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402  (private, checked on torch 2.13.0)
+
 from benchmarks.lib.memory_peak import track_peak  # noqa: E402
 from launch.estimate_memory import Job, estimate  # noqa: E402
+from launch.posttrain_memory import RolloutShape, estimate as posttrain_estimate  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
@@ -60,6 +69,92 @@ def _measure(rank, world_size, argv):
         T.clip_grad_norm_(model.parameters(), config.training.grad_clip)
         optimizer.step()
     return peak()["Total"]
+
+
+POSTTRAIN_SHAPE = RolloutShape(rollout_tokens=192, feedback_items=1, hint_tokens=16, turn_tokens=32,
+                               assistant_fraction=64 / 192)
+
+
+def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> None:
+    """n trajectories of shape.rollout_tokens random tokens: a user turn, then assistant turns of
+    turn_tokens (the last feedback_items flagged, each with a hint of hint_tokens), assistant_fraction
+    of the tokens trained."""
+    g = torch.Generator().manual_seed(0)
+    L, T = shape.rollout_tokens, shape.turn_tokens
+    n_assistant = round(shape.assistant_fraction * L) // T
+    starts = [L - (n_assistant - i) * T for i in range(n_assistant)]
+    turns = [{"role": "user", "start": 0, "end": starts[0]}] + [{"role": "assistant", "start": s, "end": s + T}
+                                                                  for s in starts]
+    with open(path, "w") as f:
+        for _ in range(n):
+            hint = lambda: torch.randint(0, vocab_size, (shape.hint_tokens,), generator=g).tolist()  # noqa: E731
+            feedback = [{"turn": len(turns) - 1 - i, "hint": hint()} for i in range(shape.feedback_items)]
+            f.write(json.dumps({"tokens": torch.randint(0, vocab_size, (L,), generator=g).tolist(), "turns": turns,
+                                "advantage": 1.0, "feedback": feedback}) + "\n")
+
+
+def posttrain_argv(run_dir: str, rollouts: str, world: int, teacher: str, checkpointing: str) -> list[str]:
+    """A post-training job on `world` ranks whose every slot holds one trajectory of POSTTRAIN_SHAPE."""
+    L, H = POSTTRAIN_SHAPE.rollout_tokens, POSTTRAIN_SHAPE.hint_tokens
+    budget = world * (2 * L + H * POSTTRAIN_SHAPE.feedback_items)  # today's cost: student + one row per item
+    return ["--data.source=rollouts", f"--data.path={rollouts}", f"--data.batch_tokens={budget}",
+            "--training.warmup_steps=1", "--checkpoint.interval=0", f"--run.dir={run_dir}",
+            f"--posttrain.teacher={teacher}", f"--training.activation_checkpoint={checkpointing}"]
+
+
+def _measure_posttrain(rank, world_size, argv):
+    from launch.posttrain import build_objective
+
+    config = load_config(argv)
+    layout = config.layout(world_size)
+    meshes = build_meshes(layout, "cpu")
+    device = torch.device("cpu")
+    model = T.build_model(config, meshes, layout, device)
+    optimizer = T.build_optimizer(model, config)
+    loader = T.build_loader(config, meshes, layout)
+    objective = build_objective(config, model, meshes, layout, device)
+    teacher = () if objective.teacher is None else (objective.teacher,)
+    for t in teacher:  # MemTracker hooks every called module's parameter gradients and refuses frozen ones;
+        t.requires_grad_(True)  # the teacher runs under no_grad, so it has no gradient either way
+    tracker = MemTracker()  # as benchmarks/lib/memory_peak.track_peak, with the hook below
+    tracker.track_external(model, *teacher, optimizer)
+
+    def restart_module_stats(module, args):  # the live teacher and the student call the model twice in a
+        if module is model and module in tracker.memory_tracking:  # step, which MemTracker refuses for a
+            tracker.reset_mod_stats()  # top-level module unless its per-module stats restart; the peak it
+            # records (all tensors) is kept
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(restart_module_stats)  # before its hooks
+    try:
+        with tracker:
+            objective.forward_backward(model, loader.next_step(), device)
+            T.clip_grad_norm_(model.parameters(), config.training.grad_clip)
+            optimizer.step()
+            objective.after_step(model)
+    finally:
+        handle.remove()
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def posttrain_rows(run_dir: str, worlds=(1, 2)) -> list[dict]:
+    """Estimate vs measured peak of the post-training cases."""
+    os.makedirs(run_dir, exist_ok=True)
+    rollouts = os.path.join(run_dir, "rollouts.jsonl")
+    write_rollouts(rollouts, 8, POSTTRAIN_SHAPE, vocab_size=256)
+    rows = []
+    for world in worlds:
+        for teacher in ("live", "ema"):
+            for checkpointing in ("none", "full"):
+                argv_case = posttrain_argv(run_dir, rollouts, world, teacher, checkpointing)
+                config = load_config(argv_case)
+                est = posttrain_estimate(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)["total_gib"]
+                measured = run_ranks(_measure_posttrain, world, argv_case, timeout=600)[0]
+                rows.append({"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
+                             "activation_checkpoint": checkpointing, "estimate_mib": est * 2**10,
+                             "measured_mib": measured / 2**20, "ratio": est * 2**30 / measured})
+                print(f"posttrain {teacher:4s} world {world} {checkpointing:5s} estimate {est * 2**10:8.2f} MiB  "
+                      f"measured {measured / 2**20:8.2f} MiB  ratio {rows[-1]['ratio']:.3f}", flush=True)
+    return rows
 
 
 @user_errors

@@ -434,12 +434,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", choices=tuple(DEVICES), default="h200")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", default=None)
+    from launch import posttrain_memory  # post-training configs' terms (it builds on this module)
+
+    posttrain_memory.add_arguments(ap)
     args, overrides = ap.parse_known_args(argv)
     try:
         job = job_from_args(args, overrides)
+        rollouts = posttrain_memory.rollout_shape(args, job.config)  # None unless data.source = "rollouts"
     except ValueError as e:  # ConfigError is one: it names the dotted key
         fail(str(e))
-    result = estimate(job)
+    result = estimate(job) if rollouts is None else posttrain_memory.estimate(job, rollouts)
     print(format_table(result))
     if args.json:
         try:

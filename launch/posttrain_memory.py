@@ -1,0 +1,287 @@
+"""Per-rank peak memory of a post-training job (`data.source = "rollouts"`, launch/posttrain.py) before
+launch: the terms launch/estimate_memory.py adds for the teacher and the feedback losses.
+
+    python launch/estimate_memory.py --config configs/posttrain_example.toml --world 2 \\
+        [--rollout-tokens L] [--feedback-items K] [--hint-tokens H] [--turn-tokens T] [--assistant-fraction A]
+
+The rollouts' shape is an input (the config bounds it, the file is not read): L the longest trajectory
+(default model.max_seq_len, the loader's limit), K feedback items per trajectory, each a hint of H tokens
+before a flagged turn of T tokens, A the fraction of a row's tokens that are trained (assistant tokens).
+From it, per micro-batch on one rank:
+  teacher tokens  L + K (H + T) per trajectory: the teacher runs the trajectory once and each item's
+                  hint + turn attends to that pass's cached prefix (not one full row per item)
+  packing         trajectories packed into rows of L tokens with document masking (only a row's tail is
+                  padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of them,
+                  cost = L + teacher tokens: the longest ones, the worst case for a budget
+  cp              each row split over cp: t = rows x L / cp student tokens, rows x (L + K (H + T)) / cp
+                  teacher tokens; targets on one rank: min(K T rows, t) (flagged turns near a rollout's
+                  end sit in a few cp chunks, so one rank may hold all of them), trained tokens A t
+What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
+  teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
+                  master shards, no gradient, no optimizer state); live: none
+  logits          the student's logits [t, V] in the compute dtype, their gradient, and what the losses
+                  keep and create over them: the trained tokens' fp32 log-softmax (RL, SFT) and the
+                  targets' rows of the feedback KL in posttrain.mode (replaces pretraining's logits term)
+  teacher_data    the teacher's data of the local targets, kept through the student's pass: full
+                  [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
+  teacher_pass    the teacher's forward (no grad): its logits [teacher tokens, V], the targets' teacher
+                  data and entropy, the all-gather of that data over cp (every rank receives cp x the
+                  longest list), one block's working activations and dispatch at the teacher's tokens
+The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
+runtime's own functions (runtime/feedback.py, runtime/posttrain.py) run on small logits [256, 2048]
+under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled by t V.
+Peak = state + teacher_copy + runtime + max(teacher pass, the student's forward/backward peak with
+teacher_data alive, optimizer step).
+"""
+
+import argparse
+import dataclasses
+import math
+
+import torch
+
+from launch import estimate_memory as E
+from runtime import feedback
+from runtime.posttrain import teacher_data
+
+PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
+SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+    rollout_tokens: int  # L: the longest trajectory
+    feedback_items: int  # K: feedback items per trajectory
+    hint_tokens: int  # H: tokens of one hint
+    turn_tokens: int  # T: tokens of one flagged turn
+    assistant_fraction: float  # A: trained tokens / tokens
+
+    def teacher_tokens(self) -> int:
+        """Teacher positions of one trajectory: the trajectory once, then each item's hint + turn."""
+        return self.rollout_tokens + self.feedback_items * (self.hint_tokens + self.turn_tokens)
+
+    def cost(self) -> int:
+        return self.rollout_tokens + self.teacher_tokens()
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The rollout-shape flags (read for post-training configs only)."""
+    g = ap.add_argument_group("post-training (data.source = 'rollouts'): the rollouts' shape")
+    g.add_argument("--rollout-tokens", type=int, default=None, help="longest trajectory (default model.max_seq_len)")
+    g.add_argument("--feedback-items", type=int, default=None, help="feedback items per trajectory (default 10)")
+    g.add_argument("--hint-tokens", type=int, default=None, help="tokens per hint (default 256)")
+    g.add_argument("--turn-tokens", type=int, default=None, help="tokens per flagged turn (default 2048, at most L/K)")
+    g.add_argument("--assistant-fraction", type=float, default=None,
+                   help="trained (assistant) share of a trajectory's tokens (default 1: the upper bound)")
+
+
+def rollout_shape(args, config) -> RolloutShape | None:
+    """The shape of a post-training config's rollouts (None for pretraining); ValueError naming the flag."""
+    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
+    if config.data.source != "rollouts":
+        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if flags:
+            raise ValueError(f"{flags[0]}: only for post-training configs (data.source='rollouts'), but data.source="
+                             f"{config.data.source!r}")
+        return None
+    L = config.model.max_seq_len if given["rollout_tokens"] is None else given["rollout_tokens"]
+    K = 10 if given["feedback_items"] is None else given["feedback_items"]
+    H = 256 if given["hint_tokens"] is None else given["hint_tokens"]
+    T = min(2048, L // max(K, 1)) if given["turn_tokens"] is None else given["turn_tokens"]
+    A = 1.0 if given["assistant_fraction"] is None else given["assistant_fraction"]
+    checks = [("--rollout-tokens", L, 1 <= L <= config.model.max_seq_len, f"in [1, model.max_seq_len="
+               f"{config.model.max_seq_len}] (the loader refuses longer trajectories)"),
+              ("--feedback-items", K, K >= 0, ">= 0"), ("--hint-tokens", H, H >= 1, ">= 1"),
+              ("--turn-tokens", T, 1 <= T and K * T <= L, f"in [1, rollout tokens / feedback items = {L}/{K}]"),
+              ("--assistant-fraction", A, 0 <= A <= 1, "in [0, 1]")]
+    for flag, value, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"{flag} {value}: must be {expected}")
+    return RolloutShape(L, K, H, T, A)
+
+
+# ---- the micro-batch one rank holds -------------------------------------------------------------
+
+def rows_per_micro_batch(job, shape: RolloutShape) -> int:
+    """Trajectories of the longest length in one slot: the step's budget over the slots, at least one."""
+    slots = job.layout.dp * job.config.training.grad_accum
+    return max(1, job.config.data.batch_tokens // slots // shape.cost())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsJob(E.Job):
+    """A Job whose micro-batch is `rows` rows of `length` tokens (padded to 2 cp), split over cp:
+    launch/estimate_memory.py's terms then read the post-training micro-batch."""
+    rows: int = 1
+    length: int = 1
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return self.rows, _round_up(self.length, 2 * self.layout.cp) // self.layout.cp
+
+
+def as_rows(job, rows: int, length: int, activation_checkpoint: str | None = None) -> RowsJob:
+    config = job.config
+    if activation_checkpoint is not None:
+        training = dataclasses.replace(config.training, activation_checkpoint=activation_checkpoint)
+        config = dataclasses.replace(config, training=training)
+    return RowsJob(config, job.layout, job.rank, job.device, rows, length)
+
+
+def counts(job, shape: RolloutShape) -> dict:
+    """Per rank and micro-batch: rows, student tokens t, teacher tokens, trained n, targets m."""
+    rows = rows_per_micro_batch(job, shape)
+    student, teacher = as_rows(job, rows, shape.rollout_tokens), as_rows(job, rows, shape.teacher_tokens())
+    t = math.prod(student.tokens)
+    targets = min(shape.feedback_items * shape.turn_tokens * rows, t)
+    return {"rows": rows, "student_tokens": t, "teacher_tokens": math.prod(teacher.tokens),
+            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": targets}
+
+
+# ---- the loss path, measured on small logits ----------------------------------------------------
+
+def _probe(fn, logits_TV: torch.Tensor) -> int:
+    """Peak bytes of `fn(logits)` (MemTracker), the logits themselves included."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
+
+    tracker = MemTracker()
+    with tracker:
+        x = logits_TV * 1.0  # created inside: counted
+        fn(x)
+        del x
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def _probe_config(job):
+    """posttrain config with the vocabulary chunk scaled to the probe's vocabulary."""
+    p, V = job.config.posttrain, job.config.model.vocab_size
+    return dataclasses.replace(p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)),
+                               top_k=max(1, round(p.top_k * PROBE_V / V)) if p.top_k < V else PROBE_V)
+
+
+def student_loss_bytes(job, n_frac: float, m_frac: float) -> float:
+    """Bytes per logit (t V) of the student's logits, their gradient and the losses over them: the
+    runtime's loss path (runtime/posttrain.FeedbackObjective._student) on [PROBE_T, PROBE_V] logits."""
+    from runtime.posttrain import feedback_kl
+
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    config = _probe_config(job)
+    g = torch.Generator().manual_seed(0)
+    n, m = int(n_frac * PROBE_T), int(m_frac * PROBE_T)
+    labels_n, labels_m = torch.randint(0, PROBE_V, (n,), generator=g), torch.randint(0, PROBE_V, (m,), generator=g)
+    data = teacher_data(torch.randn(m, PROBE_V, generator=g).to(dtype), labels_m, config) if m else []
+    base = torch.randn(PROBE_T, PROBE_V, generator=g).to(dtype)
+
+    def step(x):
+        x.requires_grad_()
+        loss = feedback.token_logp(x[torch.arange(n)], labels_n).sum()
+        if m:
+            loss = loss + feedback_kl(x[torch.arange(m)], labels_m, data, config).sum()
+        loss.backward()
+
+    return _probe(step, base) / (PROBE_T * PROBE_V)
+
+
+def teacher_head_bytes(job, m_frac: float) -> float:
+    """Bytes per teacher logit (teacher tokens x V): its logits, the targets' teacher data and entropy
+    (runtime/posttrain.FeedbackObjective._teacher, before any all-gather)."""
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    config = _probe_config(job)
+    g = torch.Generator().manual_seed(0)
+    m = int(m_frac * PROBE_T)
+    labels_m = torch.randint(0, PROBE_V, (m,), generator=g)
+
+    def step(x):
+        logits_mV = x[torch.arange(m)]
+        data = teacher_data(logits_mV, labels_m, config)
+        feedback.entropy(logits_mV).sum()
+        del data
+
+    return _probe(step, torch.randn(PROBE_T, PROBE_V, generator=g).to(dtype)) / (PROBE_T * PROBE_V)
+
+
+def teacher_data_bytes(job, m: int) -> int:
+    """Bytes of the teacher data of m targets (what runtime/posttrain.teacher_data returns)."""
+    p, V = job.config.posttrain, job.config.model.vocab_size
+    if p.mode == "full":
+        return m * V * 4
+    if p.mode == "sampled":
+        return m * 4
+    k = min(p.top_k, V)
+    return m * (k * (4 + 8) + (4 if k < V else 0))
+
+
+# ---- moments ------------------------------------------------------------------------------------
+
+def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
+    """Bytes while the teacher runs (no grad): its FSDP units, one block's working activations and
+    dispatch at the teacher's tokens, its logits with the targets' data and entropy, the cp all-gather."""
+    rows = n["rows"]
+    teacher = as_rows(job, rows, shape.teacher_tokens())
+    working = as_rows(job, rows, shape.teacher_tokens(), activation_checkpoint="none")
+    kept_L, _, edges, _ = E.activations(working)  # without checkpointing: everything a block creates
+    V, t_t, m = job.config.model.vocab_size, n["teacher_tokens"], min(n["target_tokens"], n["teacher_tokens"])
+    head = teacher_head_bytes(job, m / t_t) * t_t * V if m else 0
+    gather = (job.layout.cp + 1) * teacher_data_bytes(job, m) if job.layout.cp > 1 else 0  # received + padded
+    return {"fsdp_buffers": max(E.forward_buffers(teacher)), "activations": edges, "recompute": max(kept_L),
+            "dispatch": E.dispatch(teacher), "ep_kept": 0, "logits": 0, "teacher_data": 0,
+            "teacher_pass": head + gather}
+
+
+def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
+    """The student's forward/backward peak (launch/estimate_memory.step_peak at its tokens) with the
+    post-training loss path in place of pretraining's logits term, the teacher data alive throughout."""
+    student = as_rows(job, n["rows"], shape.rollout_tokens)
+    kept_L, recompute_L, edges, _ = E.activations(student)
+    at, moment = E.step_peak(student, kept_L, recompute_L, edges)
+    t, V = n["student_tokens"], job.config.model.vocab_size
+    head = {"fsdp_buffers": E.fsdp_buffers(student)[-1], "activations": sum(kept_L) + edges, "recompute": 0,
+            "dispatch": 0, "ep_kept": E.kept_rows(student) * job.config.model.n_moe_layers,
+            "logits": student_loss_bytes(job, n["trained_tokens"] / t, n["target_tokens"] / t) * t * V}
+    candidates = {"head": head} if at == "head" else {"head": head, at: moment}  # a block's: no logits alive
+    at = max(candidates, key=lambda k: sum(candidates[k].values()))
+    data = teacher_data_bytes(job, n["target_tokens"]) if shape.feedback_items else 0
+    return at, {**candidates[at], "teacher_data": data, "teacher_pass": 0}
+
+
+def estimate(job, shape: RolloutShape) -> dict:
+    """launch/estimate_memory.estimate's result for a post-training job, with its parts and counts."""
+    n = counts(job, shape)
+    state = E.sharded_state(job)
+    copy = state["params"] if job.config.posttrain.teacher != "live" else 0
+    moments = {"teacher pass": teacher_pass(job, shape, n)} if shape.feedback_items else {}
+    at, moment = student_peak(job, shape, n)
+    moments[f"student {at}"] = moment
+    at = max(moments, key=lambda k: sum(moments[k].values()))
+    step = moments[at]
+    parts = {**state, "teacher_copy": copy, **step, "muon_step": E.muon_step(job),
+             "runtime": E.RUNTIME_GIB[job.device] * E.GIB}
+    fixed = state["params"] + state["grads"] + state["optimizer"] + copy + parts["runtime"]
+    total = fixed + max(sum(step.values()), parts["muon_step"])
+    device_gib = E.DEVICES[job.device]
+    fits = device_gib is None or total / E.GIB <= device_gib
+    return {"per_rank_gib": {k: v / E.GIB for k, v in parts.items()}, "total_gib": total / E.GIB,
+            "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, shape, parts, total),
+            "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
+            "rank": job.rank, "world": job.layout.world_size,
+            "micro_batch": {"sequences": n["rows"], "tokens_per_sequence": n["student_tokens"] // n["rows"]},
+            "posttrain": {**n, "shape": dataclasses.asdict(shape), "teacher": job.config.posttrain.teacher,
+                          "mode": job.config.posttrain.mode}}
+
+
+def suggestions(job, shape: RolloutShape, parts: dict, total: int) -> list[str]:
+    p, out = job.config.posttrain, [f"needs {total / E.GIB - E.DEVICES[job.device]:.1f} GiB less per rank"]
+    if parts["logits"] + parts["teacher_pass"] > 0.25 * total:
+        out.append(f"a larger parallel.cp (the losses over the logits hold {parts['logits'] / E.GIB:.1f} GiB, "
+                   f"the teacher's pass {parts['teacher_pass'] / E.GIB:.1f}; both fall as 1/cp)")
+    if p.mode == "full" and job.layout.cp > 1:
+        out.append("posttrain.mode=topk (full gathers [targets, vocabulary] fp32 over cp)")
+    if p.teacher != "live":
+        out.append(f"posttrain.teacher=live (the {p.teacher} teacher's copy is {parts['teacher_copy'] / E.GIB:.1f} GiB)")
+    if job.config.training.activation_checkpoint != "full":
+        out.append("training.activation_checkpoint=full (keeps one block input per layer)")
+    return out
