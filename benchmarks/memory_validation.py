@@ -93,13 +93,43 @@ def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> N
                                 "advantage": 1.0, "feedback": feedback}) + "\n")
 
 
-def posttrain_argv(run_dir: str, rollouts: str, world: int, teacher: str, checkpointing: str) -> list[str]:
-    """A post-training job on `world` ranks whose every slot holds one trajectory of POSTTRAIN_SHAPE."""
-    L, H = POSTTRAIN_SHAPE.rollout_tokens, POSTTRAIN_SHAPE.hint_tokens
-    budget = world * (2 * L + H * POSTTRAIN_SHAPE.feedback_items)  # today's cost: student + one row per item
+POSTTRAIN_ROWS = 8  # trajectories per rank: activations, not the model's few MiB, decide the peak
+
+
+def posttrain_argv(run_dir: str, rollouts: str, dp: int, teacher: str, checkpointing: str, extra=()) -> list[str]:
+    """A post-training job whose every slot (dp of them) holds POSTTRAIN_ROWS trajectories of
+    POSTTRAIN_SHAPE: a file of POSTTRAIN_ROWS x dp of them, and a budget of as many trajectories at
+    the estimate's cost (above today's cost, one teacher row per item), so one step is the whole file."""
+    budget = dp * POSTTRAIN_ROWS * POSTTRAIN_SHAPE.cost()
     return ["--data.source=rollouts", f"--data.path={rollouts}", f"--data.batch_tokens={budget}",
             "--training.warmup_steps=1", "--checkpoint.interval=0", f"--run.dir={run_dir}",
-            f"--posttrain.teacher={teacher}", f"--training.activation_checkpoint={checkpointing}"]
+            f"--posttrain.teacher={teacher}", f"--training.activation_checkpoint={checkpointing}", *extra]
+
+
+# (teacher, activation checkpointing, world, extra arguments): the debug model as it is, with a vocabulary
+# of 4096 (the losses over the logits then weigh: 16-22 bytes per logit), and split over cp (the
+# teacher data's all-gather).
+POSTTRAIN_CASES = [(t, ck, w, ()) for w in (1, 2) for t in ("live", "ema") for ck in ("none", "full")] + [
+    ("live", "full", 1, ("--model.vocab_size=4096",)), ("ema", "full", 1, ("--model.vocab_size=4096",
+                                                                            "--posttrain.mode=topk")),
+    ("live", "full", 2, ("--model.vocab_size=4096", "--parallel.cp=2", "--parallel.dp_shard=1"))]
+
+
+def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> dict:
+    """Estimate vs measured peak of one post-training case (rank 0)."""
+    os.makedirs(run_dir, exist_ok=True)
+    rollouts = os.path.join(run_dir, "rollouts.jsonl")
+    dp = load_config(posttrain_argv(run_dir, rollouts, 1, teacher, checkpointing, extra)).layout(world).dp
+    argv = posttrain_argv(run_dir, rollouts, dp, teacher, checkpointing, extra)
+    config = load_config(argv)
+    write_rollouts(rollouts, POSTTRAIN_ROWS * dp, POSTTRAIN_SHAPE, config.model.vocab_size)
+    result = posttrain_estimate(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)
+    assert result["posttrain"]["rows"] == POSTTRAIN_ROWS, result["posttrain"]
+    est = result["total_gib"] * 2**30
+    measured = run_ranks(_measure_posttrain, world, argv, timeout=600)[0]
+    return {"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
+            "activation_checkpoint": checkpointing, "extra": " ".join(extra), "peak_at": result["peak_at"],
+            "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured}
 
 
 def _measure_posttrain(rank, world_size, argv):
@@ -136,24 +166,14 @@ def _measure_posttrain(rank, world_size, argv):
     return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def posttrain_rows(run_dir: str, worlds=(1, 2)) -> list[dict]:
-    """Estimate vs measured peak of the post-training cases."""
-    os.makedirs(run_dir, exist_ok=True)
-    rollouts = os.path.join(run_dir, "rollouts.jsonl")
-    write_rollouts(rollouts, 8, POSTTRAIN_SHAPE, vocab_size=256)
+def posttrain_rows(run_dir: str) -> list[dict]:
     rows = []
-    for world in worlds:
-        for teacher in ("live", "ema"):
-            for checkpointing in ("none", "full"):
-                argv_case = posttrain_argv(run_dir, rollouts, world, teacher, checkpointing)
-                config = load_config(argv_case)
-                est = posttrain_estimate(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)["total_gib"]
-                measured = run_ranks(_measure_posttrain, world, argv_case, timeout=600)[0]
-                rows.append({"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
-                             "activation_checkpoint": checkpointing, "estimate_mib": est * 2**10,
-                             "measured_mib": measured / 2**20, "ratio": est * 2**30 / measured})
-                print(f"posttrain {teacher:4s} world {world} {checkpointing:5s} estimate {est * 2**10:8.2f} MiB  "
-                      f"measured {measured / 2**20:8.2f} MiB  ratio {rows[-1]['ratio']:.3f}", flush=True)
+    for case in POSTTRAIN_CASES:
+        rows.append(posttrain_row(run_dir, *case))
+        r = rows[-1]
+        print(f"posttrain {r['teacher']:4s} world {r['world']} {r['activation_checkpoint']:5s} {r['extra']:40s} "
+              f"estimate {r['estimate_mib']:8.2f} MiB  measured {r['measured_mib']:8.2f} MiB  ratio {r['ratio']:.3f}"
+              f"  (peak: {r['peak_at']})", flush=True)
     return rows
 
 

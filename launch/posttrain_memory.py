@@ -124,12 +124,8 @@ class RowsJob(E.Job):
         return self.rows, _round_up(self.length, 2 * self.layout.cp) // self.layout.cp
 
 
-def as_rows(job, rows: int, length: int, activation_checkpoint: str | None = None) -> RowsJob:
-    config = job.config
-    if activation_checkpoint is not None:
-        training = dataclasses.replace(config.training, activation_checkpoint=activation_checkpoint)
-        config = dataclasses.replace(config, training=training)
-    return RowsJob(config, job.layout, job.rank, job.device, rows, length)
+def as_rows(job, rows: int, length: int) -> RowsJob:
+    return RowsJob(job.config, job.layout, job.rank, job.device, rows, length)
 
 
 def counts(job, shape: RolloutShape) -> dict:
@@ -215,21 +211,69 @@ def teacher_data_bytes(job, m: int) -> int:
     return m * (k * (4 + 8) + (4 if k < V else 0))
 
 
+# ---- the teacher's blocks, measured on the CPU at the real widths --------------------------------
+
+def _working(block, seq: int, dtype: torch.dtype) -> int:
+    """Peak bytes a block's forward on [1, seq] tokens creates under no_grad, its input excluded."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
+
+    x = torch.randn(1, seq, block.attention_norm.weight.shape[0]).to(dtype)
+    tracker = MemTracker()
+    tracker.track_external(block)
+    with tracker, torch.no_grad():
+        before = sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+        block(x, torch.arange(seq))
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - before
+
+
+def teacher_block_fit(model_config, layer_id: int, dtype: torch.dtype, moe: bool) -> tuple[float, float, float]:
+    """(a, b, e): a no-grad block forward's working bytes per sequence of S tokens = a S + b S^2 (+ e S E),
+    fitted as launch/estimate_memory.block_fits fits the kept bytes (two lengths, two expert counts)."""
+    e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
+    s1, s2 = E.PROBE_SEQ
+    block = E._build_block(model_config, layer_id, e1, dtype)
+    k1, k2 = _working(block, s1, dtype), _working(block, s2, dtype)
+    e = 0.0
+    if moe:
+        e = (_working(E._build_block(model_config, layer_id, 2 * e1, dtype), s1, dtype) - k1) / (s1 * e1)
+    k1, k2 = k1 - e * s1 * e1, k2 - e * s2 * e1
+    b = (k2 / s2 - k1 / s1) / (s2 - s1)
+    return k1 / s1 - b * s1, b, e
+
+
+def teacher_working(job) -> float:
+    """The largest working set of one teacher block at `job`'s micro-batch (the S^2 term, attention
+    probabilities of the CPU's math kernel, only on the CPU, as in launch/estimate_memory.activations)."""
+    cfg = job.config.model
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    n_seq, s_local = job.tokens
+    quadratic = 1.0 if job.device == "cpu" else 0.0
+    kinds = ([(0, False)] if cfg.n_dense_layers else []) + ([(cfg.n_dense_layers, True)] if cfg.n_moe_layers else [])
+    out = 0.0
+    for layer_id, moe in kinds:
+        a, b, e = teacher_block_fit(cfg, layer_id, dtype, moe)
+        out = max(out, n_seq * (a * s_local + quadratic * b * s_local * s_local * job.layout.cp
+                                + e * s_local * cfg.n_routed_experts))
+    return out
+
+
 # ---- moments ------------------------------------------------------------------------------------
 
 def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
-    """Bytes while the teacher runs (no grad): its FSDP units, one block's working activations and
-    dispatch at the teacher's tokens, its logits with the targets' data and entropy, the cp all-gather."""
-    rows = n["rows"]
-    teacher = as_rows(job, rows, shape.teacher_tokens())
-    working = as_rows(job, rows, shape.teacher_tokens(), activation_checkpoint="none")
-    kept_L, _, edges, _ = E.activations(working)  # without checkpointing: everything a block creates
+    """Bytes at the larger moment of the teacher's forward (no grad): a block's (its FSDP units, its
+    input, its working activations and dispatch at the teacher's tokens) or the head's (its unit, the
+    logits with the targets' data and entropy, the all-gather of that data over cp)."""
+    teacher = as_rows(job, n["rows"], shape.teacher_tokens())
+    n_seq, s_local = teacher.tokens
     V, t_t, m = job.config.model.vocab_size, n["teacher_tokens"], min(n["target_tokens"], n["teacher_tokens"])
+    buffers = E.forward_buffers(teacher)  # embedding, blocks, head
+    block = {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * job.config.model.dim * job.c,
+             "recompute": teacher_working(teacher), "dispatch": E.dispatch(teacher), "teacher_pass": 0}
     head = teacher_head_bytes(job, m / t_t) * t_t * V if m else 0
     gather = (job.layout.cp + 1) * teacher_data_bytes(job, m) if job.layout.cp > 1 else 0  # received + padded
-    return {"fsdp_buffers": max(E.forward_buffers(teacher)), "activations": edges, "recompute": max(kept_L),
-            "dispatch": E.dispatch(teacher), "ep_kept": 0, "logits": 0, "teacher_data": 0,
-            "teacher_pass": head + gather}
+    head = {"fsdp_buffers": buffers[-1], "activations": 0, "recompute": 0, "dispatch": 0, "teacher_pass": head + gather}
+    moment = max((block, head), key=lambda d: sum(d.values()))
+    return {**moment, "ep_kept": 0, "logits": 0, "teacher_data": 0}
 
 
 def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
