@@ -128,7 +128,8 @@ def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, ex
     est = result["total_gib"] * 2**30
     measured = run_ranks(_measure_posttrain, world, argv, timeout=600)[0]
     return {"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
-            "activation_checkpoint": checkpointing, "extra": " ".join(extra), "peak_at": result["peak_at"],
+            "activation_checkpoint": checkpointing, "param_dtype": config.training.param_dtype,
+            "extra": " ".join(a for a in extra if "param_dtype" not in a), "peak_at": result["peak_at"],
             "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured}
 
 
@@ -166,10 +167,10 @@ def _measure_posttrain(rank, world_size, argv):
     return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def posttrain_rows(run_dir: str) -> list[dict]:
+def posttrain_rows(run_dir: str, param_dtype: str, quick: bool = False) -> list[dict]:
     rows = []
-    for case in POSTTRAIN_CASES:
-        rows.append(posttrain_row(run_dir, *case))
+    for teacher, checkpointing, world, extra in POSTTRAIN_CASES[:4] if quick else POSTTRAIN_CASES:
+        rows.append(posttrain_row(run_dir, teacher, checkpointing, world, (*extra, f"--training.param_dtype={param_dtype}")))
         r = rows[-1]
         print(f"posttrain {r['teacher']:4s} world {r['world']} {r['activation_checkpoint']:5s} {r['extra']:40s} "
               f"estimate {r['estimate_mib']:8.2f} MiB  measured {r['measured_mib']:8.2f} MiB  ratio {r['ratio']:.3f}"
@@ -183,10 +184,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--objective", default="pretrain", choices=("pretrain", "posttrain"),
+                    help="posttrain: the POSTTRAIN_CASES (launch/posttrain_memory.py's terms)")
     args = ap.parse_args(argv)
     check_outputs([("--json", args.json)])
     rows = []
-    for preset in ("debug",) if args.quick else tuple(PRESETS):
+    if args.objective == "posttrain":
+        rows = posttrain_rows("/tmp/memory_validation_posttrain", args.param_dtype, quick=args.quick)
+    for preset in () if args.objective == "posttrain" else ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):
             for checkpointing in ("none", "full"):
                 argv_case = _argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)

@@ -39,10 +39,11 @@ import dataclasses
 import math
 
 import torch
+from torch import nn
 
 from launch import estimate_memory as E
-from runtime import feedback
-from runtime.posttrain import teacher_data
+from runtime.posttrain import FeedbackObjective
+from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
 
 PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
 SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")
@@ -140,64 +141,72 @@ def counts(job, shape: RolloutShape) -> dict:
 
 # ---- the loss path, measured on small logits ----------------------------------------------------
 
-def _probe(fn, logits_TV: torch.Tensor) -> int:
-    """Peak bytes of `fn(logits)` (MemTracker), the logits themselves included."""
+class _Head(nn.Module):
+    """Stands in for the model in the loss-path probes: logits [1, PROBE_T, PROBE_V] as a non-leaf output
+    of a head of width 8 (its weights and their gradients are negligible)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.h = nn.Parameter(torch.randn(PROBE_T, 8, generator=g).to(dtype))
+        self.w = nn.Parameter(torch.randn(8, PROBE_V, generator=g).to(dtype))
+
+    def forward(self, inputs_BS, positions_S):
+        return (self.h @ self.w)[None]
+
+
+def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
+    """One row of PROBE_T tokens: n trained tokens, m targets, all their teacher data on this rank."""
+    g = torch.Generator().manual_seed(0)
+    i64, f32 = torch.int64, torch.float32
+    flat = lambda k: torch.arange(k, dtype=i64)  # noqa: E731
+    labels = lambda k: torch.randint(0, PROBE_V, (k,), generator=g)  # noqa: E731
+    mb = RolloutMicroBatch(
+        inputs_BS=torch.zeros(1, PROBE_T, dtype=i64), positions_S=flat(PROBE_T),
+        pad_BS=torch.zeros(1, PROBE_T, dtype=torch.bool), trained_flat_n=flat(n), labels_n=labels(n),
+        advantages_n=torch.ones(n, dtype=f32), old_logp_n=torch.zeros(n, dtype=f32),
+        has_old_n=torch.zeros(n, dtype=torch.bool), teacher_inputs_BS=torch.zeros(1, PROBE_T, dtype=i64),
+        teacher_positions_S=flat(PROBE_T), teacher_flat_m=flat(m), teacher_labels_m=labels(m),
+        teacher_counts_P=[m], target_flat_m=flat(m), target_labels_m=labels(m),
+        source_rank_m=torch.zeros(m, dtype=i64), source_slot_m=flat(m))
+    return mb, RolloutStep([mb], trained_tokens=n, target_tokens=m, tokens=PROBE_T)
+
+
+def _peak(fn) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
 
     tracker = MemTracker()
     with tracker:
-        x = logits_TV * 1.0  # created inside: counted
-        fn(x)
-        del x
+        fn()
     return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def _probe_config(job):
-    """posttrain config with the vocabulary chunk scaled to the probe's vocabulary."""
+def _probe_objective(job) -> FeedbackObjective:
+    """The objective with the vocabulary chunk and top-k scaled to the probe's vocabulary."""
     p, V = job.config.posttrain, job.config.model.vocab_size
-    return dataclasses.replace(p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)),
-                               top_k=max(1, round(p.top_k * PROBE_V / V)) if p.top_k < V else PROBE_V)
+    return FeedbackObjective(dataclasses.replace(
+        p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)),
+        top_k=max(1, round(p.top_k * PROBE_V / V)) if p.top_k < V else PROBE_V))
 
 
 def student_loss_bytes(job, n_frac: float, m_frac: float) -> float:
     """Bytes per logit (t V) of the student's logits, their gradient and the losses over them: the
-    runtime's loss path (runtime/posttrain.FeedbackObjective._student) on [PROBE_T, PROBE_V] logits."""
-    from runtime.posttrain import feedback_kl
-
+    runtime's student pass (runtime/posttrain.FeedbackObjective._student) on [PROBE_T, PROBE_V] logits."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
-    config = _probe_config(job)
-    g = torch.Generator().manual_seed(0)
-    n, m = int(n_frac * PROBE_T), int(m_frac * PROBE_T)
-    labels_n, labels_m = torch.randint(0, PROBE_V, (n,), generator=g), torch.randint(0, PROBE_V, (m,), generator=g)
-    data = teacher_data(torch.randn(m, PROBE_V, generator=g).to(dtype), labels_m, config) if m else []
-    base = torch.randn(PROBE_T, PROBE_V, generator=g).to(dtype)
-
-    def step(x):
-        x.requires_grad_()
-        loss = feedback.token_logp(x[torch.arange(n)], labels_n).sum()
-        if m:
-            loss = loss + feedback_kl(x[torch.arange(m)], labels_m, data, config).sum()
-        loss.backward()
-
-    return _probe(step, base) / (PROBE_T * PROBE_V)
+    objective, head = _probe_objective(job), _Head(dtype)
+    mb, step = _probe_batch(int(n_frac * PROBE_T), int(m_frac * PROBE_T))
+    with torch.no_grad():
+        data, _ = objective._teacher(head, mb) if mb.target_flat_m.numel() else ([], None)
+    return _peak(lambda: objective._student(head, mb, data, step)) / (PROBE_T * PROBE_V)
 
 
 def teacher_head_bytes(job, m_frac: float) -> float:
     """Bytes per teacher logit (teacher tokens x V): its logits, the targets' teacher data and entropy
-    (runtime/posttrain.FeedbackObjective._teacher, before any all-gather)."""
+    (runtime/posttrain.FeedbackObjective._teacher, on one rank: before any all-gather)."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
-    config = _probe_config(job)
-    g = torch.Generator().manual_seed(0)
-    m = int(m_frac * PROBE_T)
-    labels_m = torch.randint(0, PROBE_V, (m,), generator=g)
-
-    def step(x):
-        logits_mV = x[torch.arange(m)]
-        data = teacher_data(logits_mV, labels_m, config)
-        feedback.entropy(logits_mV).sum()
-        del data
-
-    return _probe(step, torch.randn(PROBE_T, PROBE_V, generator=g).to(dtype)) / (PROBE_T * PROBE_V)
+    objective, head = _probe_objective(job), _Head(dtype)
+    mb, _ = _probe_batch(0, int(m_frac * PROBE_T))
+    return _peak(lambda: objective._teacher(head, mb)) / (PROBE_T * PROBE_V)
 
 
 def teacher_data_bytes(job, m: int) -> int:
@@ -277,19 +286,29 @@ def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
 
 
 def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
-    """The student's forward/backward peak (launch/estimate_memory.step_peak at its tokens) with the
-    post-training loss path in place of pretraining's logits term, the teacher data alive throughout."""
+    """The largest moment of the student's forward/backward, the teacher data alive throughout (the
+    moments of launch/estimate_memory.step_peak without paired micro-batches or recompute ahead, which
+    post-training refuses, and with the post-training losses):
+      losses   the losses' backward over the logits: every block's activations, the head's unit
+               unsharded, the measured loss path (logits, their gradient, the losses' tensors)
+      head     the head's backward: the logits and their gradient, the head's FSDP buffers
+      block l  blocks 0..l saved, block l's recompute, FSDP buffers and dispatch"""
     student = as_rows(job, n["rows"], shape.rollout_tokens)
+    cfg, c = job.config.model, job.c
     kept_L, recompute_L, edges, _ = E.activations(student)
-    at, moment = E.step_peak(student, kept_L, recompute_L, edges)
-    t, V = n["student_tokens"], job.config.model.vocab_size
-    head = {"fsdp_buffers": E.fsdp_buffers(student)[-1], "activations": sum(kept_L) + edges, "recompute": 0,
-            "dispatch": 0, "ep_kept": E.kept_rows(student) * job.config.model.n_moe_layers,
-            "logits": student_loss_bytes(job, n["trained_tokens"] / t, n["target_tokens"] / t) * t * V}
-    candidates = {"head": head} if at == "head" else {"head": head, at: moment}  # a block's: no logits alive
-    at = max(candidates, key=lambda k: sum(candidates[k].values()))
+    buffers, disp, kept = E.fsdp_buffers(student), E.dispatch(student), E.kept_rows(student)
+    t, moe = n["student_tokens"], [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    loss_path = student_loss_bytes(job, n["trained_tokens"] / t, n["target_tokens"] / t) * t * cfg.vocab_size
+    every = {"activations": sum(kept_L) + edges, "recompute": 0, "dispatch": 0, "ep_kept": kept * sum(moe)}
+    moments = {"losses": {"fsdp_buffers": E.unit_sizes(cfg, job.layout)[-1] * c, **every, "logits": loss_path},
+               "head": {"fsdp_buffers": buffers[-1], **every, "logits": 2 * t * cfg.vocab_size * c}}
+    for l in range(cfg.n_layers):
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[:l + 1]) + edges,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
+                                 "ep_kept": kept * sum(moe[:l + 1]), "logits": 0}
+    at = max(moments, key=lambda k: sum(moments[k].values()))
     data = teacher_data_bytes(job, n["target_tokens"]) if shape.feedback_items else 0
-    return at, {**candidates[at], "teacher_data": data, "teacher_pass": 0}
+    return at, {**moments[at], "teacher_data": data, "teacher_pass": 0}
 
 
 def estimate(job, shape: RolloutShape) -> dict:
