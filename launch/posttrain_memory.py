@@ -14,8 +14,8 @@ From it, per micro-batch on one rank:
                   padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of them,
                   cost = L + teacher tokens: the longest ones, the worst case for a budget
   cp              each row split over cp: t = rows x L / cp student tokens, rows x (L + K (H + T)) / cp
-                  teacher tokens; targets on one rank: min(K T rows, t) (flagged turns near a rollout's
-                  end sit in a few cp chunks, so one rank may hold all of them), trained tokens A t
+                  teacher tokens; on one rank min(K T rows, t) targets and min(A L rows, t) trained tokens
+                  (flagged turns near a rollout's end sit in a few cp chunks, so one rank may hold all)
 What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
@@ -135,8 +135,9 @@ def counts(job, shape: RolloutShape) -> dict:
     student, teacher = as_rows(job, rows, shape.rollout_tokens), as_rows(job, rows, shape.teacher_tokens())
     t = math.prod(student.tokens)
     targets = min(shape.feedback_items * shape.turn_tokens * rows, t)
+    trained = min(int(shape.assistant_fraction * shape.rollout_tokens) * rows, t)
     return {"rows": rows, "student_tokens": t, "teacher_tokens": math.prod(teacher.tokens),
-            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": targets}
+            "trained_tokens": trained, "target_tokens": targets}
 
 
 # ---- the loss path, measured on small logits ----------------------------------------------------
