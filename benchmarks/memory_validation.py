@@ -10,7 +10,7 @@ gradients, optimizer state, FSDP buffers, activations, temporaries). Prints esti
 their ratio per case.
 
 Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
-trajectories (POSTTRAIN_SHAPE: one flagged assistant turn at the end, so today's per-item teacher row,
+trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged, so today's per-item teacher row,
 L + H positions, is the prefix-shared pass the estimate models, L + H + T, less the turn), one step of
 launch/posttrain.py's objective (teacher pass, student forward/backward, clipping, optimizer step, EMA
 update) with the live and the ema teacher, each rank's slot holding one trajectory.
@@ -72,23 +72,20 @@ def _measure(rank, world_size, argv):
 
 
 POSTTRAIN_SHAPE = RolloutShape(rollout_tokens=192, feedback_items=1, hint_tokens=16, turn_tokens=32,
-                               assistant_fraction=64 / 192)
+                               assistant_fraction=0.5)
 
 
 def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> None:
-    """n trajectories of shape.rollout_tokens random tokens: a user turn, then assistant turns of
-    turn_tokens (the last feedback_items flagged, each with a hint of hint_tokens), assistant_fraction
-    of the tokens trained."""
+    """n trajectories of shape.rollout_tokens random tokens in turns of turn_tokens, user and assistant in
+    turn (assistant_fraction 0.5), the last feedback_items assistant turns flagged with hints of hint_tokens."""
     g = torch.Generator().manual_seed(0)
     L, T = shape.rollout_tokens, shape.turn_tokens
-    n_assistant = round(shape.assistant_fraction * L) // T
-    starts = [L - (n_assistant - i) * T for i in range(n_assistant)]
-    turns = [{"role": "user", "start": 0, "end": starts[0]}] + [{"role": "assistant", "start": s, "end": s + T}
-                                                                  for s in starts]
+    assert L % (2 * T) == 0 and shape.assistant_fraction == 0.5, shape
+    turns = [{"role": ("user", "assistant")[i % 2], "start": i * T, "end": (i + 1) * T} for i in range(L // T)]
     with open(path, "w") as f:
         for _ in range(n):
             hint = lambda: torch.randint(0, vocab_size, (shape.hint_tokens,), generator=g).tolist()  # noqa: E731
-            feedback = [{"turn": len(turns) - 1 - i, "hint": hint()} for i in range(shape.feedback_items)]
+            feedback = [{"turn": len(turns) - 1 - 2 * i, "hint": hint()} for i in range(shape.feedback_items)]
             f.write(json.dumps({"tokens": torch.randint(0, vocab_size, (L,), generator=g).tolist(), "turns": turns,
                                 "advantage": 1.0, "feedback": feedback}) + "\n")
 

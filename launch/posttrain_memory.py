@@ -14,8 +14,9 @@ From it, per micro-batch on one rank:
                   padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of them,
                   cost = L + teacher tokens: the longest ones, the worst case for a budget
   cp              each row split over cp: t = rows x L / cp student tokens, rows x (L + K (H + T)) / cp
-                  teacher tokens; on one rank min(K T rows, t) targets and min(A L rows, t) trained tokens
-                  (flagged turns near a rollout's end sit in a few cp chunks, so one rank may hold all)
+                  teacher tokens; A t trained tokens (assistant turns run through a rollout, and each cp
+                  rank holds an early and a late chunk of it); min(K T rows, t) targets (flagged turns near
+                  a rollout's end sit in a few cp chunks, so one rank may hold all of them)
 What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
@@ -30,8 +31,9 @@ What is counted, on top of launch/estimate_memory.py's terms for the student at 
 The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
 runtime's own functions (runtime/feedback.py, runtime/posttrain.py) run on small logits [256, 2048]
 under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled by t V.
-Peak = state + teacher_copy + runtime + max(teacher pass, the student's forward/backward peak with
-teacher_data alive, optimizer step).
+Peak = params + optimizer state + teacher_copy + runtime + the largest moment: the teacher's pass, the
+student's forward/backward peak with teacher_data alive, or the optimizer step (grads + muon_step); the
+gradient shards count in each moment that has them (with grad_accum = 1 not before the head's backward).
 """
 
 import argparse
@@ -135,9 +137,8 @@ def counts(job, shape: RolloutShape) -> dict:
     student, teacher = as_rows(job, rows, shape.rollout_tokens), as_rows(job, rows, shape.teacher_tokens())
     t = math.prod(student.tokens)
     targets = min(shape.feedback_items * shape.turn_tokens * rows, t)
-    trained = min(int(shape.assistant_fraction * shape.rollout_tokens) * rows, t)
     return {"rows": rows, "student_tokens": t, "teacher_tokens": math.prod(teacher.tokens),
-            "trained_tokens": trained, "target_tokens": targets}
+            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": targets}
 
 
 # ---- the loss path, measured on small logits ----------------------------------------------------
@@ -313,25 +314,29 @@ def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
 
 
 def estimate(job, shape: RolloutShape) -> dict:
-    """launch/estimate_memory.estimate's result for a post-training job, with its parts and counts."""
+    """launch/estimate_memory.estimate's result for a post-training job, with its parts and counts. The
+    gradient shards are a part of each moment: with training.grad_accum = 1 none exist yet while the
+    teacher runs and until the head's backward has reduce-scattered (each step starts with them freed)."""
     n = counts(job, shape)
     state = E.sharded_state(job)
     copy = state["params"] if job.config.posttrain.teacher != "live" else 0
     moments = {"teacher pass": teacher_pass(job, shape, n)} if shape.feedback_items else {}
     at, moment = student_peak(job, shape, n)
     moments[f"student {at}"] = moment
+    before_grads = job.config.training.grad_accum == 1 and at in ("losses", "head")
+    for name, m in moments.items():
+        m["grads"] = 0 if job.config.training.grad_accum == 1 and (name == "teacher pass" or before_grads) \
+            else state["grads"]
+    moments["optimizer step"] = {"grads": state["grads"], "muon_step": E.muon_step(job)}
     at = max(moments, key=lambda k: sum(moments[k].values()))
-    step = moments[at]
-    parts = {**state, "teacher_copy": copy, **step, "muon_step": E.muon_step(job),
-             "runtime": E.RUNTIME_GIB[job.device] * E.GIB}
-    fixed = state["params"] + state["grads"] + state["optimizer"] + copy + parts["runtime"]
-    total = fixed + max(sum(step.values()), parts["muon_step"])
+    parts = {"params": state["params"], "optimizer": state["optimizer"], "teacher_copy": copy,
+             "runtime": E.RUNTIME_GIB[job.device] * E.GIB, **moments[at]}
+    total = sum(parts.values())
     device_gib = E.DEVICES[job.device]
     fits = device_gib is None or total / E.GIB <= device_gib
     return {"per_rank_gib": {k: v / E.GIB for k, v in parts.items()}, "total_gib": total / E.GIB,
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, shape, parts, total),
-            "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
-            "rank": job.rank, "world": job.layout.world_size,
+            "peak_at": at, "rank": job.rank, "world": job.layout.world_size,
             "micro_batch": {"sequences": n["rows"], "tokens_per_sequence": n["student_tokens"] // n["rows"]},
             "posttrain": {**n, "shape": dataclasses.asdict(shape), "teacher": job.config.posttrain.teacher,
                           "mode": job.config.posttrain.mode}}
@@ -339,9 +344,9 @@ def estimate(job, shape: RolloutShape) -> dict:
 
 def suggestions(job, shape: RolloutShape, parts: dict, total: int) -> list[str]:
     p, out = job.config.posttrain, [f"needs {total / E.GIB - E.DEVICES[job.device]:.1f} GiB less per rank"]
-    if parts["logits"] + parts["teacher_pass"] > 0.25 * total:
-        out.append(f"a larger parallel.cp (the losses over the logits hold {parts['logits'] / E.GIB:.1f} GiB, "
-                   f"the teacher's pass {parts['teacher_pass'] / E.GIB:.1f}; both fall as 1/cp)")
+    if parts.get("logits", 0) + parts.get("teacher_pass", 0) > 0.25 * total:
+        out.append(f"a larger parallel.cp (the losses over the logits hold {parts.get('logits', 0) / E.GIB:.1f} GiB, "
+                   f"the teacher's pass {parts.get('teacher_pass', 0) / E.GIB:.1f}; both fall as 1/cp)")
     if p.mode == "full" and job.layout.cp > 1:
         out.append("posttrain.mode=topk (full gathers [targets, vocabulary] fp32 over cp)")
     if p.teacher != "live":

@@ -32,9 +32,10 @@ def test_counts_equal_the_runtime_batches(tmp_path, world, cp):
                            dp_degree=layout.dp, cp_rank=0, cp_degree=cp)
     (mb,) = loader.next_step().micro_batches
     assert (n["rows"], n["student_tokens"]) == (mb.inputs_BS.shape[0], mb.inputs_BS.numel()) == (8, 8 * 192 // cp)
-    # the assistant turns are each row's last 64 tokens: under cp 2 rank 0 holds 48 of them (positions
-    # 144-191); the estimate's worst case is all of them on one rank; every target (the last 32) is on rank 0
-    assert len(mb.trained_flat_n) == 8 * (64 if cp == 1 else 48) and n["trained_tokens"] == 8 * 64
+    # assistant turns [32, 64), [96, 128), [160, 192) are predicted at positions 31-62, 95-126, 159-190: under
+    # cp 2 rank 0 (positions 0-47 and 144-191) holds 17 + 32 of them, about the estimate's half; every target
+    # (the last turn) is on rank 0, the estimate's worst case
+    assert len(mb.trained_flat_n) == 8 * (96 if cp == 1 else 49) and n["trained_tokens"] == 8 * 96 // cp
     assert n["target_tokens"] == len(mb.target_flat_m) == len(mb.teacher_flat_m) == 8 * 32
     # teacher positions: today one row per item, L + H; the prefix-shared pass the estimate models adds the turn
     assert mb.teacher_inputs_BS.numel() * cp == 8 * (192 + 16)
