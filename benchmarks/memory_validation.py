@@ -8,6 +8,12 @@ Muon) and runs one training step (forward/backward, clipping, optimizer step) un
 MemTracker (benchmarks/lib/memory_peak.py): the peak of all live tensors on rank 0 (parameters,
 gradients, optimizer state, FSDP buffers, activations, temporaries). Prints estimate, measured and
 their ratio per case.
+
+Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
+trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged, so today's per-item teacher row,
+L + H positions, is the prefix-shared pass the estimate models, L + H + T, less the turn), one step of
+launch/posttrain.py's objective (teacher pass, student forward/backward, clipping, optimizer step, EMA
+update) with the live and the ema teacher, each rank's slot holding one trajectory.
 """
 
 import argparse
@@ -22,8 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once before forking)
 
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402  (private, checked on torch 2.13.0)
+
 from benchmarks.lib.memory_peak import track_peak  # noqa: E402
 from launch.estimate_memory import Job, estimate  # noqa: E402
+from launch.posttrain_memory import RolloutShape, estimate as posttrain_estimate  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
@@ -62,16 +71,124 @@ def _measure(rank, world_size, argv):
     return peak()["Total"]
 
 
+POSTTRAIN_SHAPE = RolloutShape(rollout_tokens=192, feedback_items=1, hint_tokens=16, turn_tokens=32,
+                               assistant_fraction=0.5)
+
+
+def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> None:
+    """n trajectories of shape.rollout_tokens random tokens in turns of turn_tokens, user and assistant in
+    turn (assistant_fraction 0.5), the last feedback_items assistant turns flagged with hints of hint_tokens."""
+    g = torch.Generator().manual_seed(0)
+    L, T = shape.rollout_tokens, shape.turn_tokens
+    assert L % (2 * T) == 0 and shape.assistant_fraction == 0.5, shape
+    turns = [{"role": ("user", "assistant")[i % 2], "start": i * T, "end": (i + 1) * T} for i in range(L // T)]
+    with open(path, "w") as f:
+        for _ in range(n):
+            hint = lambda: torch.randint(0, vocab_size, (shape.hint_tokens,), generator=g).tolist()  # noqa: E731
+            feedback = [{"turn": len(turns) - 1 - 2 * i, "hint": hint()} for i in range(shape.feedback_items)]
+            f.write(json.dumps({"tokens": torch.randint(0, vocab_size, (L,), generator=g).tolist(), "turns": turns,
+                                "advantage": 1.0, "feedback": feedback}) + "\n")
+
+
+POSTTRAIN_ROWS = 8  # trajectories per rank: activations, not the model's few MiB, decide the peak
+
+
+def posttrain_argv(run_dir: str, rollouts: str, dp: int, teacher: str, checkpointing: str, extra=()) -> list[str]:
+    """A post-training job whose every slot (dp of them) holds POSTTRAIN_ROWS trajectories of
+    POSTTRAIN_SHAPE: a file of POSTTRAIN_ROWS x dp of them, and a budget of as many trajectories at
+    the estimate's cost (above today's cost, one teacher row per item), so one step is the whole file."""
+    budget = dp * POSTTRAIN_ROWS * POSTTRAIN_SHAPE.cost()
+    return ["--data.source=rollouts", f"--data.path={rollouts}", f"--data.batch_tokens={budget}",
+            "--training.warmup_steps=1", "--checkpoint.interval=0", f"--run.dir={run_dir}",
+            f"--posttrain.teacher={teacher}", f"--training.activation_checkpoint={checkpointing}", *extra]
+
+
+# (teacher, activation checkpointing, world, extra arguments): the debug model as it is, with a vocabulary
+# of 4096 (the losses over the logits then weigh: 16-22 bytes per logit), and split over cp (the
+# teacher data's all-gather).
+POSTTRAIN_CASES = [(t, ck, w, ()) for w in (1, 2) for t in ("live", "ema") for ck in ("none", "full")] + [
+    ("live", "full", 1, ("--model.vocab_size=4096",)), ("ema", "full", 1, ("--model.vocab_size=4096",
+                                                                            "--posttrain.mode=topk")),
+    ("live", "full", 2, ("--model.vocab_size=4096", "--parallel.cp=2", "--parallel.dp_shard=1"))]
+
+
+def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> dict:
+    """Estimate vs measured peak of one post-training case (rank 0)."""
+    os.makedirs(run_dir, exist_ok=True)
+    rollouts = os.path.join(run_dir, "rollouts.jsonl")
+    dp = load_config(posttrain_argv(run_dir, rollouts, 1, teacher, checkpointing, extra)).layout(world).dp
+    argv = posttrain_argv(run_dir, rollouts, dp, teacher, checkpointing, extra)
+    config = load_config(argv)
+    write_rollouts(rollouts, POSTTRAIN_ROWS * dp, POSTTRAIN_SHAPE, config.model.vocab_size)
+    result = posttrain_estimate(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)
+    assert result["posttrain"]["rows"] == POSTTRAIN_ROWS, result["posttrain"]
+    est = result["total_gib"] * 2**30
+    measured = run_ranks(_measure_posttrain, world, argv, timeout=600)[0]
+    return {"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
+            "activation_checkpoint": checkpointing, "param_dtype": config.training.param_dtype,
+            "extra": " ".join(a for a in extra if "param_dtype" not in a), "peak_at": result["peak_at"],
+            "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured}
+
+
+def _measure_posttrain(rank, world_size, argv):
+    from launch.posttrain import build_objective
+
+    config = load_config(argv)
+    layout = config.layout(world_size)
+    meshes = build_meshes(layout, "cpu")
+    device = torch.device("cpu")
+    model = T.build_model(config, meshes, layout, device)
+    optimizer = T.build_optimizer(model, config)
+    loader = T.build_loader(config, meshes, layout)
+    objective = build_objective(config, model, meshes, layout, device)
+    teacher = () if objective.teacher is None else (objective.teacher,)
+    for t in teacher:  # MemTracker hooks every called module's parameter gradients and refuses frozen ones;
+        t.requires_grad_(True)  # the teacher runs under no_grad, so it has no gradient either way
+    tracker = MemTracker()  # as benchmarks/lib/memory_peak.track_peak, with the hook below
+    tracker.track_external(model, *teacher, optimizer)
+
+    def restart_module_stats(module, args):  # the live teacher and the student call the model twice in a
+        if module is model and module in tracker.memory_tracking:  # step, which MemTracker refuses for a
+            tracker.reset_mod_stats()  # top-level module unless its per-module stats restart; the peak it
+            # records (all tensors) is kept
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(restart_module_stats)  # before its hooks
+    try:
+        with tracker:
+            objective.forward_backward(model, loader.next_step(), device)
+            T.clip_grad_norm_(model.parameters(), config.training.grad_clip)
+            optimizer.step()
+            objective.after_step(model)
+    finally:
+        handle.remove()
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def posttrain_rows(run_dir: str, param_dtype: str, quick: bool = False) -> list[dict]:
+    rows = []
+    for teacher, checkpointing, world, extra in POSTTRAIN_CASES[:4] if quick else POSTTRAIN_CASES:
+        rows.append(posttrain_row(run_dir, teacher, checkpointing, world, (*extra, f"--training.param_dtype={param_dtype}")))
+        r = rows[-1]
+        print(f"posttrain {r['teacher']:4s} world {r['world']} {r['activation_checkpoint']:5s} {r['extra']:40s} "
+              f"estimate {r['estimate_mib']:8.2f} MiB  measured {r['measured_mib']:8.2f} MiB  ratio {r['ratio']:.3f}"
+              f"  (peak: {r['peak_at']})", flush=True)
+    return rows
+
+
 @user_errors
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--objective", default="pretrain", choices=("pretrain", "posttrain"),
+                    help="posttrain: the POSTTRAIN_CASES (launch/posttrain_memory.py's terms)")
     args = ap.parse_args(argv)
     check_outputs([("--json", args.json)])
     rows = []
-    for preset in ("debug",) if args.quick else tuple(PRESETS):
+    if args.objective == "posttrain":
+        rows = posttrain_rows("/tmp/memory_validation_posttrain", args.param_dtype, quick=args.quick)
+    for preset in () if args.objective == "posttrain" else ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):
             for checkpointing in ("none", "full"):
                 argv_case = _argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)

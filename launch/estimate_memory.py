@@ -384,12 +384,16 @@ def main(argv=None) -> dict:
                     help="the busiest ep rank's routed rows over the mean: scales its dispatch and kept EP buffers "
                          "(1.0: uniform routing; the projection's low band uses 1.2)")
     ap.add_argument("--json", default=None)
+    from launch import posttrain_memory  # post-training configs' terms (it builds on this module)
+
+    posttrain_memory.add_arguments(ap)
     args, overrides = ap.parse_known_args(argv)
     try:
         job = job_from_args(args, overrides)
+        rollouts = posttrain_memory.rollout_shape(args, job.config)  # None unless data.source = "rollouts"
     except ValueError as e:  # ConfigError is one: it names the dotted key
         fail(str(e))
-    result = estimate(job)
+    result = estimate(job) if rollouts is None else posttrain_memory.estimate(job, rollouts)
     print(format_table(result))
     if args.json:
         try:

@@ -1,0 +1,356 @@
+"""Per-rank peak memory of a post-training job (`data.source = "rollouts"`, launch/posttrain.py) before
+launch: the terms launch/estimate_memory.py adds for the teacher and the feedback losses.
+
+    python launch/estimate_memory.py --config configs/posttrain_example.toml --world 2 \\
+        [--rollout-tokens L] [--feedback-items K] [--hint-tokens H] [--turn-tokens T] [--assistant-fraction A]
+
+The rollouts' shape is an input (the config bounds it, the file is not read): L the longest trajectory
+(default model.max_seq_len, the loader's limit), K feedback items per trajectory, each a hint of H tokens
+before a flagged turn of T tokens, A the fraction of a row's tokens that are trained (assistant tokens).
+From it, per micro-batch on one rank:
+  teacher tokens  L + K (H + T) per trajectory: the teacher runs the trajectory once and each item's
+                  hint + turn attends to that pass's cached prefix (not one full row per item)
+  packing         trajectories packed into rows of L tokens with document masking (only a row's tail is
+                  padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of them,
+                  cost = L + teacher tokens: the longest ones, the worst case for a budget
+  cp              each row split over cp: t = rows x L / cp student tokens, rows x (L + K (H + T)) / cp
+                  teacher tokens; A t trained tokens (assistant turns run through a rollout, and each cp
+                  rank holds an early and a late chunk of it); min(K T rows, t) targets (flagged turns near
+                  a rollout's end sit in a few cp chunks, so one rank may hold all of them)
+What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
+  teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
+                  master shards, no gradient, no optimizer state); live: none
+  logits          the student's logits [t, V] in the compute dtype, their gradient, and what the losses
+                  keep and create over them: the trained tokens' fp32 log-softmax (RL, SFT) and the
+                  targets' rows of the feedback KL in posttrain.mode (replaces pretraining's logits term)
+  teacher_data    the teacher's data of the local targets, kept through the student's pass: full
+                  [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
+  teacher_pass    the teacher's forward (no grad): its logits [teacher tokens, V], the targets' teacher
+                  data and entropy, the all-gather of that data over cp (every rank receives cp x the
+                  longest list), one block's working activations and dispatch at the teacher's tokens
+The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
+runtime's own functions (runtime/feedback.py, runtime/posttrain.py) run on small logits [256, 2048]
+under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled by t V.
+Peak = params + optimizer state + teacher_copy + runtime + the largest moment: the teacher's pass, the
+student's forward/backward peak with teacher_data alive, or the optimizer step (grads + muon_step); the
+gradient shards count in each moment that has them (with grad_accum = 1 not before the head's backward).
+"""
+
+import argparse
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from launch import estimate_memory as E
+from runtime.posttrain import FeedbackObjective
+from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+
+PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
+SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutShape:
+    rollout_tokens: int  # L: the longest trajectory
+    feedback_items: int  # K: feedback items per trajectory
+    hint_tokens: int  # H: tokens of one hint
+    turn_tokens: int  # T: tokens of one flagged turn
+    assistant_fraction: float  # A: trained tokens / tokens
+
+    def teacher_tokens(self) -> int:
+        """Teacher positions of one trajectory: the trajectory once, then each item's hint + turn."""
+        return self.rollout_tokens + self.feedback_items * (self.hint_tokens + self.turn_tokens)
+
+    def cost(self) -> int:
+        return self.rollout_tokens + self.teacher_tokens()
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The rollout-shape flags (read for post-training configs only)."""
+    g = ap.add_argument_group("post-training (data.source = 'rollouts'): the rollouts' shape")
+    g.add_argument("--rollout-tokens", type=int, default=None, help="longest trajectory (default model.max_seq_len)")
+    g.add_argument("--feedback-items", type=int, default=None, help="feedback items per trajectory (default 10)")
+    g.add_argument("--hint-tokens", type=int, default=None, help="tokens per hint (default 256)")
+    g.add_argument("--turn-tokens", type=int, default=None, help="tokens per flagged turn (default 2048, at most L/K)")
+    g.add_argument("--assistant-fraction", type=float, default=None,
+                   help="trained (assistant) share of a trajectory's tokens (default 1: the upper bound)")
+
+
+def rollout_shape(args, config) -> RolloutShape | None:
+    """The shape of a post-training config's rollouts (None for pretraining); ValueError naming the flag."""
+    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
+    if config.data.source != "rollouts":
+        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if flags:
+            raise ValueError(f"{flags[0]}: only for post-training configs (data.source='rollouts'), but data.source="
+                             f"{config.data.source!r}")
+        return None
+    L = config.model.max_seq_len if given["rollout_tokens"] is None else given["rollout_tokens"]
+    K = 10 if given["feedback_items"] is None else given["feedback_items"]
+    H = 256 if given["hint_tokens"] is None else given["hint_tokens"]
+    T = min(2048, L // max(K, 1)) if given["turn_tokens"] is None else given["turn_tokens"]
+    A = 1.0 if given["assistant_fraction"] is None else given["assistant_fraction"]
+    checks = [("--rollout-tokens", L, 1 <= L <= config.model.max_seq_len, f"in [1, model.max_seq_len="
+               f"{config.model.max_seq_len}] (the loader refuses longer trajectories)"),
+              ("--feedback-items", K, K >= 0, ">= 0"), ("--hint-tokens", H, H >= 1, ">= 1"),
+              ("--turn-tokens", T, 1 <= T and K * T <= L, f"in [1, rollout tokens / feedback items = {L}/{K}]"),
+              ("--assistant-fraction", A, 0 <= A <= 1, "in [0, 1]")]
+    for flag, value, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"{flag} {value}: must be {expected}")
+    return RolloutShape(L, K, H, T, A)
+
+
+# ---- the micro-batch one rank holds -------------------------------------------------------------
+
+def rows_per_micro_batch(job, shape: RolloutShape) -> int:
+    """Trajectories of the longest length in one slot: the step's budget over the slots, at least one."""
+    slots = job.layout.dp * job.config.training.grad_accum
+    return max(1, job.config.data.batch_tokens // slots // shape.cost())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsJob(E.Job):
+    """A Job whose micro-batch is `rows` rows of `length` tokens (padded to 2 cp), split over cp:
+    launch/estimate_memory.py's terms then read the post-training micro-batch."""
+    rows: int = 1
+    length: int = 1
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return self.rows, _round_up(self.length, 2 * self.layout.cp) // self.layout.cp
+
+
+def as_rows(job, rows: int, length: int) -> RowsJob:
+    return RowsJob(job.config, job.layout, job.rank, job.device, rows, length)
+
+
+def counts(job, shape: RolloutShape) -> dict:
+    """Per rank and micro-batch: rows, student tokens t, teacher tokens, trained n, targets m."""
+    rows = rows_per_micro_batch(job, shape)
+    student, teacher = as_rows(job, rows, shape.rollout_tokens), as_rows(job, rows, shape.teacher_tokens())
+    t = math.prod(student.tokens)
+    targets = min(shape.feedback_items * shape.turn_tokens * rows, t)
+    return {"rows": rows, "student_tokens": t, "teacher_tokens": math.prod(teacher.tokens),
+            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": targets}
+
+
+# ---- the loss path, measured on small logits ----------------------------------------------------
+
+class _Head(nn.Module):
+    """Stands in for the model in the loss-path probes: logits [1, PROBE_T, PROBE_V] as a non-leaf output
+    of a head of width 8 (its weights and their gradients are negligible)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.h = nn.Parameter(torch.randn(PROBE_T, 8, generator=g).to(dtype))
+        self.w = nn.Parameter(torch.randn(8, PROBE_V, generator=g).to(dtype))
+
+    def forward(self, inputs_BS, positions_S):
+        return (self.h @ self.w)[None]
+
+
+def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
+    """One row of PROBE_T tokens: n trained tokens, m targets, all their teacher data on this rank."""
+    g = torch.Generator().manual_seed(0)
+    i64, f32 = torch.int64, torch.float32
+    flat = lambda k: torch.arange(k, dtype=i64)  # noqa: E731
+    labels = lambda k: torch.randint(0, PROBE_V, (k,), generator=g)  # noqa: E731
+    mb = RolloutMicroBatch(
+        inputs_BS=torch.zeros(1, PROBE_T, dtype=i64), positions_S=flat(PROBE_T),
+        pad_BS=torch.zeros(1, PROBE_T, dtype=torch.bool), trained_flat_n=flat(n), labels_n=labels(n),
+        advantages_n=torch.ones(n, dtype=f32), old_logp_n=torch.zeros(n, dtype=f32),
+        has_old_n=torch.zeros(n, dtype=torch.bool), teacher_inputs_BS=torch.zeros(1, PROBE_T, dtype=i64),
+        teacher_positions_S=flat(PROBE_T), teacher_flat_m=flat(m), teacher_labels_m=labels(m),
+        teacher_counts_P=[m], target_flat_m=flat(m), target_labels_m=labels(m),
+        source_rank_m=torch.zeros(m, dtype=i64), source_slot_m=flat(m))
+    return mb, RolloutStep([mb], trained_tokens=n, target_tokens=m, tokens=PROBE_T)
+
+
+def _peak(fn) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
+
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def _probe_objective(job) -> FeedbackObjective:
+    """The objective with the vocabulary chunk and top-k scaled to the probe's vocabulary."""
+    p, V = job.config.posttrain, job.config.model.vocab_size
+    return FeedbackObjective(dataclasses.replace(
+        p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)),
+        top_k=max(1, round(p.top_k * PROBE_V / V)) if p.top_k < V else PROBE_V))
+
+
+def student_loss_bytes(job, n_frac: float, m_frac: float) -> float:
+    """Bytes per logit (t V) of the student's logits, their gradient and the losses over them: the
+    runtime's student pass (runtime/posttrain.FeedbackObjective._student) on [PROBE_T, PROBE_V] logits."""
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    objective, head = _probe_objective(job), _Head(dtype)
+    mb, step = _probe_batch(int(n_frac * PROBE_T), int(m_frac * PROBE_T))
+    with torch.no_grad():
+        data, _ = objective._teacher(head, mb) if mb.target_flat_m.numel() else ([], None)
+    return _peak(lambda: objective._student(head, mb, data, step)) / (PROBE_T * PROBE_V)
+
+
+def teacher_head_bytes(job, m_frac: float) -> float:
+    """Bytes per teacher logit (teacher tokens x V): its logits, the targets' teacher data and entropy
+    (runtime/posttrain.FeedbackObjective._teacher, on one rank: before any all-gather)."""
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    objective, head = _probe_objective(job), _Head(dtype)
+    mb, _ = _probe_batch(0, int(m_frac * PROBE_T))
+    return _peak(lambda: objective._teacher(head, mb)) / (PROBE_T * PROBE_V)
+
+
+def teacher_data_bytes(job, m: int) -> int:
+    """Bytes of the teacher data of m targets (what runtime/posttrain.teacher_data returns)."""
+    p, V = job.config.posttrain, job.config.model.vocab_size
+    if p.mode == "full":
+        return m * V * 4
+    if p.mode == "sampled":
+        return m * 4
+    k = min(p.top_k, V)
+    return m * (k * (4 + 8) + (4 if k < V else 0))
+
+
+# ---- the teacher's blocks, measured on the CPU at the real widths --------------------------------
+
+def _working(block, seq: int, dtype: torch.dtype) -> int:
+    """Peak bytes a block's forward on [1, seq] tokens creates under no_grad, its input excluded."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
+
+    x = torch.randn(1, seq, block.attention_norm.weight.shape[0]).to(dtype)
+    tracker = MemTracker()
+    tracker.track_external(block)
+    with tracker, torch.no_grad():
+        before = sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+        block(x, torch.arange(seq))
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - before
+
+
+def teacher_block_fit(model_config, layer_id: int, dtype: torch.dtype, moe: bool) -> tuple[float, float, float]:
+    """(a, b, e): a no-grad block forward's working bytes per sequence of S tokens = a S + b S^2 (+ e S E),
+    fitted as launch/estimate_memory.block_fits fits the kept bytes (two lengths, two expert counts)."""
+    e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
+    s1, s2 = E.PROBE_SEQ
+    block = E._build_block(model_config, layer_id, e1, dtype)
+    k1, k2 = _working(block, s1, dtype), _working(block, s2, dtype)
+    e = 0.0
+    if moe:
+        e = (_working(E._build_block(model_config, layer_id, 2 * e1, dtype), s1, dtype) - k1) / (s1 * e1)
+    k1, k2 = k1 - e * s1 * e1, k2 - e * s2 * e1
+    b = (k2 / s2 - k1 / s1) / (s2 - s1)
+    return k1 / s1 - b * s1, b, e
+
+
+def teacher_working(job) -> float:
+    """The largest working set of one teacher block at `job`'s micro-batch (the S^2 term, attention
+    probabilities of the CPU's math kernel, only on the CPU, as in launch/estimate_memory.activations)."""
+    cfg = job.config.model
+    dtype = torch.bfloat16 if job.c == 2 else torch.float32
+    n_seq, s_local = job.tokens
+    quadratic = 1.0 if job.device == "cpu" else 0.0
+    kinds = ([(0, False)] if cfg.n_dense_layers else []) + ([(cfg.n_dense_layers, True)] if cfg.n_moe_layers else [])
+    out = 0.0
+    for layer_id, moe in kinds:
+        a, b, e = teacher_block_fit(cfg, layer_id, dtype, moe)
+        out = max(out, n_seq * (a * s_local + quadratic * b * s_local * s_local * job.layout.cp
+                                + e * s_local * cfg.n_routed_experts))
+    return out
+
+
+# ---- moments ------------------------------------------------------------------------------------
+
+def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
+    """Bytes at the larger moment of the teacher's forward (no grad): a block's (its FSDP units, its
+    input, its working activations and dispatch at the teacher's tokens) or the head's (its unit, the
+    logits with the targets' data and entropy, the all-gather of that data over cp)."""
+    teacher = as_rows(job, n["rows"], shape.teacher_tokens())
+    n_seq, s_local = teacher.tokens
+    V, t_t, m = job.config.model.vocab_size, n["teacher_tokens"], min(n["target_tokens"], n["teacher_tokens"])
+    buffers = E.forward_buffers(teacher)  # embedding, blocks, head
+    block = {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * job.config.model.dim * job.c,
+             "recompute": teacher_working(teacher), "dispatch": E.dispatch(teacher), "teacher_pass": 0}
+    head = teacher_head_bytes(job, m / t_t) * t_t * V if m else 0
+    gather = (job.layout.cp + 1) * teacher_data_bytes(job, m) if job.layout.cp > 1 else 0  # received + padded
+    head = {"fsdp_buffers": buffers[-1], "activations": 0, "recompute": 0, "dispatch": 0, "teacher_pass": head + gather}
+    moment = max((block, head), key=lambda d: sum(d.values()))
+    return {**moment, "ep_kept": 0, "logits": 0, "teacher_data": 0}
+
+
+def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
+    """The largest moment of the student's forward/backward, the teacher data alive throughout (the
+    moments of launch/estimate_memory.step_peak without paired micro-batches or recompute ahead, which
+    post-training refuses, and with the post-training losses):
+      losses   the losses' backward over the logits: every block's activations, the head's unit
+               unsharded, the measured loss path (logits, their gradient, the losses' tensors)
+      head     the head's backward: the logits and their gradient, the head's FSDP buffers
+      block l  blocks 0..l saved, block l's recompute, FSDP buffers and dispatch"""
+    student = as_rows(job, n["rows"], shape.rollout_tokens)
+    cfg, c = job.config.model, job.c
+    kept_L, recompute_L, edges, _ = E.activations(student)
+    buffers, disp, kept = E.fsdp_buffers(student), E.dispatch(student), E.kept_rows(student)
+    t, moe = n["student_tokens"], [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    loss_path = student_loss_bytes(job, n["trained_tokens"] / t, n["target_tokens"] / t) * t * cfg.vocab_size
+    every = {"activations": sum(kept_L) + edges, "recompute": 0, "dispatch": 0, "ep_kept": kept * sum(moe)}
+    moments = {"losses": {"fsdp_buffers": E.unit_sizes(cfg, job.layout)[-1] * c, **every, "logits": loss_path},
+               "head": {"fsdp_buffers": buffers[-1], **every, "logits": 2 * t * cfg.vocab_size * c}}
+    for l in range(cfg.n_layers):
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[:l + 1]) + edges,
+                                 "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
+                                 "ep_kept": kept * sum(moe[:l + 1]), "logits": 0}
+    at = max(moments, key=lambda k: sum(moments[k].values()))
+    data = teacher_data_bytes(job, n["target_tokens"]) if shape.feedback_items else 0
+    return at, {**moments[at], "teacher_data": data, "teacher_pass": 0}
+
+
+def estimate(job, shape: RolloutShape) -> dict:
+    """launch/estimate_memory.estimate's result for a post-training job, with its parts and counts. The
+    gradient shards are a part of each moment: with training.grad_accum = 1 none exist yet while the
+    teacher runs and until the head's backward has reduce-scattered (each step starts with them freed)."""
+    n = counts(job, shape)
+    state = E.sharded_state(job)
+    copy = state["params"] if job.config.posttrain.teacher != "live" else 0
+    moments = {"teacher pass": teacher_pass(job, shape, n)} if shape.feedback_items else {}
+    at, moment = student_peak(job, shape, n)
+    moments[f"student {at}"] = moment
+    before_grads = job.config.training.grad_accum == 1 and at in ("losses", "head")
+    for name, m in moments.items():
+        m["grads"] = 0 if job.config.training.grad_accum == 1 and (name == "teacher pass" or before_grads) \
+            else state["grads"]
+    moments["optimizer step"] = {"grads": state["grads"], "muon_step": E.muon_step(job)}
+    at = max(moments, key=lambda k: sum(moments[k].values()))
+    parts = {"params": state["params"], "optimizer": state["optimizer"], "teacher_copy": copy,
+             "runtime": E.RUNTIME_GIB[job.device] * E.GIB, **moments[at]}
+    total = sum(parts.values())
+    device_gib = E.DEVICES[job.device]
+    fits = device_gib is None or total / E.GIB <= device_gib
+    return {"per_rank_gib": {k: v / E.GIB for k, v in parts.items()}, "total_gib": total / E.GIB,
+            "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, shape, parts, total),
+            "peak_at": at, "rank": job.rank, "world": job.layout.world_size,
+            "micro_batch": {"sequences": n["rows"], "tokens_per_sequence": n["student_tokens"] // n["rows"]},
+            "posttrain": {**n, "shape": dataclasses.asdict(shape), "teacher": job.config.posttrain.teacher,
+                          "mode": job.config.posttrain.mode}}
+
+
+def suggestions(job, shape: RolloutShape, parts: dict, total: int) -> list[str]:
+    p, out = job.config.posttrain, [f"needs {total / E.GIB - E.DEVICES[job.device]:.1f} GiB less per rank"]
+    if parts.get("logits", 0) + parts.get("teacher_pass", 0) > 0.25 * total:
+        out.append(f"a larger parallel.cp (the losses over the logits hold {parts.get('logits', 0) / E.GIB:.1f} GiB, "
+                   f"the teacher's pass {parts.get('teacher_pass', 0) / E.GIB:.1f}; both fall as 1/cp)")
+    if p.mode == "full" and job.layout.cp > 1:
+        out.append("posttrain.mode=topk (full gathers [targets, vocabulary] fp32 over cp)")
+    if p.teacher != "live":
+        out.append(f"posttrain.teacher=live (the {p.teacher} teacher's copy is {parts['teacher_copy'] / E.GIB:.1f} GiB)")
+    if job.config.training.activation_checkpoint != "full":
+        out.append("training.activation_checkpoint=full (keeps one block input per layer)")
+    return out
