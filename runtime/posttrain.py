@@ -35,6 +35,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from models.document_attention import Documents
+from models.kv_cache import KVCache
 from optim.qk_clip import padding_ignored
 from runtime import checkpoint, feedback, init_source
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
@@ -153,6 +155,16 @@ def _padding_ignored(model: nn.Module, pad_BS: torch.Tensor, has_padding: bool):
             h.remove()
 
 
+def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Tensor:
+    """The teacher's logits of this rank's item rows [I, Si, V]: one pass over the prefix rows fills a KV
+    cache (through each layer's `kv_source`: under cp, the all-gathered whole rows), then every item row
+    attends to its own cached prefix, right-aligned, and to itself (runtime/rollout_batch.py)."""
+    cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
+    teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, head=False)  # communication under cp: the K/V all-gather
+    documents = Documents(mb.item_doc_IL, mb.item_rope_IS)
+    return teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents)
+
+
 # ---- the objective ------------------------------------------------------------------------------
 
 class FeedbackObjective:
@@ -180,7 +192,7 @@ class FeedbackObjective:
         _, rl, kl, clipped, entropy, sft = sums.tolist()  # one host sync
         metrics = {"sft_loss": sft / n_rl, "rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt,
                    "target_tokens": step.target_tokens, "clip_fraction": clipped / n_rl,
-                   "teacher_entropy": entropy / n_tgt}
+                   "teacher_entropy": entropy / n_tgt, "teacher_tokens": step.teacher_tokens}
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
@@ -190,8 +202,8 @@ class FeedbackObjective:
             return [], torch.zeros((), device=mb.inputs_BS.device)
         teacher = self.teacher if self.teacher is not None else model
         with _eval_mode(teacher):
-            logits_BSV = teacher(mb.teacher_inputs_BS, mb.teacher_positions_S)
-        logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
+            logits_ISV = prefix_shared_teacher(teacher, mb)
+        logits_mV = logits_ISV.flatten(0, 1)[mb.teacher_flat_m]
         data = teacher_data(logits_mV, mb.teacher_labels_m, self.config)
         if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
             data = _gather_cp(data, mb, self.cp_group)

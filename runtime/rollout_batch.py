@@ -5,17 +5,26 @@ A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   student rows  [B, S]: one trajectory per row, padded at the end to L = a multiple of 2*cp, padded up
                 to the step's largest slot with empty rows (every rank runs the same forwards); cp rank
                 i holds the load-balanced chunks i and 2*cp-1-i (parallel/context_parallel.py).
-  teacher rows  [Bt, St]: tokens[:at] + hint + tokens[at:end] per feedback item, split the same
-                way (Bt = 0 on every rank when the step has no feedback).
+  teacher       the prefix-shared teacher: one prefix row [Bp, Sp] per trajectory with feedback,
+                tokens[:A] with A the largest `at` of its items, split over cp like the student rows;
+                the teacher's pass over them fills a KV cache of the whole rows (under cp: gathered).
+                Then one item row [I, Si] per feedback item, `hint + tokens[at:end]` at RoPE positions
+                at, at+1, ..., which attends to its trajectory's cached tokens[:at] and to itself
+                (`item_cache`, `item_doc`: the cached prefix right-aligned in Tp slots, the slots
+                before it hidden by the document mask). Item k of the slot is forwarded whole by cp
+                rank k % cp. Teacher tokens per trajectory: A + sum(H + end - at) instead of
+                sum(at + H + end - at) with one full row per item. Bp = I = 0 on every rank when the
+                step has no feedback.
   trained       flat indices into the local B*S positions of assistant tokens, with label, advantage
                 and behaviour log-prob.
   targets       the slot's target tokens in one canonical order. A target's student position j-1 and
-                teacher position j+H-1 may sit on different cp ranks (the hint shifts the teacher); each
-                rank lists the targets it holds on the teacher side (`teacher_flat`, in order) and, for
-                those it holds on the student side, which cp rank and list slot their teacher data
+                its teacher position (row of its item, index j+H-1-at) may sit on different cp ranks;
+                each rank lists the targets it holds on the teacher side (`teacher_flat`, in order) and,
+                for those it holds on the student side, which cp rank and list slot their teacher data
                 comes from (`source_rank`, `source_slot`). The objective all-gathers that data over cp.
 
-Letters: B rows, S local positions (L/cp), n trained tokens here, m targets here, P cp ranks.
+Letters: B rows, S local positions (L/cp), n trained tokens here, m targets here, P cp ranks, I item
+rows, T cached slots of an item row (Tp), L' = Tp + Si.
 """
 
 from typing import NamedTuple
@@ -37,9 +46,14 @@ class RolloutMicroBatch(NamedTuple):
     advantages_n: torch.Tensor  # float32
     old_logp_n: torch.Tensor  # float32 behaviour log-probs (0 where has_old is False)
     has_old_n: torch.Tensor  # bool
-    teacher_inputs_BS: torch.Tensor  # int64 [Bt, St]
+    teacher_inputs_BS: torch.Tensor  # int64 [Bp, Sp] prefix rows (this rank's chunks)
     teacher_positions_S: torch.Tensor
-    teacher_flat_m: torch.Tensor  # int64 into Bt*St: targets whose teacher position is here, canonical order
+    item_inputs_IS: torch.Tensor  # int64 [I, Si] this cp rank's items: hint + tokens[at:end]
+    item_positions_S: torch.Tensor  # int64 Tp + arange(Si): after the cached slots
+    item_cache_IT: torch.Tensor  # int64 into Bp*Lp (whole prefix rows): each item's cached tokens[:at], right-aligned
+    item_doc_IL: torch.Tensor  # int64 [I, Tp + Si] 0 hidden slot, 1 its prefix and tokens, 2 padding
+    item_rope_IS: torch.Tensor  # int64 RoPE positions at + arange(Si)
+    teacher_flat_m: torch.Tensor  # int64 into I*Si: targets whose teacher position is here, canonical order
     teacher_labels_m: torch.Tensor  # int64 their target tokens (sampled mode)
     teacher_counts_P: list[int]  # how many targets each cp rank holds on the teacher side
     target_flat_m: torch.Tensor  # int64 into B*S: targets whose student position is here
@@ -53,6 +67,7 @@ class RolloutStep(NamedTuple):
     trained_tokens: int  # over the whole step, all ranks: the L_rl denominator
     target_tokens: int  # the L_feedback denominator
     tokens: int  # real tokens forwarded (student + teacher), for tokens/s
+    teacher_tokens: int  # real tokens the teacher forwards (prefix rows and item rows)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -81,7 +96,7 @@ def _rows(seqs: list[np.ndarray], n_rows: int, length: int) -> tuple[np.ndarray,
     return tokens, pad
 
 
-def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_teacher_rows: int,
+def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_prefix_rows: int, n_item_rows: int,
                       cp: int, cp_rank: int) -> RolloutMicroBatch:
     """One slot's tensors on cp rank `cp_rank` (pure)."""
     length = _round_up(max((len(t.tokens) for t in trajs), default=1), 2 * cp)
@@ -89,26 +104,48 @@ def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_teacher_rows: int,
     S = len(positions_S)
     tokens_BL, pad_BL = _rows([t.tokens for t in trajs], n_rows, length)
     trained = _trained(trajs, local, S)
-    teacher_seqs, targets = _targets(trajs)
-    t_length = _round_up(max((len(s) for s in teacher_seqs), default=1), 2 * cp)
-    t_positions_S, t_local = _local_index(t_length, cp, cp_rank)
-    t_tokens_BL, _ = _rows(teacher_seqs, n_teacher_rows, t_length)
-    rows_t, q, rows_s, p, labels = targets
-    t_owner, s_owner = _owner(q, t_length, cp), _owner(p, length, cp)
+    item_k, q, rows_s, p, labels = _targets(trajs)
+    t_owner, s_owner = item_k % cp, _owner(p, length, cp)
     slot = np.zeros(len(q), dtype=np.int64)  # index of each target in its teacher owner's list
     for r in range(cp):
         slot[t_owner == r] = np.arange(int((t_owner == r).sum()))
     mine_t, mine_s = t_owner == cp_rank, s_owner == cp_rank
+    teacher, Si = _teacher_rows(trajs, n_prefix_rows, n_item_rows, cp, cp_rank)
     as_t = torch.as_tensor
     return RolloutMicroBatch(
         inputs_BS=as_t(tokens_BL[:, positions_S.numpy()]), positions_S=positions_S,
-        pad_BS=as_t(pad_BL[:, positions_S.numpy()]), **trained,
-        teacher_inputs_BS=as_t(t_tokens_BL[:, t_positions_S.numpy()]), teacher_positions_S=t_positions_S,
-        teacher_flat_m=as_t(rows_t[mine_t] * len(t_positions_S) + t_local[q[mine_t]]),
-        teacher_labels_m=as_t(labels[mine_t]),
+        pad_BS=as_t(pad_BL[:, positions_S.numpy()]), **trained, **teacher,
+        teacher_flat_m=as_t(item_k[mine_t] // cp * Si + q[mine_t]), teacher_labels_m=as_t(labels[mine_t]),
         teacher_counts_P=[int((t_owner == r).sum()) for r in range(cp)],
         target_flat_m=as_t(rows_s[mine_s] * S + local[p[mine_s]]), target_labels_m=as_t(labels[mine_s]),
         source_rank_m=as_t(t_owner[mine_s]), source_slot_m=as_t(slot[mine_s]))
+
+
+def _teacher_rows(trajs: list[Trajectory], n_prefix_rows: int, n_item_rows: int, cp: int,
+                  cp_rank: int) -> tuple[dict, int]:
+    """(the teacher's tensors of this cp rank, Si): prefix rows and item rows (module docstring)."""
+    fed = [t for t in trajs if t.feedback]
+    prefixes = [t.tokens[:t.prefix_length()] for t in fed]
+    Lp = _round_up(max((len(x) for x in prefixes), default=1), 2 * cp)
+    p_positions_S, _ = _local_index(Lp, cp, cp_rank)
+    p_tokens_BL, _ = _rows(prefixes, n_prefix_rows, Lp)
+    items = [(row, t, item) for row, t in enumerate(fed) for item in t.feedback][cp_rank::cp]
+    segments = [t.item_tokens(item) for _, t, item in items]
+    Tp = max((item.at for _, _, item in items), default=0) + 1  # >= 1 slot: every query sees a key
+    Si = max((len(x) for x in segments), default=1)
+    tokens_IS, _ = _rows(segments, n_item_rows, Si)
+    cache_IT = np.zeros((n_item_rows, Tp), dtype=np.int64)
+    doc_IL = np.zeros((n_item_rows, Tp + Si), dtype=np.int64)
+    rope_IS = np.tile(np.arange(Si), (n_item_rows, 1))
+    for i, ((row, _, item), seg) in enumerate(zip(items, segments)):
+        hidden = Tp - item.at
+        cache_IT[i, hidden:] = row * Lp + np.arange(item.at)
+        doc_IL[i, hidden:Tp + len(seg)], doc_IL[i, Tp + len(seg):] = 1, 2
+        rope_IS[i] += item.at
+    as_t = torch.as_tensor
+    return {"teacher_inputs_BS": as_t(p_tokens_BL[:, p_positions_S.numpy()]), "teacher_positions_S": p_positions_S,
+            "item_inputs_IS": as_t(tokens_IS), "item_positions_S": Tp + torch.arange(Si),
+            "item_cache_IT": as_t(cache_IT), "item_doc_IL": as_t(doc_IL), "item_rope_IS": as_t(rope_IS)}, Si
 
 
 def _trained(trajs: list[Trajectory], local: np.ndarray, S: int) -> dict:
@@ -134,18 +171,18 @@ def _cat(pieces: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
     return torch.as_tensor(np.concatenate(pieces) if pieces else np.zeros(0), dtype=dtype)
 
 
-def _targets(trajs: list[Trajectory]) -> tuple[list[np.ndarray], tuple[np.ndarray, ...]]:
-    """(teacher sequences, (teacher row, teacher position, student row, student position, label) per target)."""
-    seqs, parts = [], []
+def _targets(trajs: list[Trajectory]) -> tuple[np.ndarray, ...]:
+    """(item index in the slot, index in its item row, student row, student position, label) per target."""
+    parts, k = [], 0
     for b, t in enumerate(trajs):
         for item in t.feedback:
             start, end = t.turns[item.turn].start, t.turns[item.turn].end
             j = np.arange(max(start, 1), end)
-            parts.append(np.stack([np.full(len(j), len(seqs)), j + len(item.hint) - 1, np.full(len(j), b),
+            parts.append(np.stack([np.full(len(j), k), j + len(item.hint) - 1 - item.at, np.full(len(j), b),
                                    j - 1, t.tokens[j]]))
-            seqs.append(t.teacher_tokens(item))
+            k += 1
     cols = np.concatenate(parts, axis=1) if parts else np.zeros((5, 0), dtype=np.int64)
-    return seqs, tuple(cols.astype(np.int64))
+    return tuple(cols.astype(np.int64))
 
 
 class RolloutLoader:
@@ -180,12 +217,14 @@ class RolloutLoader:
         ids = self.plan.step(step)
         slots = deal(ids, self.plan.costs, self.grad_accum * self.dp)
         n_rows = max(1, max(len(s) for s in slots))
-        n_teacher = max(sum(len(self.trajs[i].feedback) for i in s) for s in slots)
+        n_prefix = max(sum(bool(self.trajs[i].feedback) for i in s) for s in slots)
+        n_items = max(-(-sum(len(self.trajs[i].feedback) for i in s) // self.cp) for s in slots)
         mine = [slots[m * self.dp + self.dp_rank] for m in range(self.grad_accum)]
-        micro = [build_micro_batch([self.trajs[i] for i in s], n_rows, n_teacher, self.cp, self.cp_rank) for s in mine]
+        micro = [build_micro_batch([self.trajs[i] for i in s], n_rows, n_prefix, n_items, self.cp, self.cp_rank)
+                 for s in mine]
         trajs = [self.trajs[i] for i in ids]
         return RolloutStep(micro, sum(t.trained_tokens() for t in trajs), sum(t.target_tokens() for t in trajs),
-                           sum(t.cost() for t in trajs))
+                           sum(t.cost() for t in trajs), sum(t.teacher_cost() for t in trajs))
 
     def next_step(self) -> RolloutStep:
         out = self.batch(self.step)

@@ -73,9 +73,21 @@ class Trajectory:
         end = self.turns[item.turn].end
         return np.concatenate([self.tokens[:item.at], item.hint, self.tokens[item.at:end]])
 
+    def item_tokens(self, item: Feedback) -> np.ndarray:
+        """What the teacher forwards for `item` after the shared prefix tokens[:at]: hint + tokens[at:end]."""
+        return np.concatenate([item.hint, self.tokens[item.at:self.turns[item.turn].end]])
+
+    def prefix_length(self) -> int:
+        """Tokens of the teacher's shared prefix pass: the largest `at` of the feedback items (0 without)."""
+        return max((f.at for f in self.feedback), default=0)
+
+    def teacher_cost(self) -> int:
+        """Tokens the teacher forwards: the shared prefix once, then each item's hint and turn."""
+        return self.prefix_length() + sum(len(f.hint) + self.turns[f.turn].end - f.at for f in self.feedback)
+
     def cost(self) -> int:
-        """Tokens forwarded for this trajectory: the student row and one teacher row per feedback item."""
-        return len(self.tokens) + sum(self.turns[f.turn].end + len(f.hint) for f in self.feedback)
+        """Tokens forwarded for this trajectory: the student row and the teacher's tokens."""
+        return len(self.tokens) + self.teacher_cost()
 
     def trained_tokens(self) -> int:
         return sum(t.end - max(t.start, 1) for t in self.turns if t.role == "assistant" and t.end > 1)
