@@ -117,6 +117,12 @@ def _eval_mode(model: nn.Module):
         model.train(was_training)
 
 
+def _to_device(x, device):
+    if isinstance(x, Documents):
+        return Documents(*(to_device(t, device) for t in x))
+    return to_device(x, device) if isinstance(x, torch.Tensor) else x
+
+
 def _has_padding(host_pad_BS: torch.Tensor) -> bool:
     """Whether the micro-batch has padding, read from its host-side mask (no device sync)."""
     with host_side():
@@ -160,7 +166,8 @@ def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Te
     cache (through each layer's `kv_source`: under cp, the all-gathered whole rows), then every item row
     attends to its own cached prefix, right-aligned, and to itself (runtime/rollout_batch.py)."""
     cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
-    teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, head=False)  # communication under cp: the K/V all-gather
+    teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, documents=mb.teacher_documents,
+            head=False)  # communication under cp: the K/V all-gather
     documents = Documents(mb.item_doc_IL, mb.item_rope_IS)
     return teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents)
 
@@ -177,22 +184,26 @@ class FeedbackObjective:
 
     def forward_backward(self, model: nn.Module, step: RolloutStep, device) -> tuple[torch.Tensor, int, dict]:
         """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
-        sums = torch.zeros(6, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum, sft sum
+        # loss, rl sum, kl sum, clipped count, teacher entropy sum, sft sum, positions, padding positions
+        sums = torch.zeros(8, device=device)
         for mb in step.micro_batches:
             has_padding = _has_padding(mb.pad_BS)
-            mb = RolloutMicroBatch(*(to_device(x, device) if isinstance(x, torch.Tensor) else x for x in mb))
+            mb = RolloutMicroBatch(*(_to_device(x, device) for x in mb))
             data, entropy_sum = self._teacher(model, mb)
             with _padding_ignored(model, mb.pad_BS, has_padding):
-                sums += self._student(model, mb, data, step)
+                sums[:6] += self._student(model, mb, data, step)
             sums[4] += entropy_sum
+            sums[6] += mb.positions  # host ints added to a device tensor: no sync
+            sums[7] += mb.padding
         local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
-            dist.all_reduce(sums)  # communication: 6 floats (every rank's shares of the global means)
+            dist.all_reduce(sums)  # communication: 8 floats (every rank's shares of the global means)
         n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
-        _, rl, kl, clipped, entropy, sft = sums.tolist()  # one host sync
+        _, rl, kl, clipped, entropy, sft, positions, padding = sums.tolist()  # one host sync
         metrics = {"sft_loss": sft / n_rl, "rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt,
                    "target_tokens": step.target_tokens, "clip_fraction": clipped / n_rl,
-                   "teacher_entropy": entropy / n_tgt, "teacher_tokens": step.teacher_tokens}
+                   "teacher_entropy": entropy / n_tgt, "teacher_tokens": step.teacher_tokens,
+                   "padding_fraction": padding / max(positions, 1)}
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
@@ -210,7 +221,7 @@ class FeedbackObjective:
         return data, feedback.entropy(logits_mV).sum()
 
     def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep):
-        logits_BSV = model(mb.inputs_BS, mb.positions_S)
+        logits_BSV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents)
         logits_TV = logits_BSV.flatten(0, 1)
         logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
         old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())

@@ -68,13 +68,21 @@ def _reference(model: Transformer) -> dict[tuple[int, int], float]:
     return out
 
 
+def _key(mb, row: int, pos: int) -> tuple[int, int]:
+    """(trajectory's index in the slot, position in it) of a student position (packed: one row)."""
+    if mb.documents is None:
+        return row, pos
+    doc_L = mb.documents.doc_BL[row]
+    return int(doc_L[pos]), pos - int((doc_L < doc_L[pos]).sum())
+
+
 def _objective_logp(objective, student, step) -> dict[tuple[int, int], float]:
     """The objective's teacher log-probs of this rank's student-side targets, keyed like `_reference`."""
     (mb,) = step.micro_batches
     data, _ = objective._teacher(student, mb)
     S = mb.inputs_BS.shape[1]
     rows, local = mb.target_flat_m // S, mb.target_flat_m % S
-    return {(int(r), int(mb.positions_S[s])): v for r, s, v in zip(rows, local, data[0].tolist())}
+    return {_key(mb, int(r), int(mb.positions_S[s])): v for r, s, v in zip(rows, local, data[0].tolist())}
 
 
 def _check(got: dict, want: dict) -> None:
