@@ -13,13 +13,16 @@ policy on the trajectory; the teacher is the model on tokens[:at] + hint + token
 the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
 
 Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forward_backward` runs:
-  1. teacher forward, no grad, routers in eval mode (teacher tokens do not move the expert bias);
+  1. teacher forwards, no grad, routers in eval mode (teacher tokens do not move the expert bias):
+     one pass over each trajectory's prefix fills a KV cache (communication under cp: the K/V
+     all-gather), then each feedback item's hint + turn attends to its cached prefix and to itself
+     (`prefix_shared_teacher`);
   2. teacher data of the targets this rank holds on the teacher side: the logits (`full`), top-k
      log-probs, ids and tail (`topk`) or the sampled token's log-prob (`sampled`);
-  3. communication: all-gather of that data over the cp group (only when cp > 1; the hint shifts
-     teacher positions, so a target's teacher position may live on another cp rank);
-  4. student forward (padding tokens removed from the routers' expert counts and QK-clip's max
-     logits), losses, backward.
+  3. communication: all-gather of that data over the cp group (only when cp > 1; an item is forwarded
+     by one cp rank, so a target's teacher position may live on another cp rank than its student one);
+  4. student forward over packed rows (document masking; the tail's padding removed from the routers'
+     expert counts and QK-clip's max logits), losses, backward.
 Every rank divides by the GLOBAL counts, which it knows from the step plan without communication, so
 the per-rank losses sum to the single-process loss (parallel/gradients.py). Metrics: one all-reduce.
 """

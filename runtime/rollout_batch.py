@@ -2,19 +2,22 @@
 and target token lives (runtime/rollouts.py says which trajectories make up a step and its slots).
 
 A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
-  student rows  [B, S]: one trajectory per row, padded at the end to L = a multiple of 2*cp, padded up
-                to the step's largest slot with empty rows (every rank runs the same forwards); cp rank
-                i holds the load-balanced chunks i and 2*cp-1-i (parallel/context_parallel.py).
-  teacher       the prefix-shared teacher: one prefix row [Bp, Sp] per trajectory with feedback,
-                tokens[:A] with A the largest `at` of its items, split over cp like the student rows;
-                the teacher's pass over them fills a KV cache of the whole rows (under cp: gathered).
+  student row   [1, S]: the slot's trajectories packed end to end (document masking: attention stays in
+                each trajectory, RoPE restarts at each, models/document_attention.py), padded at the
+                end to L = a multiple of 2*cp; every rank has one row, so all run the same forwards (an
+                empty slot is a row of padding); cp rank i holds the load-balanced chunks i and
+                2*cp-1-i (parallel/context_parallel.py). `pack=False`: one trajectory per row, each
+                padded to the longest, rows up to the step's largest slot (the reference layout).
+  teacher       the prefix-shared teacher: each trajectory with feedback up to A, the largest `at` of
+                its items, packed into a prefix row [1, Sp] like the student's and split over cp;
+                the teacher's pass over it fills a KV cache of the whole row (under cp: gathered).
                 Then one item row [I, Si] per feedback item, `hint + tokens[at:end]` at RoPE positions
                 at, at+1, ..., which attends to its trajectory's cached tokens[:at] and to itself
                 (`item_cache`, `item_doc`: the cached prefix right-aligned in Tp slots, the slots
-                before it hidden by the document mask). Item k of the slot is forwarded whole by cp
-                rank k % cp. Teacher tokens per trajectory: A + sum(H + end - at) instead of
-                sum(at + H + end - at) with one full row per item. Bp = I = 0 on every rank when the
-                step has no feedback.
+                before it hidden by the document mask), padded to the slot's longest item. Item k of
+                the slot is forwarded whole by cp rank k % cp. Teacher tokens per trajectory:
+                A + sum(H + end - at) instead of sum(at + H + end - at) with one full row per item.
+                No prefix row and I = 0 on every rank when the step has no feedback.
   trained       flat indices into the local B*S positions of assistant tokens, with label, advantage
                 and behaviour log-prob.
   targets       the slot's target tokens in one canonical order. A target's student position j-1 and
