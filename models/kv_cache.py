@@ -46,13 +46,25 @@ class KVCache:
 
     def rows(self, index_RT: torch.Tensor) -> "KVCache":
         """A cache of R rows whose row r holds this cache's flat cached tokens (row * T_cached + position)
-        `index_RT[r]`, at positions 0..T-1 (the caller's attention mask decides which of them a query sees)."""
-        out = KVCache(len(self.layers))
-        for mine, theirs in zip(self.layers, out.layers):
-            theirs.tensors = tuple(t.flatten(0, 1)[index_RT] for t in mine.tensors)
-            theirs.positions_S = torch.arange(index_RT.shape[1], device=index_RT.device)
+        `index_RT[r]`, at positions 0..T-1 (the caller's attention mask decides which of them a query sees).
+        Each layer's rows are gathered when that layer runs, so one layer's copy exists at a time."""
+        out = KVCache(0)
+        out.layers = [CachedRows(layer, index_RT) for layer in self.layers]
         return out
 
     def next_position(self) -> int:
         positions = self.layers[0].positions_S
         return 0 if positions is None else int(positions[-1]) + 1
+
+
+class CachedRows:
+    """A layer's cache read as rows of its cached tokens (`KVCache.rows`); `extend` appends the new
+    tokens for this forward only (nothing is kept)."""
+
+    def __init__(self, layer: LayerCache, index_RT: torch.Tensor):
+        self.layer, self.index_RT = layer, index_RT
+
+    def extend(self, *new: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cached = [t.flatten(0, 1)[self.index_RT] for t in self.layer.tensors]
+        positions_T = torch.arange(self.index_RT.shape[1], device=positions_S.device)
+        return (*(torch.cat([c, n], dim=1) for c, n in zip(cached, new)), torch.cat([positions_T, positions_S]))
