@@ -8,32 +8,13 @@ tensor memory of one forward/backward (measured by torch's MemTracker) drops.
 """
 
 import pytest
-import torch
 
-from benchmarks.lib.memory_peak import track_peak
-from models import Transformer, preset
 from multirank import run_ranks
-from parallel.activation_checkpoint import MODES, apply_activation_checkpoint
+from parallel.activation_checkpoint import MODES
 from parallel.gradients import global_loss, loss_fn
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
-from test_mixed_precision import HEADLINE
-from test_parallel_parity import BATCH, SEQ, WORLD, _batch, _local_batch, _model
-
-RTOL = 1e-6
-
-
-def _single(mode: str, model_preset="debug", batch=BATCH, seq=SEQ) -> dict:
-    torch.manual_seed(0)
-    model = Transformer(preset(model_preset))
-    model.init_weights()
-    apply_activation_checkpoint(model, mode)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
-    with track_peak(model) as peak:
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:], batch * seq)
-        loss.backward()
-    return {"loss": loss.item(), "grads": {k: p.grad for k, p in model.named_parameters()},
-            "counts": [r.tokens_per_expert.clone() for r in model.routers()], "peak": peak()["Total"]}
+from parity_cases import BATCH, HEADLINE, SEQ, WORLD, _assert_same, _local_batch, _model, _single
 
 
 def _headline(rank, world_size) -> dict:
@@ -49,15 +30,6 @@ def _headline(rank, world_size) -> dict:
         out[mode] = {"loss": global_loss(loss).item(), "counts": [r.tokens_per_expert.clone() for r in model.routers()],
                      "grads": {k: p.grad.to_local() for k, p in model.named_parameters()}}
     return out
-
-
-def _assert_same(got: dict, ref: dict, where: str):
-    assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), where
-    for a, b in zip(got["counts"], ref["counts"]):
-        assert torch.equal(a, b), f"{where}: router counts {a} != {b} (a recompute counted twice?)"
-    for fqn, grad in got["grads"].items():
-        scale = ref["grads"][fqn].abs().max() if grad.numel() else 0
-        assert (grad - ref["grads"][fqn]).abs().max() <= RTOL * scale if grad.numel() else True, f"{where}: {fqn}"
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from runtime import corpus
 from parallel.context_parallel import load_balanced_positions
 from runtime.data import DataConfig, Loader, window_starts
+from word_tokenizer import _tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,16 +147,6 @@ def test_corpus_is_deterministic_and_structured():
     # Structure a model can learn: zlib needs ~1.15 bits per byte (uniform bytes: 8, English prose: ~3).
     bits_per_byte = 8 * len(zlib.compress(tokens.tobytes(), 9)) / len(tokens)
     assert bits_per_byte < 2.0
-
-
-def _tiny_tokenizer(path, extra_words=0):
-    tokenizers = pytest.importorskip("tokenizers", reason="launch/tokenize_text.py needs the `tokenizers` package")
-    words = ["[UNK]", "<eos>", "the", "cat", "sat", "on", "mat", "a"] + [f"w{i}" for i in range(extra_words)]
-    vocab = {w: i for i, w in enumerate(words)}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer.save(path)
-    return vocab
 
 
 def test_tokenize_script_writes_a_bin_the_loader_reads(tmp_path):

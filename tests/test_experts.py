@@ -30,8 +30,7 @@ from models.splits import PER_EXPERT, muon_splits
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
 from parallel.gradients import loss_fn
-from test_muon_reference import naive_muon_step
-from test_seeded_init import _stream_reference
+from plain_references import _stream_reference, naive_muon_step
 
 COUNTS = torch.tensor([5, 0, 9, 3, 0, 7])  # experts 1 and 4 get no tokens
 

@@ -21,7 +21,7 @@ from models.hf import check_checkpoint, load_pretrained, load_state  # noqa: E40
 from models.hf_config import read_hf_config  # noqa: E402
 from models.hf_files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
-from test_hf import REL_TOL, _rel_err, _tokens  # noqa: E402
+from hf_cases import REL_TOL, _rel_err, _tokens  # noqa: E402
 
 # moe_intermediate_size 48: down_proj's input dim is 1.5 groups of 32, so a partial last group is read too
 SHAPE = dict(moe_intermediate_size=48, n_routed_experts=8)
@@ -95,7 +95,7 @@ def test_int4_box_reads_equal_slices_of_the_whole(dirs):
 
 # ---- multi-rank -------------------------------------------------------------------------------------
 
-from test_hf_sharded import ARGS, HEADLINE, MATRIX_DIM  # noqa: E402
+from hf_cases import ARGS, HEADLINE, MATRIX_DIM  # noqa: E402
 
 
 def _loaded(rank, world_size, cases, run_dir):
@@ -287,7 +287,7 @@ def test_k25_config_maps_to_the_kimi_k2_preset_and_the_256gpu_config_loads(tmp_p
     from int4_reference import k25_config
     from models import preset
     from runtime.config import load_config
-    from test_hf import _KIMI_K2
+    from hf_cases import _KIMI_K2
 
     (tmp_path / "config.json").write_text(json.dumps(k25_config({k: v for k, v in _KIMI_K2.items()
                                                                  if k != "quantization_config"})))

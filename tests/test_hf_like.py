@@ -17,8 +17,7 @@ from int4_reference import VISION, int4_copy  # noqa: E402
 from models.hf import load_pretrained, save_pretrained  # noqa: E402
 from models.hf_files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
-from test_hf import REL_TOL, _rel_err, _tokens  # noqa: E402
-from test_hf_sharded import ARGS  # noqa: E402
+from hf_cases import ARGS, REL_TOL, _rel_err, _tokens  # noqa: E402
 
 EXTRA_FILES = {"tiktoken.model": "YQ== 0\n", "tokenization_kimi.py": "# loader\n", "chat_template.jinja": "{{ x }}\n"}
 

@@ -118,3 +118,32 @@ def test_a_broken_arrow_is_reported(tmp_path):
         "models.hf -> parallel.boxes (models)",
         "optim.planner.plan -> optim.sharded.muon (optim.planner)",
     ]
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures live in helper modules that are not test_*.py (tests/README.md)."""
+    assert _test_modules_importing_tests(os.path.join(REPO, "tests")) == {}
+
+
+def _test_modules_importing_tests(tests_dir: str) -> dict[str, list[str]]:
+    """{test file: the test_* modules it imports}, read with `ast` like the rules above."""
+    found = {}
+    for f in sorted(os.listdir(tests_dir)):
+        if f.startswith("test_") and f.endswith(".py"):
+            with open(os.path.join(tests_dir, f)) as src:
+                tree = ast.parse(src.read(), f)
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in (None, "tests")
+                      for a in n.names}
+            hits = sorted(n for n in names if n.split(".")[-1].startswith("test_"))
+            if hits:
+                found[f] = hits
+    return found
+
+
+def test_a_test_importing_a_test_is_reported(tmp_path):
+    (tmp_path / "test_a.py").write_text("from test_b import CASES\n")
+    (tmp_path / "test_b.py").write_text("import parity_cases\nfrom tests import test_c\n")
+    (tmp_path / "parity_cases.py").write_text("from test_a import x\n")  # helpers are not test modules
+    assert _test_modules_importing_tests(str(tmp_path)) == {"test_a.py": ["test_b"], "test_b.py": ["test_c"]}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runtime.indexed import IndexedTokens, IndexedWriter, prefix_of
+from word_tokenizer import _tiny_tokenizer
 
 
 def _documents(seed=0, n=40, vocab=50000):
@@ -102,7 +103,6 @@ def test_bad_index_files_fail_in_one_line_naming_the_file(tmp_path, damage, mess
 ])
 def test_tokenize_text_writes_indexed_documents_the_loader_reads(tmp_path, unit, documents):
     from launch.tokenize_text import main
-    from test_data import _tiny_tokenizer
 
     from runtime.data import open_bin
 
@@ -131,7 +131,6 @@ def test_tokenize_text_writes_indexed_documents_the_loader_reads(tmp_path, unit,
 
 def test_tokenize_text_refuses_bad_jsonl_and_document_without_indexed(tmp_path, capsys):
     from launch.tokenize_text import main
-    from test_data import _tiny_tokenizer
 
     _tiny_tokenizer(str(tmp_path / "tokenizer.json"))
     (tmp_path / "a.jsonl").write_text('{"text": "the cat"}\n{"txt": "x"}\n')

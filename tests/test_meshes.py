@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
-import test_sharded_muon as sm
+import muon_cases as sm
 from entry_point import run_ok
 from models import Transformer, preset
 from multirank import run_ranks

@@ -29,13 +29,10 @@ from models import Router
 from multirank import run_ranks
 from parallel.fsdp import mixed_precision_policy
 from parallel.gradients import global_loss, loss_fn
-from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
-from test_parallel_parity import BATCH, SEQ, WORLD, _batch, _local_batch, _model
+from parity_cases import BATCH, HEADLINE, SEQ, WORLD, _batch, _local_batch, _model
 from torch.distributed.fsdp import MixedPrecisionPolicy
-
-HEADLINE = ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1)
 
 
 def _bf16_copy(model):

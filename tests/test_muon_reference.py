@@ -2,7 +2,6 @@
 
 import copy
 import dataclasses
-import functools
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ from models.splits import PER_EXPERT, WHOLE, MatrixSplit, muon_splits, per_head_
 from optim.config import OptimConfig
 from optim.adamw import adamw_multi_tensor, adamw_update, init_adamw_state
 from optim.muon_reference import ReferenceMuon, orthogonalize_blocks
-from optim.newton_schulz import lr_scale, orthogonalize
+from optim.newton_schulz import orthogonalize
+from plain_references import naive_muon_step
 
 MUON_NAMES = ("wq.weight", "wo.weight", "experts", "gate.weight")
 STEPS = 3
@@ -48,28 +48,6 @@ def random_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
 def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     for name, p in model.named_parameters():
         p.grad = grads[name].clone()
-
-
-def naive_muon_step(p, grad, buf, kind, parts, config, lr):
-    """Muon on one parameter, each block sliced by hand and orthogonalized alone. Returns (p, buf)."""
-    ortho = functools.partial(orthogonalize, method=config.ns_method)
-    buf = config.momentum * buf + grad
-    u = grad + config.momentum * buf if config.nesterov else buf
-    update = torch.zeros_like(p)
-    if kind == "rows":
-        r = p.shape[0] // parts
-        for i in range(parts):
-            update[i * r:(i + 1) * r, :] = ortho(u[i * r:(i + 1) * r, :]) * lr_scale(r, p.shape[1], "rms")
-    elif kind == "cols":
-        c = p.shape[1] // parts
-        for i in range(parts):
-            update[:, i * c:(i + 1) * c] = ortho(u[:, i * c:(i + 1) * c]) * lr_scale(p.shape[0], c, "rms")
-    elif kind == "experts":
-        for e in range(p.shape[0]):
-            update[e] = ortho(u[e]) * lr_scale(p.shape[1], p.shape[2], "rms")
-    else:
-        update = ortho(u) * lr_scale(p.shape[0], p.shape[1], "rms")
-    return p * (1 - lr * config.weight_decay) - lr * update, buf
 
 
 @pytest.mark.parametrize("nesterov,ns_method", [(True, "standard"), (False, "standard"), (True, "gram")])

@@ -22,62 +22,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models import Transformer, preset
 from multirank import run_ranks
-from parallel.context_parallel import load_balanced_positions
 from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
-from parallel.layout import DENSE_AXES, EXPERT_AXES, ParallelConfig
+from parallel.layout import DENSE_AXES, EXPERT_AXES
 from parallel.meshes import build_meshes, rank_mesh
 from parallel.parallelize import parallelize
 
-WORLD, BATCH, SEQ = 8, 8, 32
+from parity_cases import BATCH, CASES, SEQ, WORLD, _batch, _local_batch, _model, _shard_like
+
 LR, EPS, MAX_NORM = 1e-2, 1e-3, 1.0  # MAX_NORM < the gradient norm (~8): clipping is active
 GRAD_RTOL, PARAM_ATOL, NORM_RTOL = 2e-5, 1e-6, 1e-5
-
-CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 and 1)
-    "fsdp8": ("debug", {}, ParallelConfig(dp_shard=8, ep=1), False),
-    "hsdp2x4": ("debug", {}, ParallelConfig(dp_replicate=2, dp_shard=4, ep=1), False),
-    "headline_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), False),
-    "hsdp_cp2_ep4_gqa": (
-        "debug_gqa", {}, ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4), False,
-    ),
-    "fsdp8_ehsdp_ep2": ("debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2), False),
-    # 4 experts / ep=2 = 2 local experts < edp_shard=4: experts sharded on a matrix dim (Shard(1)).
-    "few_local_experts": ("debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4), False),
-    # expert FSDP on consecutive ranks, ep strided (parallel.expert_inner="edp_shard"): whole experts, then a matrix dim
-    "hsdp_cp2_ep4_edp_shard_inner": (
-        "debug", {},
-        ParallelConfig(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner="edp_shard"), False,
-    ),
-    "fsdp8_ehsdp_ep2_edp_shard_inner": (
-        "debug", {}, ParallelConfig(dp_shard=8, edp_replicate=2, edp_shard=2, ep=2, expert_inner="edp_shard"),
-        False,
-    ),
-    "few_local_experts_edp_shard_inner": (
-        "debug", {"n_routed_experts": 4}, ParallelConfig(dp_shard=8, ep=2, edp_shard=4, expert_inner="edp_shard"),
-        False,
-    ),
-    # every token goes to experts 0 and 1: six experts and six of eight ep ranks get no tokens.
-    "empty_experts_cp2_ep8": ("debug", {}, ParallelConfig(dp_shard=4, cp=2, ep=8, edp_shard=1), True),
-}
-
-
-def _model(name: str) -> Transformer:
-    preset_name, overrides, _, skew = CASES[name]
-    torch.manual_seed(0)
-    model = Transformer(preset(preset_name, **overrides))
-    model.init_weights()
-    if skew:
-        for router in model.routers():
-            router.expert_bias[:2] = 10.0  # sigmoid scores are < 1: experts 0 and 1 always win top-2
-    return model
-
-
-def _batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _reference(name: str) -> dict:
@@ -91,18 +46,6 @@ def _reference(name: str) -> dict:
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
     return {"loss": loss.item(), "norm": norm.item(), "grads": grads, "params": params,
             "state_keys": list(model.state_dict())}
-
-
-def _local_batch(vocab_size, layout, meshes):
-    inputs, labels = _batch(vocab_size)
-    rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
-    positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
-    return inputs[rows][:, positions], labels[rows][:, positions], positions
-
-
-def _shard_like(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's piece of `full` under `like`'s mesh and placements (no communication)."""
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def _max_errors(named, reference, attr):

@@ -14,18 +14,16 @@ import collections
 import json
 from unittest import mock
 
-import pytest
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from dry_run_cases import ARGS, STEP, _dry_run
 from multirank import run_ranks
 from parallel.gradients import global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.overlap import set_fsdp_prefetch
 from parallel.parallelize import parallelize
-from test_activation_checkpoint import _assert_same, _single
-from test_dry_run import ARGS, STEP, _dry_run
-from test_parallel_parity import BATCH, SEQ, _local_batch, _model
+from parity_cases import BATCH, SEQ, _assert_same, _local_batch, _model, _single
 
 RUNS = (("none", 1), ("full", 1), ("full", 2))  # (training.activation_checkpoint, parallel.fsdp_prefetch)
 

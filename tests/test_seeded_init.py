@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from models import Transformer, preset
-from models.seeded_init import ROW_BLOCK_ELEMS, _seed, normal_box
+from models.seeded_init import normal_box
 from multirank import run_ranks
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
-from test_parallel_parity import CASES, _shard_like
+from parity_cases import CASES, _shard_like
+from plain_references import _stream_reference
 
 LAYOUTS_4 = {
     "fsdp4": ("debug", {}, ParallelConfig(dp_shard=4, ep=1)),
@@ -31,20 +32,6 @@ def _distinct(cases) -> dict:
 
 
 LAYOUTS_8 = _distinct(CASES)
-
-
-def _stream_reference(full_shape, std, seed, name) -> torch.Tensor:
-    """The documented stream, written plainly: rows in blocks of R, block b's n values the first n of
-    ceil(n / 16) * 16 normals from generator (seed, name, b)."""
-    row_len = full_shape[-1]
-    rows = torch.Size(full_shape[:-1]).numel()
-    per_block = max(1, ROW_BLOCK_ELEMS // row_len)
-    blocks = []
-    for b in range(0, rows, per_block):
-        g = torch.Generator().manual_seed(_seed(seed, name, b // per_block))
-        n = min(per_block, rows - b) * row_len
-        blocks.append(torch.empty(-(-n // 16) * 16).normal_(0.0, std, generator=g)[:n])
-    return torch.cat(blocks).view(full_shape)
 
 
 @pytest.mark.parametrize("full_shape", [(5, 300, 700), (1000, 64), (3, 20000), (70000,), (7, 9, 5), (33, 3)])

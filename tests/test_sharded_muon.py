@@ -22,12 +22,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from models.splits import PER_EXPERT, PER_EXPERT_GATED, WHOLE, per_head_cols, per_head_rows
 from multirank import run_ranks
 from models.boxes import local_box, placement_kind, strided_shard
-from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
 from optim.sharded.muon import ShardedMuon
+from muon_cases import (CONFIG, STEPS, Toy, assert_matches_reference, box_of, ep_shard_experts, relative_error,
+                        set_toy_grads, toy_full, toy_reference)
 
-WORLD, STEPS = 8, 3
-CONFIG = OptimConfig(lr=0.02, weight_decay=0.1, momentum=0.9)
+WORLD = 8
 DENSE_AXES, EXPERT_AXES = ("dp_replicate", "dp_shard_cp"), ("edp_replicate", "edp_shard", "ep")
 # Dense params: 6 heads of 8 rows (48 rows: no head boundary matches 4- or 8-way shards), 6 heads
 # along cols (every head cut across all ranks), a whole [3, 16] (empty shards on most ranks), mixed
@@ -125,10 +125,6 @@ def shard(full, mesh, placements):
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def box_of(p):
-    return local_box(p.shape, p.device_mesh.shape, p.placements, p.device_mesh.get_coordinate())
-
-
 def _run_cases(rank, world, cases):
     meshes, out = {}, {}
     for case in cases:
@@ -168,10 +164,6 @@ def reference(case):
     return {n: p.detach() for n, p in full.items()}
 
 
-def relative_error(got, want, scale):
-    return (got - want).abs().max() / scale if got.numel() else torch.tensor(0.0)
-
-
 def tolerance(case, expected):
     """fp32: the sharded owners batch other sets of blocks than the reference and store tall blocks
     transposed, which only changes the matmul summation order: observed <= 1.4e-7 relative, so 1e-5.
@@ -189,14 +181,6 @@ def tolerance(case, expected):
     yardstick = max(relative_error(expected[n], fp32[n], fp32[n].abs().max()) for n in fp32).item()
     assert 1e-5 < yardstick < 1e-2, yardstick  # bf16 really rounded, and the update is still the same
     return 2 * yardstick
-
-
-def assert_matches_reference(results, expected, label, tol=1e-5):
-    for rank, shards in enumerate(results):
-        for name, (box, local) in shards.items():
-            want = expected[name][tuple(slice(lo, hi) for lo, hi in box)]
-            err = relative_error(local, want, expected[name].abs().max())
-            assert err <= tol, f"{label}: {name} on rank {rank} box {box}: relative error {err:.2e} > {tol:.2e}"
 
 
 def test_equivalence_all_layouts_on_8_ranks():
@@ -232,31 +216,6 @@ def check_overlap(events_per_rank, overlap):
 # ---------------------------------------------------------------- real FSDP2
 
 
-class Experts(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.zeros(n, 12, 16))
-        self.w13 = nn.Parameter(torch.zeros(n, 24, 16))  # fused w1/w3: two [12, 16] blocks per expert
-
-
-class Toy(nn.Module):
-    def __init__(self, n_experts):
-        super().__init__()
-        self.wq = nn.Linear(16, 48, bias=False)  # 6 heads on 4 shard ranks
-        self.wo = nn.Linear(48, 16, bias=False)
-        self.experts = Experts(n_experts)
-        self.norm = nn.Parameter(torch.ones(16))  # AdamW
-
-    def splits(self):
-        return {"wq.weight": per_head_rows(6), "wo.weight": per_head_cols(6), "experts.w1": PER_EXPERT,
-                "experts.w13": PER_EXPERT_GATED}
-
-
-def toy_full(name, shape, salt):
-    g = torch.Generator().manual_seed(zlib.crc32(repr((name, salt)).encode()))
-    return torch.randn(shape, generator=g)
-
-
 def _fsdp_toy(rank, world, expert_mesh_shape, n_experts):
     dense = init_device_mesh("cpu", (2, 4), mesh_dim_names=DENSE_AXES)
     expert = init_device_mesh("cpu", expert_mesh_shape, mesh_dim_names=EXPERT_AXES)
@@ -267,25 +226,6 @@ def _fsdp_toy(rank, world, expert_mesh_shape, n_experts):
     fully_shard(model.experts, mesh=expert["edp_replicate", "edp_shard"])
     fully_shard(model, mesh=dense)
     return model, full
-
-
-def ep_shard_experts(model, ep_mesh):
-    """The toy's expert weights as DTensors Shard(0) on `ep_mesh`, as parallel/expert_parallel.py does."""
-    for name, weight in list(model.experts.named_parameters()):
-        setattr(model.experts, name, nn.Parameter(distribute_tensor(weight.data, ep_mesh, [Shard(0)])))
-
-
-def set_toy_grads(model, step):
-    """Full-tensor grads sharded like each parameter; the experts get none at step 1 (skipped)."""
-    for n, p in model.named_parameters():
-        if step == 1 and n == "experts.w1":
-            p.grad = None
-            continue
-        g = toy_full(n, p.shape, step)
-        if isinstance(p, DTensor):
-            g = DTensor.from_local(g[tuple(slice(lo, hi) for lo, hi in box_of(p))], p.device_mesh, p.placements,
-                                   shape=p.shape, stride=p.stride())
-        p.grad = g
 
 
 def _real_fsdp(rank, world, expert_mesh_shape, n_experts, replica_split):
@@ -300,16 +240,6 @@ def _real_fsdp(rank, world, expert_mesh_shape, n_experts, replica_split):
         set_toy_grads(model, step)
         opt.step()
     return {n: (box_of(p), p.to_local().clone()) for n, p in model.named_parameters()}, layouts
-
-
-def toy_reference(n_experts):
-    model = Toy(n_experts)
-    model.load_state_dict({n: toy_full(n, p.shape, "init") for n, p in model.named_parameters()})
-    opt = ReferenceMuon(model.named_parameters(), model.splits(), CONFIG)
-    for step in range(STEPS):
-        set_toy_grads(model, step)
-        opt.step()
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mesh_shape, n_experts, replica_split", [((2, 2, 2), 6, "on"), ((1, 4, 2), 6, "auto")])
