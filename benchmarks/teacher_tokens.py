@@ -16,7 +16,7 @@ Timing (debug model, fp32, this CPU, medians of --repeats): the synthetic shape 
 tokens (turns of length / 128): the teacher's forwards alone, and one whole objective step (teacher,
 student forward and backward), before (per-item rows padded to the longest, one batch; the student
 row unpacked) and after, side by side in this process. Also `padding_fraction` (the step's metric) of
-the long-environment step, before and after.
+a step of 8 long-environment episodes, unpacked (one trajectory and one teacher prefix per row) and packed.
 """
 
 import argparse
@@ -156,11 +156,10 @@ def timing(length: int, repeats: int) -> dict:
 
 
 def padding(trajs: list[Trajectory]) -> dict:
+    """The step's `padding_fraction`: before = one trajectory (and one teacher prefix) per row, after = packed."""
     model, out = _model(), {}
-    for name, pack, objective in (("before", False, PerItemRows(PosttrainConfig(), trajs)),
-                                  ("after", True, FeedbackObjective(PosttrainConfig()))):
-        s = _step(trajs, pack)
-        metrics = objective.forward_backward(model, s, torch.device("cpu"))[2]
+    for name, pack in (("before", False), ("after", True)):
+        metrics = FeedbackObjective(PosttrainConfig()).forward_backward(model, _step(trajs, pack), torch.device("cpu"))[2]
         out[f"padding_fraction_{name}"] = round(metrics["padding_fraction"], 4)
     return out
 
