@@ -148,7 +148,8 @@ def timing(length: int, repeats: int) -> dict:
         model.zero_grad()
         return objective.forward_backward(model, s, torch.device("cpu"))[2]["feedback_kl"]
 
-    return {"feedback_kl_before": run(before, old_step), "feedback_kl_after": run(after, new_step),"length": len(trajs[0].tokens), **counts(trajs), "repeats": repeats, "threads": torch.get_num_threads(),
+    return {"feedback_kl_before": run(before, old_step), "feedback_kl_after": run(after, new_step),
+            "length": len(trajs[0].tokens), **counts(trajs), "repeats": repeats, "threads": torch.get_num_threads(),
             "teacher_s_before": _median_s(lambda: before._teacher(model, mb), repeats),
             "teacher_s_after": _median_s(teacher_after, repeats),
             "step_s_before": _median_s(lambda: run(before, old_step), repeats),
@@ -159,7 +160,8 @@ def padding(trajs: list[Trajectory]) -> dict:
     """The step's `padding_fraction`: before = one trajectory (and one teacher prefix) per row, after = packed."""
     model, out = _model(), {}
     for name, pack in (("before", False), ("after", True)):
-        metrics = FeedbackObjective(PosttrainConfig()).forward_backward(model, _step(trajs, pack), torch.device("cpu"))[2]
+        step_ = _step(trajs, pack)
+        metrics = FeedbackObjective(PosttrainConfig()).forward_backward(model, step_, torch.device("cpu"))[2]
         out[f"padding_fraction_{name}"] = round(metrics["padding_fraction"], 4)
     return out
 

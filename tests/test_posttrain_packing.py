@@ -37,7 +37,8 @@ def _run(step, mode: str):
     model.init_weights(torch.Generator().manual_seed(0))
     objective = FeedbackObjective(PosttrainConfig(mode=mode, sft_coef=0.5))
     loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
-    return {**metrics, "loss": loss.item()}, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return {**metrics, "loss": loss.item()}, grads
 
 
 @pytest.mark.parametrize("mode", ["full", "topk"])
