@@ -75,7 +75,8 @@ class CausalAttention(nn.Module):
         """Fold these logits' per-head maxima into `max_logit_H` (training-mode forwards, when enabled)."""
         if self.record_max_logits and self.training:
             if documents is not None:
-                seen_H = max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale)
+                seen_H = max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, documents.doc_BL, scale,
+                                             query_pad_BS=self.query_pad_BS)
             else:
                 seen_H = max_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, scale, query_pad_BS=self.query_pad_BS)
             if self.max_logit_H is None:

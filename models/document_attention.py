@@ -175,9 +175,11 @@ def _key_range(q_doc_BQ, q_pos_Q, kv_doc_BT, kv_pos_T) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float, block: int = 256) -> torch.Tensor:
-    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip). No grad: a
-    checkpointed recompute records nothing, so the forward must save nothing for it either."""
+def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float, block: int = 256,
+                        query_pad_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest logit per head, fp32 [H], over the pairs document attention computes (QK-clip);
+    `query_pad_BS` (bool [B, S]): queries left out (a packed row's padded tail). No grad: a checkpointed
+    recompute records nothing, so the forward must save nothing for it either."""
     base = kv_pos_T[:1]
     q_doc_BS, kv_doc_BT = doc_BL[:, q_pos_S - base], doc_BL[:, kv_pos_T - base]
     q_BHSE, kT_BHET = q_BHSE.float(), k_BHTE.float().transpose(-1, -2)
@@ -186,5 +188,7 @@ def max_document_logits(q_BHSE, k_BHTE, q_pos_S, kv_pos_T, doc_BL, scale: float,
         rows = slice(start, start + block)
         scores_BHQT = torch.matmul(q_BHSE[:, :, rows], kT_BHET) * scale
         visible_BQT = (kv_doc_BT[:, None, :] == q_doc_BS[:, rows, None]) & (kv_pos_T[None, None, :] <= q_pos_S[None, rows, None])
+        if query_pad_BS is not None:
+            visible_BQT = visible_BQT & ~query_pad_BS[:, rows, None]
         best_H = torch.maximum(best_H, scores_BHQT.masked_fill(~visible_BQT[:, None], -torch.inf).amax(dim=(0, 2, 3)))
     return best_H

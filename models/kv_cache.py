@@ -7,18 +7,28 @@ Per layer it keeps what the architecture needs to rebuild keys and values for ev
   GQA  keys (after RoPE) and values per kv head, [B, S, G, E] each, before the repeat to H heads.
 plus the positions of the cached tokens. Appending concatenates along S (fine for the short rollouts
 this is used for; a preallocated buffer would avoid the copies on GPU).
+
+Post-training's teacher (runtime/posttrain.py) fills a cache in one pass over a trajectory, through the
+attention's own `kv_source` (`sources`: under context parallelism each layer's cache then holds the
+whole sequence's gathered latents, not this rank's chunks), and reads prefixes of it back as a new
+cache with one row per feedback item (`KVCache.rows`).
 """
 
 import torch
 
 
 class LayerCache:
-    def __init__(self):
+    def __init__(self, source=None):
+        """`source`: the attention's `kv_source` the new tokens pass through before they are cached
+        (None: cached as they come)."""
         self.tensors: tuple[torch.Tensor, ...] | None = None
         self.positions_S: torch.Tensor | None = None
+        self.source = source
 
     def extend(self, *new: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Append the new tokens' tensors (dim 1 is S) and positions; returns (*all tensors, all positions)."""
+        if self.source is not None:
+            *new, positions_S = self.source(*new, positions_S=positions_S)
         if self.tensors is None:
             self.tensors, self.positions_S = new, positions_S
         else:
@@ -30,9 +40,31 @@ class LayerCache:
 class KVCache:
     """One LayerCache per transformer block; pass as `model(tokens, positions, cache=cache)`."""
 
-    def __init__(self, n_layers: int):
-        self.layers = [LayerCache() for _ in range(n_layers)]
+    def __init__(self, n_layers: int, sources: list | None = None):
+        """`sources`: one `kv_source` per layer (see LayerCache), or None."""
+        self.layers = [LayerCache(None if sources is None else sources[i]) for i in range(n_layers)]
+
+    def rows(self, index_RT: torch.Tensor) -> "KVCache":
+        """A cache of R rows whose row r holds this cache's flat cached tokens (row * T_cached + position)
+        `index_RT[r]`, at positions 0..T-1 (the caller's attention mask decides which of them a query sees).
+        Each layer's rows are gathered when that layer runs, so one layer's copy exists at a time."""
+        out = KVCache(0)
+        out.layers = [CachedRows(layer, index_RT) for layer in self.layers]
+        return out
 
     def next_position(self) -> int:
         positions = self.layers[0].positions_S
         return 0 if positions is None else int(positions[-1]) + 1
+
+
+class CachedRows:
+    """A layer's cache read as rows of its cached tokens (`KVCache.rows`); `extend` appends the new
+    tokens for this forward only (nothing is kept)."""
+
+    def __init__(self, layer: LayerCache, index_RT: torch.Tensor):
+        self.layer, self.index_RT = layer, index_RT
+
+    def extend(self, *new: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cached = [t.flatten(0, 1)[self.index_RT] for t in self.layer.tensors]
+        positions_T = torch.arange(self.index_RT.shape[1], device=positions_S.device)
+        return (*(torch.cat([c, n], dim=1) for c, n in zip(cached, new)), torch.cat([positions_T, positions_S]))

@@ -36,7 +36,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
         attention_in_BSD = self.attention_norm(x_BSD)
-        if documents is not None:
+        if documents is not None and cache is not None:  # a cached prefix, per-row masks and RoPE (post-training)
+            x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, cache=cache, documents=documents)
+        elif documents is not None:
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, documents=documents)
         elif cache is None:
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S)
@@ -55,7 +57,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None,
-                cache: KVCache | None = None, documents=None) -> torch.Tensor:
+                cache: KVCache | None = None, documents=None, head: bool = True) -> torch.Tensor:
         """tokens_BS (int64) -> logits_BSV.
 
         positions_S: global RoPE positions of the S tokens (default arange(S)); context parallelism
@@ -64,7 +66,10 @@ class Transformer(nn.Module):
         asynchronous device assert on a GPU, a ValueError on the CPU).
         cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
         documents: packed documents (data.document_mask; models/document_attention.Documents): attention
-        stays within each document and RoPE positions restart at each (not with a cache).
+        stays within each document and RoPE positions restart at each. With a cache too (post-training's
+        teacher, runtime/posttrain.py): `doc_BL` covers cached + new tokens, so each row sees its own
+        cached keys, and `rope_BS` gives each row's RoPE positions.
+        head=False: the last block's hidden states [B, S, D] instead of logits (a pass that only fills a cache).
         """
         S = tokens_BS.shape[1]
         if positions_S is None:
@@ -74,10 +79,11 @@ class Transformer(nn.Module):
         h_BSD = self.tok_embeddings(tokens_BS)
         for i, layer in enumerate(self.layers):
             if documents is not None:
-                h_BSD = layer(h_BSD, positions_S, documents=documents)
+                h_BSD = (layer(h_BSD, positions_S, documents=documents) if cache is None
+                         else layer(h_BSD, positions_S, cache=cache.layers[i], documents=documents))
             else:
                 h_BSD = layer(h_BSD, positions_S) if cache is None else layer(h_BSD, positions_S, cache=cache.layers[i])
-        return self.output(self.norm(h_BSD))
+        return self.output(self.norm(h_BSD)) if head else h_BSD
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, *, seed: int | None = None):

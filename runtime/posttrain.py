@@ -13,13 +13,16 @@ policy on the trajectory; the teacher is the model on tokens[:at] + hint + token
 the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
 
 Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forward_backward` runs:
-  1. teacher forward, no grad, routers in eval mode (teacher tokens do not move the expert bias);
+  1. teacher forwards, no grad, routers in eval mode (teacher tokens do not move the expert bias):
+     one pass over each trajectory's prefix fills a KV cache (communication under cp: the K/V
+     all-gather), then each feedback item's hint + turn attends to its cached prefix and to itself
+     (`prefix_shared_teacher`);
   2. teacher data of the targets this rank holds on the teacher side: the logits (`full`), top-k
      log-probs, ids and tail (`topk`) or the sampled token's log-prob (`sampled`);
-  3. communication: all-gather of that data over the cp group (only when cp > 1; the hint shifts
-     teacher positions, so a target's teacher position may live on another cp rank);
-  4. student forward (padding tokens removed from the routers' expert counts and QK-clip's max
-     logits), losses, backward.
+  3. communication: all-gather of that data over the cp group (only when cp > 1; an item is forwarded
+     by one cp rank, so a target's teacher position may live on another cp rank than its student one);
+  4. student forward over packed rows (document masking; the tail's padding removed from the routers'
+     expert counts and QK-clip's max logits), losses, backward.
 Every rank divides by the GLOBAL counts, which it knows from the step plan without communication, so
 the per-rank losses sum to the single-process loss (parallel/gradients.py). Metrics: one all-reduce.
 """
@@ -35,6 +38,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from models.document_attention import Documents
+from models.kv_cache import KVCache
 from optim.qk_clip import padding_ignored
 from runtime import checkpoint, feedback, init_source
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
@@ -115,6 +120,12 @@ def _eval_mode(model: nn.Module):
         model.train(was_training)
 
 
+def _to_device(x, device):
+    if isinstance(x, Documents):
+        return Documents(*(to_device(t, device) for t in x))
+    return to_device(x, device) if isinstance(x, torch.Tensor) else x
+
+
 def _has_padding(host_pad_BS: torch.Tensor) -> bool:
     """Whether the micro-batch has padding, read from its host-side mask (no device sync)."""
     with host_side():
@@ -153,6 +164,17 @@ def _padding_ignored(model: nn.Module, pad_BS: torch.Tensor, has_padding: bool):
             h.remove()
 
 
+def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Tensor:
+    """The teacher's logits of this rank's item rows [I, Si, V]: one pass over the prefix rows fills a KV
+    cache (through each layer's `kv_source`: under cp, the all-gathered whole rows), then every item row
+    attends to its own cached prefix, right-aligned, and to itself (runtime/rollout_batch.py)."""
+    cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
+    teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, documents=mb.teacher_documents,
+            head=False)  # communication under cp: the K/V all-gather
+    documents = Documents(mb.item_doc_IL, mb.item_rope_IS)
+    return teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents)
+
+
 # ---- the objective ------------------------------------------------------------------------------
 
 class FeedbackObjective:
@@ -165,22 +187,26 @@ class FeedbackObjective:
 
     def forward_backward(self, model: nn.Module, step: RolloutStep, device) -> tuple[torch.Tensor, int, dict]:
         """Accumulate gradients over the step's micro-batches; (this rank's loss share, tokens, metrics)."""
-        sums = torch.zeros(6, device=device)  # loss, rl sum, kl sum, clipped count, teacher entropy sum, sft sum
+        # loss, rl sum, kl sum, clipped count, teacher entropy sum, sft sum, positions, padding positions
+        sums = torch.zeros(8, device=device)
         for mb in step.micro_batches:
             has_padding = _has_padding(mb.pad_BS)
-            mb = RolloutMicroBatch(*(to_device(x, device) if isinstance(x, torch.Tensor) else x for x in mb))
+            mb = RolloutMicroBatch(*(_to_device(x, device) for x in mb))
             data, entropy_sum = self._teacher(model, mb)
             with _padding_ignored(model, mb.pad_BS, has_padding):
-                sums += self._student(model, mb, data, step)
+                sums[:6] += self._student(model, mb, data, step)
             sums[4] += entropy_sum
+            sums[6] += mb.positions  # host ints added to a device tensor: no sync
+            sums[7] += mb.padding
         local_loss = sums[0].clone()  # the loop sums the ranks' shares (parallel/gradients.global_loss)
         if dist.is_initialized():
-            dist.all_reduce(sums)  # communication: 6 floats (every rank's shares of the global means)
+            dist.all_reduce(sums)  # communication: 8 floats (every rank's shares of the global means)
         n_rl, n_tgt = max(step.trained_tokens, 1), max(step.target_tokens, 1)
-        _, rl, kl, clipped, entropy, sft = sums.tolist()  # one host sync
+        _, rl, kl, clipped, entropy, sft, positions, padding = sums.tolist()  # one host sync
         metrics = {"sft_loss": sft / n_rl, "rl_loss": rl / n_rl, "feedback_kl": kl / n_tgt,
                    "target_tokens": step.target_tokens, "clip_fraction": clipped / n_rl,
-                   "teacher_entropy": entropy / n_tgt}
+                   "teacher_entropy": entropy / n_tgt, "teacher_tokens": step.teacher_tokens,
+                   "padding_fraction": padding / max(positions, 1)}
         return local_loss, step.tokens, metrics
 
     @torch.no_grad()
@@ -190,15 +216,15 @@ class FeedbackObjective:
             return [], torch.zeros((), device=mb.inputs_BS.device)
         teacher = self.teacher if self.teacher is not None else model
         with _eval_mode(teacher):
-            logits_BSV = teacher(mb.teacher_inputs_BS, mb.teacher_positions_S)
-        logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
+            logits_ISV = prefix_shared_teacher(teacher, mb)
+        logits_mV = logits_ISV.flatten(0, 1)[mb.teacher_flat_m]
         data = teacher_data(logits_mV, mb.teacher_labels_m, self.config)
         if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
             data = _gather_cp(data, mb, self.cp_group)
         return data, feedback.entropy(logits_mV).sum()
 
     def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep):
-        logits_BSV = model(mb.inputs_BS, mb.positions_S)
+        logits_BSV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents)
         logits_TV = logits_BSV.flatten(0, 1)
         logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
         old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())

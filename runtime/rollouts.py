@@ -18,15 +18,16 @@ integers beyond int64 and pathologically nested JSON) is one ValueError naming t
 Which trajectories make up step t (a pure function of the file, the seed and t, never of the layout):
 the trajectories are visited epoch after epoch, each epoch in an order drawn from a NumPy generator
 seeded by (seed, epoch), and cut greedily into steps of at most `data.batch_tokens` tokens (student
-tokens plus teacher tokens; a trajectory over the budget makes a step alone). Steps run on across
+tokens plus the tokens the teacher forwards, `Trajectory.cost`; a trajectory over the budget makes a
+step alone). Steps run on across
 epoch boundaries, but a step never holds a trajectory twice: it ends where the order comes back to one
 it holds (a budget larger than the file makes steps of one epoch each). Otherwise the losses, means over
 the step's tokens, would weigh the repeated trajectories more (26 copies of one, 25 of the other).
 
 How a step is split (runtime/posttrain.py turns a slot into tensors): the step's trajectories, longest
 first, are dealt in snake order to grad_accum x dp slots (micro-batch m, dp rank d is slot m*dp + d).
-Padding never changes a loss: rows are padded at the end (causal attention never looks ahead), and
-padded positions carry no label. Each rank knows the whole step, so the global token counts that the
+Padding never changes a loss: a slot's trajectories are packed in one row with document masking and
+the row is padded at its end (causal attention never looks ahead), and padded positions carry no label. Each rank knows the whole step, so the global token counts that the
 losses divide by need no communication.
 
 Token j is predicted at position j-1: a trained token is an assistant token with j >= 1, and the
@@ -73,9 +74,21 @@ class Trajectory:
         end = self.turns[item.turn].end
         return np.concatenate([self.tokens[:item.at], item.hint, self.tokens[item.at:end]])
 
+    def item_tokens(self, item: Feedback) -> np.ndarray:
+        """What the teacher forwards for `item` after the shared prefix tokens[:at]: hint + tokens[at:end]."""
+        return np.concatenate([item.hint, self.tokens[item.at:self.turns[item.turn].end]])
+
+    def prefix_length(self) -> int:
+        """Tokens of the teacher's shared prefix pass: the largest `at` of the feedback items (0 without)."""
+        return max((f.at for f in self.feedback), default=0)
+
+    def teacher_cost(self) -> int:
+        """Tokens the teacher forwards: the shared prefix once, then each item's hint and turn."""
+        return self.prefix_length() + sum(len(f.hint) + self.turns[f.turn].end - f.at for f in self.feedback)
+
     def cost(self) -> int:
-        """Tokens forwarded for this trajectory: the student row and one teacher row per feedback item."""
-        return len(self.tokens) + sum(self.turns[f.turn].end + len(f.hint) for f in self.feedback)
+        """Tokens forwarded for this trajectory: the student row and the teacher's tokens."""
+        return len(self.tokens) + self.teacher_cost()
 
     def trained_tokens(self) -> int:
         return sum(t.end - max(t.start, 1) for t in self.turns if t.role == "assistant" and t.end > 1)

@@ -148,9 +148,10 @@ def test_steps_follow_the_seed_and_the_budget(tmp_path):
 
 
 def test_cp_split_puts_student_and_teacher_positions_on_different_ranks(tmp_path):
-    """The hint shifts teacher positions by its length: with cp=2 some targets' teacher data must move."""
+    """Feedback item k of a slot is forwarded whole by cp rank k % cp, its targets' student positions
+    follow the balanced split: with cp=2 some targets' teacher data must move (steps 0-3)."""
     path = _mixed_file(tmp_path)
-    views = _rank_views(path, 1, 2, 0)
+    views = [view for step in range(4) for view in _rank_views(path, 1, 2, step)]
     moved = sum(int((mb.source_rank_m != c).sum()) for (_, c), v in views for mb in v.micro_batches)
     assert moved > 0
 

@@ -10,37 +10,16 @@ import torch
 from models import Transformer, preset
 from runtime.posttrain import FeedbackObjective, PosttrainConfig
 from runtime.rollout_batch import RolloutLoader
-
-HINT = [82, 101, 109, 105, 110, 100, 58, 32]  # "Remind: "
-
-
-def _records() -> list[dict]:
-    """Two trajectories; feedback on one assistant turn of each (the second one's starts at token 0); the
-    first hint goes 3 tokens before its turn (`at`, as before a role header)."""
-    t1 = {"tokens": [(11 * j + 3) % 256 for j in range(60)],
-          "turns": [{"role": "system", "start": 0, "end": 12}, {"role": "assistant", "start": 12, "end": 25},
-                    {"role": "tool", "start": 25, "end": 31}, {"role": "assistant", "start": 31, "end": 60}],
-          "advantage": 1.0, "feedback": [{"turn": 3, "hint": HINT, "at": 28}]}
-    t2 = {"tokens": [(5 * j + 1) % 256 for j in range(33)],
-          "turns": [{"role": "assistant", "start": 0, "end": 9}, {"role": "user", "start": 9, "end": 20},
-                    {"role": "assistant", "start": 20, "end": 33}],
-          "advantage": -0.5, "logprobs": [-5.0] * 33, "feedback": [{"turn": 0, "hint": HINT[:3]}]}
-    return [t1, t2]
-
-
-class _Data:
-    def __init__(self, path):
-        self.path, self.batch_tokens = path, 200  # both trajectories (cost 173), no repeat
-
+from posttrain_cases import Data, records
 
 @pytest.fixture
 def setup(tmp_path):
     path = tmp_path / "r.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records()))
     torch.manual_seed(0)
     model = Transformer(preset("debug"))
     model.init_weights()
-    step = RolloutLoader(_Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
+    step = RolloutLoader(Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
     return model, step
 
 
@@ -111,8 +90,8 @@ def test_mode_equals_plain_per_token_loop(setup, mode, norm):
     loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    mean_kl = _plain_feedback_loss(model, _records(), sampled=mode == "sampled")  # mean over the 37 targets
-    want_loss = mean_kl if norm == "targets" else mean_kl * 37 / _assistant_tokens(_records())
+    mean_kl = _plain_feedback_loss(model, records(), sampled=mode == "sampled")  # mean over the 37 targets
+    want_loss = mean_kl if norm == "targets" else mean_kl * 37 / _assistant_tokens(records())
     want_loss.backward()
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
     assert metrics["feedback_kl"] == pytest.approx(mean_kl.item(), rel=1e-5)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import Transformer, preset
+from models.document_attention import max_document_logits
 from multirank import run_ranks
 from optim.qk_clip import enable_recording, reset_recording, step_max_logits
 from parallel.activation_checkpoint import apply_activation_checkpoint
@@ -58,10 +59,11 @@ def _reference() -> torch.Tensor:
     return step_max_logits(model)
 
 
-def _step(cp: int = 1, cp_rank: int = 0):
+def _step(cp: int = 1, cp_rank: int = 0, pack: bool = False):
+    """pack=False: one row per trajectory (3 rows, padded); True: one packed row (padded tail under cp=2)."""
     trajs = [trajectory_from_record(r, vocab_size=256, max_seq_len=256) for r in _records()]
     loader = RolloutLoader(SimpleNamespace(batch_tokens=sum(LENGTHS)), seed=0, vocab_size=256, max_seq_len=256,
-                           cp_rank=cp_rank, cp_degree=cp, trajectories=trajs)
+                           cp_rank=cp_rank, cp_degree=cp, trajectories=trajs, pack=pack)
     return loader.batch(0)
 
 
@@ -84,16 +86,20 @@ def test_padded_micro_batch_records_the_unpadded_maxima(activation_checkpoint):
     assert (step_max_logits(model) > reference_LH * (1 + 1e-2)).any()  # so the comparison above can fail
 
 
-def _cp_rank(rank, world):
+def _cp_rank(rank, world, pack):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = _model()
     apply_context_parallel(model, mesh)
-    return _objective_maxima(model, _step(world, rank), cp_group=mesh.get_group())
+    step = _step(world, rank, pack)
+    return _objective_maxima(model, step, cp_group=mesh.get_group()), int(step.micro_batches[0].pad_BS.sum())
 
 
-def test_context_parallel_padded_maxima_equal_the_unpadded_reference():
+@pytest.mark.parametrize("pack", [False, True])
+def test_context_parallel_padded_maxima_equal_the_unpadded_reference(pack):
     reference_LH = _reference()
-    for rank_LH in run_ranks(_cp_rank, 2, timeout=120):
+    results = run_ranks(_cp_rank, 2, pack, timeout=120)
+    assert sum(pads for _, pads in results) == (2 if pack else 3 * 52 - sum(LENGTHS))  # packed: 110 in 112
+    for rank_LH, _ in results:
         torch.testing.assert_close(rank_LH, reference_LH, rtol=RTOL, atol=0)
 
 
@@ -111,3 +117,17 @@ def test_a_padded_step_syncs_once():
     with count_syncs() as syncs:
         FeedbackObjective(PosttrainConfig()).forward_backward(model, step, torch.device("cpu"))
     assert syncs.total == 1, syncs.as_dict()
+
+
+def test_document_maxima_leave_out_a_packed_rows_padded_tail():
+    """A packed row's tail of padding is a document of its own; its queries' logits stay out of QK-clip's
+    maxima (the cp=2 packed case above has a 2-token tail whose logits happen to be small)."""
+    g = torch.Generator().manual_seed(0)
+    q_BHSE, k_BHSE = torch.randn(1, 4, 12, 8, generator=g), torch.randn(1, 4, 12, 8, generator=g)
+    q_BHSE[:, :, 10:] *= 100  # padded queries with large logits
+    doc_BL = torch.tensor([[0] * 6 + [1] * 4 + [2] * 2])
+    pos_S, pad_BS = torch.arange(12), torch.arange(12)[None] >= 10
+    got_H = max_document_logits(q_BHSE, k_BHSE, pos_S, pos_S, doc_BL, 0.5, query_pad_BS=pad_BS)
+    want_H = max_document_logits(q_BHSE[:, :, :10], k_BHSE[:, :, :10], pos_S[:10], pos_S[:10], doc_BL[:, :10], 0.5)
+    torch.testing.assert_close(got_H, want_H, rtol=1e-6, atol=0)  # another matmul size: measured 8e-8
+    assert (max_document_logits(q_BHSE, k_BHSE, pos_S, pos_S, doc_BL, 0.5) > want_H + 1).any()  # can fail

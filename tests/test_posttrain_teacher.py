@@ -18,7 +18,7 @@ from runtime.config import load_config
 from runtime.posttrain import FeedbackObjective, PosttrainConfig, copy_weights
 from runtime.rollout_batch import RolloutLoader
 from runtime.train import build_model
-from test_posttrain_objective import _Data, _records
+from posttrain_cases import Data, records
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "rollouts.jsonl")
 
@@ -33,8 +33,8 @@ def _model(seed: int) -> Transformer:
 @pytest.fixture
 def step(tmp_path):
     path = tmp_path / "r.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
-    return RolloutLoader(_Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records()))
+    return RolloutLoader(Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
 
 
 def _kl(model, step, teacher=None, mode="live"):

@@ -112,7 +112,7 @@ def test_assistant_ranges_decode_to_the_message(tmp_path, dirs, template):
 @pytest.mark.parametrize("template,role", [("chatml", "system"), ("chatml", "user"), ("kimi", "system")])
 def test_teacher_rows_equal_the_rendering_with_the_hint(tmp_path, dirs, template, role):
     """Hint oracle: the teacher sequence the posttrainer builds (runtime/rollout_batch.py, from the written
-    file) is the tokenizer's rendering of the conversation with the hint message inserted before the
+    file: the shared prefix row, then the item's row) is the tokenizer's rendering of the conversation with the hint message inserted before the
     flagged message, cut after that message's generated tokens."""
     chats = _chats()
     code, _ = _prepare(tmp_path, dirs[template], chats, "--hint-role", role)
@@ -123,14 +123,15 @@ def test_teacher_rows_equal_the_rendering_with_the_hint(tmp_path, dirs, template
     for chat, traj in zip(chats, trajs):
         if not traj.feedback:
             continue
-        batch = build_micro_batch([traj], 1, len(traj.feedback), cp=1, cp_rank=0)
+        batch = build_micro_batch([traj], 1, 1, len(traj.feedback), cp=1, cp_rank=0)
         for row, item in enumerate(traj.feedback):
             hint = {"role": role, "content": chat["feedback"][row]["hint"]}
             i = item.turn
             hinted = tokenizer.apply_chat_template(chat["messages"][:i] + [hint] + chat["messages"][i:],
                                                    tools=chat["tools"])["input_ids"]
             length = traj.turns[i].end + len(item.hint)
-            assert batch.teacher_inputs_BS[row, :length].tolist() == hinted[:length]
+            teacher = batch.teacher_inputs_BS[0, :item.at].tolist() + batch.item_inputs_IS[row, :length - item.at].tolist()
+            assert teacher == hinted[:length]  # the shared prefix, then the item row: hint + tokens[at:end]
             assert len(hinted) == len(traj.tokens) + len(item.hint)
             checked += 1
     assert checked >= 5
