@@ -36,6 +36,9 @@ def check_environment(config) -> None:
     if config.model.aux_loss_alpha > 0:
         raise ValueError(f"model.aux_loss_alpha={config.model.aux_loss_alpha}: the sequence-wise aux loss would count "
                          f"rollout padding; use aux-loss-free balancing (alpha=0)")
+    if config.training.compile == "true":  # "auto" runs post-training eager (runtime/train.py build_model)
+        raise ValueError("training.compile=true: post-training's packed rows and prefix-shared teacher are not "
+                         "compiled yet; use training.compile=false (or auto, which runs it eager)")
     if config.training.device_type() == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device='cuda' but torch sees no CUDA device (use 'auto' or 'cpu')")
     for key in ("ep_dispatch_dtype", "ep_combine_grad_dtype"):

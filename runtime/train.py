@@ -66,9 +66,10 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     with torch.device("meta"):
         model = Transformer(config.model)
     t = config.training
+    compilable = compile_refusal(layout) is None and config.data.source != "rollouts"  # post-training: eager
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
                 activation_checkpoint=t.activation_checkpoint,
-                compile_backend=t.compile_backend_used(compile_refusal(layout) is None),
+                compile_backend=t.compile_backend_used(compilable),
                 document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)

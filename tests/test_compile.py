@@ -197,6 +197,22 @@ def test_a_path_that_cannot_compile_or_an_unknown_backend_fails_in_one_line_with
     assert capsys.readouterr().err.strip() == message
 
 
+
+def test_posttrain_refuses_compile_true(tmp_path, capsys):
+    """Post-training's packed rows and the teacher's cached prefixes are not checked compiled: `true` is
+    refused in one line (and runtime/train.py build_model leaves post-training eager under "auto")."""
+    from launch.posttrain import main
+
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text('{"tokens": [1, 2, 3], "turns": [{"role": "assistant", "start": 0, "end": 3}]}\n')
+    argv = ["--data.source=rollouts", f"--data.path={rollouts}", "--model.aux_loss_alpha=0",
+            f"--run.dir={tmp_path}/run", "--training.compile=true"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: training.compile=true: post-training's packed rows and prefix-shared teacher are not "
+        "compiled yet; use training.compile=false (or auto, which runs it eager)")
+    assert not (tmp_path / "run").exists()
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_blocks_within_rounding_of_eager(dtype):
