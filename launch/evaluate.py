@@ -36,11 +36,12 @@ from launch.export_hf import checkpoint_path  # noqa: E402
 from launch.model_source import add_model_flags, kind, load_model  # noqa: E402
 from runtime import checkpoint  # noqa: E402
 from runtime.cli import report  # noqa: E402
-from runtime.data import DataConfig, Loader  # noqa: E402
+from runtime.data import Loader  # noqa: E402
+from runtime.data_config import DataConfig, SourceConfig  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.eval_config import EvalConfig  # noqa: E402
 from runtime.evaluate import evaluate  # noqa: E402
-from runtime.mixture import SourceConfig, mixture_eval_loss  # noqa: E402
+from runtime.mixture import mixture_eval_loss  # noqa: E402
 from runtime.train import micro_batch_loss  # noqa: E402
 
 DEFAULTS = {"seq_len": 128, "batch_size": 16, "steps": 4, "seed": 0, "holdout": 0.0}

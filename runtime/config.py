@@ -34,16 +34,16 @@ from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
-from parallel.compile import check_compile
+from parallel.compile_refusal import check_compile
 from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
 from runtime import init_source
-from runtime.checkpoint import CheckpointConfig
-from runtime.comm import CommConfig
-from runtime.data import DataConfig, check_split
+from runtime.checkpoint_dirs import CheckpointConfig
+from runtime.comm_config import CommConfig
+from runtime.data_config import DataConfig, check_split
 from runtime.data_keys import unused_keys
 from runtime.eval_config import EvalConfig
-from runtime.metrics import MetricsConfig
-from runtime.posttrain import PosttrainConfig
+from runtime.metrics_config import MetricsConfig
+from runtime.posttrain_config import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
@@ -100,7 +100,7 @@ class TrainingConfig:
 
     def compile_backend_used(self, compilable: bool = True) -> str | None:
         """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
-        (no EP variant knob, no document masking: parallel/compile.py `compile_refusal`)."""
+        (no EP variant knob, no document masking: parallel/compile_refusal.py)."""
         on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
         return self.compile_backend if on else None
 

@@ -6,30 +6,20 @@ Non-finite floats are written as null (JSON has no NaN). The logger does no comm
 passes values already reduced over ranks. `python launch/plot_metrics.py RUN_DIR ...` plots them.
 """
 
-import importlib.util
 import json
 import math
 import os
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
+
+from runtime.metrics_config import MetricsConfig
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), matched by substring of the name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "MI300X": 1307e12,
                    "L40S": 362e12}
 FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "optimizer_time_s", "memory_gib")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MetricsConfig:
-    tensorboard: bool = False  # also write TensorBoard event files under run.dir/tb (needs the tensorboard extra)
-    max_logit: bool = False  # record the step's largest attention logit (max_logit) without QK-clip (docs/metrics.md)
-
-    def __post_init__(self):
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("metrics.tensorboard=true needs the tensorboard package (pip install -e '.[tensorboard]')")
 
 
 def peak_flops(device_name: str) -> float | None:
