@@ -1,12 +1,14 @@
 """The job configuration: a frozen dataclass tree read from TOML, overridden by `--section.key=value`.
 
 Sections and where each one's dataclass lives (next to the component it configures):
-  [run]        RunConfig        here              [data]        DataConfig        runtime/data.py
-  [model]      preset + any ModelConfig field      [training]    TrainingConfig    here
-  [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
-  [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
-  [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
-  [comm]       CommConfig       runtime/comm.py    [posttrain]   PosttrainConfig   runtime/posttrain.py
+  [run]       RunConfig       here                    [data]       DataConfig       runtime/data_config.py
+  [model]     preset + any ModelConfig field          [training]   TrainingConfig   here
+  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint_dirs.py
+  [optim]     OptimConfig     optim/config.py         [profile]    ProfileConfig    here
+  [eval]      EvalConfig      runtime/eval_config.py  [metrics]    MetricsConfig    runtime/metrics_config.py
+  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain_config.py
+None of these modules imports torch (the model's config reads only models/config.py, presets.py and
+hf_config.py): entry points check a config before torch loads (launch/precheck.py).
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,

@@ -1,5 +1,6 @@
-"""Per-step metrics (the `[metrics]` section): `<run.dir>/metrics.jsonl` plus a readable line, both
-from rank 0 only, and optionally TensorBoard event files under `<run.dir>/tb` with the same scalars.
+"""Per-step metrics (the `[metrics]` section: runtime/metrics_config.py): `<run.dir>/metrics.jsonl` plus a
+readable line, both from rank 0 only, and optionally TensorBoard event files under `<run.dir>/tb` with the
+same scalars.
 
 One JSON object per optimizer step, flushed line by line so a crash loses nothing already logged.
 Non-finite floats are written as null (JSON has no NaN). The logger does no communication: the loop
@@ -13,8 +14,6 @@ import resource
 import sys
 
 import torch
-
-from runtime.metrics_config import MetricsConfig
 
 # Dense bf16 tensor-core peak per GPU (vendor datasheets, SXM parts), matched by substring of the name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "MI300X": 1307e12,
