@@ -9,7 +9,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Run in a fresh interpreter (pytest's has torch loaded): every shipped config through every entry point's
-# check, clean and with each typo; one line per call on stderr, exit 2 for a typo; torch never imported.
+# check, clean and with each typo, a TOML with a typo, and posttrain.init_from naming a run dir; one line per
+# call on stderr, exit 2 for a typo; torch never imported.
 CHECK_ALL_CONFIGS = r'''
 import contextlib, glob, io, math, os, sys, tomllib
 sys.path.insert(0, os.getcwd())
@@ -68,6 +69,15 @@ for name, check in CHECKS.items():
     code, err = call(check, ["--config", toml])
     assert code == 2 and err == PREFIX[name] + "comm.heartbeet: unknown key (valid: init_timeout_s, train_timeout_s, " \
         "checkpoint_timeout_s, trace_entries, heartbeat)\n", (name, err)
+# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/init_source.py)
+import dataclasses, json
+from models.presets import preset
+run = os.path.join(sys.argv[1], "run")
+os.makedirs(os.path.join(run, "checkpoints", "step_2"))
+with open(os.path.join(run, "checkpoints", "step_2", "COMPLETE"), "w") as f:
+    json.dump({"step": 2, "world_size": 8, "model": dataclasses.asdict(preset("debug"))}, f)
+code, err = call(CHECKS["posttrain"], [f"--posttrain.init_from={run}", "--data.path=r.jsonl", "--model.dim=4096"])
+assert code == 2 and err.startswith("config error: model.dim=4096 (checkpoint: "), err
 heavy = sorted(m for m in ("torch", "numpy", "safetensors", "transformers") if m in sys.modules)
 assert heavy == [], heavy
 print("checked", len(configs), "configs")
