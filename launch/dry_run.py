@@ -51,6 +51,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from launch import precheck  # noqa: E402
+
+if __name__ == "__main__":  # a config error exits here, before torch and the model code load
+    precheck.tool_config(sys.argv[1:], prefix="config error")
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402

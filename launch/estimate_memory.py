@@ -48,12 +48,17 @@ import math
 import os
 import sys
 
-import numpy as np
-import torch
-from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from launch import precheck  # noqa: E402
+
+if __name__ == "__main__":  # a config error exits here, before torch and the model code load
+    precheck.tool_config(sys.argv[1:])
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from models import Transformer, TransformerBlock  # noqa: E402
 from models.boxes import local_box  # noqa: E402

@@ -32,28 +32,10 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from launch.export_hf import checkpoint_path  # noqa: E402
-from launch.model_source import add_model_flags, kind, load_model  # noqa: E402
-from runtime import checkpoint  # noqa: E402
+from launch.precheck import add_model_flags  # noqa: E402
 from runtime.cli import report  # noqa: E402
-from runtime.data import DataConfig, Loader  # noqa: E402
-from runtime.errors import RunError  # noqa: E402
-from runtime.eval_config import EvalConfig  # noqa: E402
-from runtime.evaluate import evaluate  # noqa: E402
-from runtime.mixture import SourceConfig, mixture_eval_loss  # noqa: E402
-from runtime.train import micro_batch_loss  # noqa: E402
 
 DEFAULTS = {"seq_len": 128, "batch_size": 16, "steps": 4, "seed": 0, "holdout": 0.0}
-
-
-def held_out_loss(model, data: DataConfig, *, steps: int, holdout: float, seed: int, split: str = "eval",
-                  path_key: str = "--data") -> float:
-    """Mean next-token cross-entropy of `model` over the held-out batches 0..steps-1 of `split` of `data`."""
-    loader = Loader(data, seed, vocab_size=model.config.vocab_size, holdout=holdout, split=split,
-                    path_key=path_key)  # the eval split: the run's held-out part and its own stream of draws
-    device = next(model.parameters()).device
-    return evaluate(model, loader, steps, data.tokens_per_step(),
-                    lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -77,6 +59,43 @@ def _given(args) -> dict:
     return {key: getattr(args, key) for key in DEFAULTS if getattr(args, key) is not None}
 
 
+def check_flags(args) -> None:
+    """ValueError naming the flag for a value no model or data is needed to refuse."""
+    given = _given(args)
+    if not 0 <= given.get("holdout", 0) < 1 or given.get("steps", 1) < 1:
+        raise ValueError(f"--holdout {args.holdout} must be in [0, 1) and --steps {args.steps} >= 1")
+    if args.data is None and (args.document_mask or args.dtype != "auto"):
+        raise ValueError("--document-mask and --dtype apply to --data only (without it the run's own settings hold)")
+
+
+if __name__ == "__main__":  # a bad flag exits here with status 2, before torch and the model code load
+    try:
+        check_flags(parse(sys.argv[1:]))
+    except ValueError as e:
+        sys.exit(report(e, prefix="evaluate error"))
+
+from launch.export_hf import checkpoint_path  # noqa: E402
+from launch.model_source import kind, load_model  # noqa: E402
+from runtime import checkpoint  # noqa: E402
+from runtime.data import Loader  # noqa: E402
+from runtime.data_config import DataConfig, SourceConfig  # noqa: E402
+from runtime.errors import RunError  # noqa: E402
+from runtime.eval_config import EvalConfig  # noqa: E402
+from runtime.evaluate import evaluate  # noqa: E402
+from runtime.mixture import mixture_eval_loss  # noqa: E402
+from runtime.train import micro_batch_loss  # noqa: E402
+
+
+def held_out_loss(model, data: DataConfig, *, steps: int, holdout: float, seed: int, split: str = "eval",
+                  path_key: str = "--data") -> float:
+    """Mean next-token cross-entropy of `model` over the held-out batches 0..steps-1 of `split` of `data`."""
+    loader = Loader(data, seed, vocab_size=model.config.vocab_size, holdout=holdout, split=split,
+                    path_key=path_key)  # the eval split: the run's held-out part and its own stream of draws
+    device = next(model.parameters()).device
+    return evaluate(model, loader, steps, data.tokens_per_step(),
+                    lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
+
+
 class Plan(NamedTuple):
     splits: dict  # {split: (data config, holdout, key naming the file)}: runtime/eval_config.py
     steps: int
@@ -93,8 +112,6 @@ def explicit_plan(args) -> Plan:
 
 def recorded_plan(args) -> Plan:
     """The run's own evaluation, from what the checkpoint's marker recorded, with the flags given."""
-    if args.document_mask or args.dtype != "auto":
-        raise ValueError("--document-mask and --dtype apply to --data only (without it the run's own settings hold)")
     ckpt = _checkpoint(args)
     meta = checkpoint.read_meta(ckpt)
     if "data" not in meta or "eval" not in meta:
@@ -132,9 +149,7 @@ def _recorded_configs(meta: dict, ckpt: str) -> tuple[DataConfig, EvalConfig]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    given = _given(args)
-    if not 0 <= given.get("holdout", 0) < 1 or given.get("steps", 1) < 1:
-        raise ValueError(f"--holdout {args.holdout} must be in [0, 1) and --steps {args.steps} >= 1")
+    check_flags(args)
     plan = explicit_plan(args) if args.data is not None else recorded_plan(args)
     model, loaded = load_model(args.model, args.step)
     losses = {}

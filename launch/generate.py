@@ -22,9 +22,31 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from launch.precheck import add_model_flags  # noqa: E402
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_flags(parser)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model's)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the tokenizer directory's own code (Kimi K2.5's tokenization_kimi.py)")
+    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; none: stdin lines)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated at most per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the most likely tokens up to this mass")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # a bad flag exits here (argparse, status 2), before torch and the model code load
+    parse(sys.argv[1:])
+
 import torch  # noqa: E402
 
-from launch.model_source import add_model_flags, load_model  # noqa: E402
+from launch.model_source import load_model  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -46,22 +68,6 @@ def complete(model, tokenizer, prompt: str, sampling: SamplingConfig, seed: int,
     stopped = bool(tokens) and tokens[-1] in sampling.stop_tokens
     text = tokenizer.decode(tokens[:-1] if stopped else tokens)
     return {"prompt": prompt, "completion": text, "prompt_tokens": ids, "tokens": tokens, "stopped": stopped}
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_flags(parser)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model's)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the tokenizer directory's own code (Kimi K2.5's tokenization_kimi.py)")
-    parser.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; none: stdin lines)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated at most per prompt")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the most likely tokens up to this mass")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

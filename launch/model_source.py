@@ -26,12 +26,6 @@ def kind(path: str) -> str:
     return init_source.kind(path, where=f"--model {path}")
 
 
-def add_model_flags(parser) -> None:
-    """--model and --step, as every tool that loads a model from any of the three places takes them."""
-    parser.add_argument("--model", required=True, help="run dir, checkpoint dir or Hugging Face dir")
-    parser.add_argument("--step", type=int, default=None, help="with a run dir: this checkpoint step (default: newest)")
-
-
 def load_model(path: str, step: int | None = None) -> tuple[Transformer, str]:
     """The model at `path` (see the module docstring) and one line naming what was loaded."""
     found = kind(path)

@@ -13,6 +13,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from launch import precheck  # noqa: E402
+
+if __name__ == "__main__":  # a config error exits here, before torch and the model code load
+    precheck.training_job(sys.argv[1:], path_source="rollouts")
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

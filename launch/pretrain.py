@@ -1,7 +1,8 @@
 """Entry point: `torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]`.
 
 load config -> check the layout and data (every rank, before any process group) -> init the process
-group -> lock the run dir -> build meshes -> train -> tear down in `finally`.
+group -> lock the run dir -> build meshes -> train -> tear down in `finally`. Run as a script, the config
+and layout are checked first, before torch loads (launch/precheck.py): a typo costs no import.
 
 Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 4 a collective timed out or a peer died
 (runtime/comm.py); 143 preempted (checkpoint saved). Every stop prints one line, from rank 0 only, except
@@ -12,22 +13,27 @@ import dataclasses
 import datetime
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from launch import precheck  # noqa: E402
+from launch.precheck import stop  # noqa: E402
+
+if __name__ == "__main__":  # a config error exits here, before torch and the model code load
+    precheck.training_job(sys.argv[1:])
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from parallel.meshes import build_meshes, describe  # noqa: E402
-from runtime.cli import one_line  # noqa: E402
+from runtime.cli import EXIT_USER_ERROR  # noqa: E402
 from runtime.comm import init_process_group  # noqa: E402
-from runtime.config import help_text, load_config  # noqa: E402
+from runtime.config import help_text  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.paths import check_run_dir_apart, check_run_kind, record_run_kind  # noqa: E402
-from runtime.posttrain import PosttrainConfig  # noqa: E402
+from runtime.posttrain_config import PosttrainConfig  # noqa: E402
 from runtime.pretrained import check_init_from  # noqa: E402
 from runtime.run_lock import check_run_dir, run_lock  # noqa: E402
 from runtime.train import train  # noqa: E402
@@ -96,17 +102,6 @@ def rendezvous_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def stop(rank: int, message: str, code: int, every_rank: bool = False) -> int:
-    """Rank 0 (or, `every_rank`, each rank) prints the one line; under torchrun the other ranks wait a
-    moment before exiting, since torchrun ends every worker as soon as one exits and would otherwise
-    often cut rank 0 off."""
-    if rank == 0 or every_rank:
-        print(one_line(message), file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        time.sleep(2)
-    return code
-
-
 def set_allocator_defaults(environ=os.environ) -> None:
     """Expandable segments for the CUDA caching allocator, unless the user chose an allocator setting:
     MoE tensors change size every step (tokens per expert), which fragments fixed-size segments. Read by
@@ -122,13 +117,12 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
         print(help_text())
         return 0
     set_allocator_defaults()
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world_size, rank = precheck.world()
     try:
-        config = load_config(argv, path_source=path_source)
-        layout = config.layout(world_size)
+        config, layout = precheck.job(argv, world_size, path_source)
         check(config)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
-        return stop(rank, f"config error: {e}", 2)
+        return stop(rank, f"config error: {e}", EXIT_USER_ERROR)
     except RunError as e:  # e.g. an unreadable checkpoint marker met by a check
         return stop(rank, str(e), e.exit_code)
     device_type = config.training.device_type()

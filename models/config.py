@@ -9,8 +9,11 @@ methods/properties; the config is never mutated.
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from models.rope import Rope
+if TYPE_CHECKING:
+    from models.rope import Rope
+
 
 ATTN_KINDS = ("mla", "gqa")
 SCORE_FUNCS = ("sigmoid", "softmax")
@@ -89,8 +92,10 @@ class ModelConfig:
         """Per-head width that RoPE rotates."""
         return self.qk_rope_head_dim if self.attn == "mla" else self.head_dim
 
-    def rope(self) -> Rope:
+    def rope(self) -> "Rope":
         """The rotary tables' parameters (plain RoPE when rope_factor == 1, else YaRN)."""
+        from models.rope import Rope  # here only: the config is read before torch loads (launch/precheck.py)
+
         return Rope(dim=self.rope_dim, theta=self.rope_theta, factor=self.rope_factor,
                     original_seq_len=self.rope_original_seq_len, beta_fast=self.rope_beta_fast,
                     beta_slow=self.rope_beta_slow, mscale=self.rope_mscale, mscale_all_dim=self.rope_mscale_all_dim)

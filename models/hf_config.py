@@ -15,9 +15,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from models import int4
+from models import int4_scheme
 from models.config import ModelConfig
-from models.int4 import Int4Scheme
+from models.int4_scheme import Int4Scheme
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -69,7 +69,7 @@ class CheckpointFormat:
     rope_interleave: bool  # rotary dims stored as interleaved pairs (DeepSeek), not halves
     n_mtp_layers: int  # multi-token-prediction layers after the last layer (not loaded)
     fp8_block: tuple[int, int] | None  # weight_block_size of float8_e4m3fn weights, None if unquantized
-    int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/int4.py), None if not
+    int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/int4_scheme.py), None if not
     prefix: str = ""  # key prefix of the text model's tensors ("language_model." for K2.5)
     first_mtp_layer: int = 0  # config.json's num_hidden_layers: the MTP layers' keys start at this layer index
 
@@ -127,11 +127,11 @@ def model_config(raw: dict, where: str) -> ModelConfig:
 
 def checkpoint_format(raw: dict, where: str, prefix: str = "") -> CheckpointFormat:
     quant = raw.get("quantization_config")
-    is_int4 = bool(quant) and quant.get("quant_method") == int4.METHOD
+    is_int4 = bool(quant) and quant.get("quant_method") == int4_scheme.METHOD
     return CheckpointFormat(rope_interleave=bool(raw.get("rope_interleave", True)),
                             n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
                             fp8_block=None if is_int4 else _fp8_block(quant, where),
-                            int4=int4.read_scheme(quant, where) if is_int4 else None, prefix=prefix,
+                            int4=int4_scheme.read_scheme(quant, where) if is_int4 else None, prefix=prefix,
                             first_mtp_layer=int(raw.get("num_hidden_layers") or 0))
 
 
@@ -195,8 +195,8 @@ def _fp8_block(quant: dict | None, where: str) -> tuple[int, int] | None:
     method = quant.get("quant_method")
     if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3" or "weight_block_size" not in quant:
         raise ValueError(f"{where}: quantization_config quant_method={method!r} fmt={quant.get('fmt')!r} is not "
-                         f"supported (only block-wise 'fp8' e4m3 with weight_block_size, or {int4.METHOD!r} "
-                         f"{int4.FORMAT!r} INT4)")
+                         f"supported (only block-wise 'fp8' e4m3 with weight_block_size, or "
+                         f"{int4_scheme.METHOD!r} {int4_scheme.FORMAT!r} INT4)")
     rows, cols = quant["weight_block_size"]
     return int(rows), int(cols)
 

@@ -15,10 +15,7 @@ Published sizes (count_params lands within 2%, see tests/test_models.py):
 
 import dataclasses
 
-import torch
-
 from models.config import ModelConfig
-from models.model import Transformer
 
 _DEBUG = dict(
     vocab_size=256,  # the runtime's byte-level tokenizer
@@ -85,6 +82,10 @@ def count_params(config: ModelConfig) -> tuple[int, int]:
     active = total minus the routed experts a token does not use: (E - K) of the E experts in each
     MoE layer. Embedding and output head are included in both.
     """
+    import torch  # here only: presets are read before torch loads (launch/precheck.py)
+
+    from models.model import Transformer
+
     with torch.device("meta"):
         model = Transformer(config)
     total = sum(p.numel() for p in model.parameters())

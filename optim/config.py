@@ -7,15 +7,16 @@ The last four fields are the sharded Muon's distributed options (optim/sharded/m
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from optim.newton_schulz import COEFFICIENT_SETS, LR_ADJUST_MODES, NS_METHODS
+from optim.ns_coefficients import COEFFICIENT_SETS, LR_ADJUST_MODES, NS_METHODS
 
 NAMES = ("muon", "adamw")
 REPLICA_SPLIT = ("auto", "on", "off")
-NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
+NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # torch dtypes of those names (`resolve_ns_dtype`)
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,15 +70,17 @@ class OptimConfig:
             raise ValueError(f"optim.qk_clip_alpha={self.qk_clip_alpha} has no effect: QK-clip is off "
                              f"(optim.qk_clip_tau=0); set optim.qk_clip_tau > 0 (Kimi K2: 100)")
 
-    def ns_torch_dtype(self, device: torch.device | str | None = None) -> torch.dtype:
+    def ns_torch_dtype(self, device: "torch.device | str | None" = None) -> "torch.dtype":
         """The torch dtype Newton-Schulz runs in on `device` (None: CPU)."""
         return resolve_ns_dtype(self.ns_dtype, device)
 
 
-def resolve_ns_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+def resolve_ns_dtype(name: str, device: "torch.device | str | None" = None) -> "torch.dtype":
     """"auto": bf16 where matmuls run bf16 fast (CUDA tensor cores: ~2x fp32-TF32, ~16x plain fp32
     on an H100/H200, and half the all-to-all bytes), fp32 on CPU (where bf16 matmuls are no faster,
     see benchmarks/ns_kernels.py); otherwise the named dtype."""
+    import torch  # here only: the config is read before torch loads (launch/precheck.py)
+
     if name == "auto":
         return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
-    return NS_DTYPES[name]
+    return getattr(torch, name)

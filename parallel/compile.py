@@ -36,7 +36,8 @@ the attention regions, compiled in the first step's backward and reused from the
 
 Each region's `forward` is replaced by its compiled version (the mechanism activation checkpointing
 and expert parallelism use too), before checkpointing wraps it; parameter names are unchanged. A
-graph break raises (fullgraph) with dynamo's message, which names the op and the source line.
+graph break raises (fullgraph) with dynamo's message, which names the op and the source line. What cannot
+be compiled yet is refused at config time (parallel/compile_refusal.py).
 """
 
 import torch
@@ -52,28 +53,6 @@ BACKENDS = ("inductor", "aot_eager")
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"training.compile_backend={backend!r} must be one of {', '.join(BACKENDS)}")
-
-
-def check_compile(layout) -> None:
-    """ValueError (one line) if `compile_refusal` finds a reason."""
-    reason = compile_refusal(layout)
-    if reason is not None:
-        raise ValueError(reason)
-
-
-def compile_refusal(layout) -> str | None:
-    """Why `layout` cannot be compiled yet (every offending key in one line), or None: only the direct EP
-    path (none of the EP variant knobs) composes with compile."""
-    variants = {"ep_dedup": layout.ep_dedup, "ep_capacity_factor": layout.ep_capacity_factor > 0,
-                "ep_overlap_chunks": layout.ep_overlap_chunks > 1,
-                "ep_dispatch_dtype": layout.ep_dispatch_dtype != "compute",
-                "ep_recompute": layout.ep_recompute != "resend",
-                "ep_combine_grad_dtype": layout.ep_combine_grad_dtype != "compute"}
-    on = [f"parallel.{key}={getattr(layout, key)!r}" for key, enabled in variants.items() if enabled]
-    if not on:
-        return None
-    return (f"training.compile=true with {', '.join(on)}: only the direct EP path compiles yet; "
-            f"set training.compile=false or leave these knobs at their defaults")
 
 
 def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = frozenset(), ep: int = 1,

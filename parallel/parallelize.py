@@ -11,7 +11,8 @@ from torch import nn
 
 from models.document_attention import flex_path
 from parallel.activation_checkpoint import apply_activation_checkpoint
-from parallel.compile import apply_compile, check_compile, region_boundaries
+from parallel.compile import apply_compile, region_boundaries
+from parallel.compile_refusal import check_compile
 from parallel.context_parallel import apply_context_parallel
 from parallel.ep.config import EPConfig
 from parallel.ep.direct import check_fp8_device

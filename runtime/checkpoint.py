@@ -1,4 +1,5 @@
-"""Distributed checkpoints with torch.distributed.checkpoint (DCP), written atomically (the `[checkpoint]` section).
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP), written atomically (the `[checkpoint]` section:
+runtime/checkpoint_dirs.py).
 
 Layout: `<run.dir>/checkpoints/step_<N>/` holds DCP shard files, `.metadata` and a `COMPLETE` marker;
 step N means N optimizer steps are done, so a resumed run continues with step N.
@@ -25,11 +26,8 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
 import warnings
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -38,49 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from runtime.checkpoint_dirs import (  # noqa: F401 (the torch-free part, as checkpoint.X)
+    MARKER, CheckpointConfig, Unloadable, checkpoint_dir, checkpoint_step, complete_checkpoints, latest_checkpoint,
+    STEP_DIR, read_meta,
+)
 from runtime.comm import comm_error_kind
 from runtime.errors import RunError
-
-MARKER = "COMPLETE"
-
-
-class Unloadable(RunError):
-    """A complete-looking checkpoint whose files do not load (truncated, missing, garbled)."""
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    interval: int = 100  # save every N optimizer steps; the last step and a SIGTERM always save (0 = only those)
-    keep: int = 2  # complete checkpoints to keep, newest first; older ones are deleted (0 = keep all)
-    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this (0 = none; a multiple of interval, needs keep > 0)
-    mode: Literal["sync", "async"] = "async"  # async: copy the state to host memory (pinned on CUDA), write it in the background while training continues (runtime/checkpointer.py)
-
-    def __post_init__(self):
-        if self.interval < 0 or self.keep < 0:
-            raise ValueError(f"checkpoint.interval={self.interval} and checkpoint.keep={self.keep} must be >= 0")
-        if self.keep_every < 0:
-            raise ValueError(f"checkpoint.keep_every={self.keep_every} must be >= 0")
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"checkpoint.mode={self.mode!r} must be 'sync' or 'async'")
-        if self.keep_every and self.keep == 0:
-            raise ValueError(f"checkpoint.keep_every={self.keep_every} has no effect with checkpoint.keep=0 "
-                             f"(every checkpoint is kept)")
-        if self.keep_every and (self.interval == 0 or self.keep_every % self.interval):
-            raise ValueError(f"checkpoint.keep_every={self.keep_every} must be a multiple of checkpoint.interval="
-                             f"{self.interval}, or those steps are never saved")
-
-    def kept(self, steps: list[int]) -> set[int]:
-        """Of the complete checkpoints' `steps`, the ones retention keeps: the `keep` newest and the
-        multiples of `keep_every` (keep=0: all)."""
-        if self.keep == 0:
-            return set(steps)
-        newest = set(sorted(steps)[-self.keep:])
-        return newest | {s for s in steps if self.keep_every and s % self.keep_every == 0}
-
-    def due(self, step: int) -> bool:
-        """Whether to save after `step` optimizer steps are done."""
-        return self.interval > 0 and step > 0 and step % self.interval == 0
 
 
 class ModelOptimState:
@@ -112,35 +73,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_initialized():
             torch.cuda.set_rng_state(state["cuda"])
-
-
-def checkpoint_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def checkpoint_step(path: str) -> int:
-    """N of a `.../step_<N>` checkpoint directory."""
-    match = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-    assert match, path
-    return int(match.group(1))
-
-
-def complete_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints under `directory`, oldest first; `.tmp` and unmarked directories are skipped."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if _STEP_DIR.match(name) and os.path.isfile(os.path.join(path, MARKER)):
-            found.append(path)
-    return sorted(found, key=checkpoint_step)
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete checkpoint under `directory`, or None."""
-    complete = complete_checkpoints(directory)
-    return complete[-1] if complete else None
 
 
 def _rank() -> int:
@@ -216,7 +148,7 @@ def prepare(step: int, directory: str, group=None) -> str:
     if _rank() == 0:
         os.makedirs(directory, exist_ok=True)
         for name in os.listdir(directory):  # leftovers of saves that crashed (the run-dir lock excludes other runs)
-            if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]):
+            if name.endswith(".tmp") and STEP_DIR.match(name[:-4]):
                 shutil.rmtree(os.path.join(directory, name))
     _barrier(group)  # nobody writes into tmp before the leftovers are gone
     return os.path.join(directory, f"step_{step}.tmp")
@@ -298,19 +230,6 @@ def _check_expert_layout(path: str) -> None:
         raise RunError(f"{path} stores the routed experts' w1 and w3 apart ({old}), as before they were fused into "
                        f"w13: it cannot be resumed; export it (python launch/export_hf.py --run-dir RUN_DIR --out DIR) "
                        f"and start a new run.dir with --model.init_from=DIR (the optimizer state is not carried over)")
-
-
-def read_meta(path: str) -> dict:
-    """The marker of a complete checkpoint: {"step", "world_size", **meta}; Unloadable if unreadable."""
-    marker = os.path.join(path, MARKER)
-    try:
-        with open(marker, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise Unloadable(f"{marker}: unreadable {MARKER} marker ({' '.join(str(e).split())[:160]})") from None
-    if not isinstance(meta, dict):
-        raise Unloadable(f"{marker}: unreadable {MARKER} marker (not a JSON object)")
-    return meta
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

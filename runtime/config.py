@@ -1,12 +1,14 @@
 """The job configuration: a frozen dataclass tree read from TOML, overridden by `--section.key=value`.
 
 Sections and where each one's dataclass lives (next to the component it configures):
-  [run]        RunConfig        here              [data]        DataConfig        runtime/data.py
-  [model]      preset + any ModelConfig field      [training]    TrainingConfig    here
-  [parallel]   ParallelConfig   parallel/layout.py [checkpoint]  CheckpointConfig  runtime/checkpoint.py
-  [optim]      OptimConfig      optim/config.py    [profile]     ProfileConfig     here
-  [eval]       EvalConfig       runtime/evaluate.py [metrics]    MetricsConfig     runtime/metrics.py
-  [comm]       CommConfig       runtime/comm.py    [posttrain]   PosttrainConfig   runtime/posttrain.py
+  [run]       RunConfig       here                    [data]       DataConfig       runtime/data_config.py
+  [model]     preset + any ModelConfig field          [training]   TrainingConfig   here
+  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint_dirs.py
+  [optim]     OptimConfig     optim/config.py         [profile]    ProfileConfig    here
+  [eval]      EvalConfig      runtime/eval_config.py  [metrics]    MetricsConfig    runtime/metrics_config.py
+  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain_config.py
+None of these modules imports torch (the model's config reads only models/config.py, presets.py and
+hf_config.py): entry points check a config before torch loads (launch/precheck.py).
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -34,16 +36,16 @@ from models import PRESETS, ModelConfig, preset
 from models.hf_config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
-from parallel.compile import check_compile
+from parallel.compile_refusal import check_compile
 from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
 from runtime import init_source
-from runtime.checkpoint import CheckpointConfig
-from runtime.comm import CommConfig
-from runtime.data import DataConfig, check_split
+from runtime.checkpoint_dirs import CheckpointConfig
+from runtime.comm_config import CommConfig
+from runtime.data_config import DataConfig, check_split
 from runtime.data_keys import unused_keys
 from runtime.eval_config import EvalConfig
-from runtime.metrics import MetricsConfig
-from runtime.posttrain import PosttrainConfig
+from runtime.metrics_config import MetricsConfig
+from runtime.posttrain_config import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
@@ -100,7 +102,7 @@ class TrainingConfig:
 
     def compile_backend_used(self, compilable: bool = True) -> str | None:
         """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
-        (no EP variant knob: parallel/compile.py `compile_refusal`)."""
+        (no EP variant knob: parallel/compile_refusal.py)."""
         on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
         return self.compile_backend if on else None
 

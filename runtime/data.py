@@ -1,4 +1,4 @@
-"""Token sources and the per-rank loader (the `[data]` section).
+"""Token sources and the per-rank loader (the `[data]` section: runtime/data_config.py).
 
 Letters: B = rows (sequences) of one micro-batch on this rank, S = tokens of a sequence on this rank
 (seq_len / cp), L = seq_len.
@@ -26,8 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,50 +35,11 @@ from parallel.context_parallel import load_balanced_positions
 from runtime import corpus
 from runtime.documents import crossing_labels, document_micro_batches, window_documents
 from runtime.indexed import IndexedTokens, prefix_of
-from runtime.mixture import Mixture, SourceConfig, check_sources
+from runtime.data_config import DataConfig, check_split
+from runtime.mixture import Mixture
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
 _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    source: Literal["corpus", "bin", "synthetic", "rollouts"] = "corpus"  # byte corpus, token file, random, rollouts (posttrain); unset with data.path: bin (posttrain: rollouts)
-    seq_len: int = 128  # tokens per training sequence
-    batch_size: int = 16  # GLOBAL sequences per optimizer step (over all data-parallel ranks and micro-batches)
-    path: str = ""  # bin: the token file: a Megatron indexed dataset (prefix of .bin + .idx) or a flat .bin of uint16/uint32 ids
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: flat token dtype; auto = from the sidecar <path>.json (indexed: from the .idx)
-    document_mask: bool = False  # bin, indexed datasets: attend only within a document, RoPE positions restart per document, cross-document labels untrained
-    sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/mixture.py); instead of data.path
-    batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
-
-    def __post_init__(self):
-        if self.seq_len < 1 or self.batch_size < 1:
-            raise ValueError(f"data.seq_len={self.seq_len} and data.batch_size={self.batch_size} must be >= 1")
-        if self.sources:
-            self._check_sources()
-        elif self.source in ("bin", "rollouts") and not self.path:
-            kind = "token file" if self.source == "bin" else "rollouts file (JSON lines)"
-            raise ValueError(f"data.path: source {self.source!r} needs the path of a {kind}")
-        if self.path and self.source in ("corpus", "synthetic"):
-            raise ValueError(f"data.path={self.path!r} is read only by data.source 'bin' or 'rollouts', but data.source="
-                             f"{self.source!r}: drop one of them (a data.path alone means a token file)")
-        if self.batch_tokens < 1:
-            raise ValueError(f"data.batch_tokens={self.batch_tokens} must be >= 1")
-        if self.document_mask and self.source != "bin":
-            raise ValueError(f"data.document_mask needs token files with document boundaries (data.source='bin', "
-                             f"Megatron indexed datasets), but data.source={self.source!r}")
-
-    def _check_sources(self) -> None:
-        if self.path:
-            raise ValueError(f"data.path={self.path!r} and [[data.sources]] are both given: a mixture lists every "
-                             f"file in data.sources")
-        if self.source != "bin":
-            raise ValueError(f"[[data.sources]] are token files, but data.source={self.source!r} (use 'bin')")
-        check_sources(self.sources)
-
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
 
 
 def startup_line(train: str, held_out: str | None, data: DataConfig, eval_config) -> str:
@@ -97,16 +57,6 @@ class MicroBatch(NamedTuple):
     inputs_BS: torch.Tensor  # int64 token ids
     labels_BS: torch.Tensor  # int64 next-token ids
     positions_S: torch.Tensor  # int64 global positions of the S tokens (RoPE and the causal mask)
-
-
-def check_split(config: DataConfig, dp_degree: int, cp_degree: int, grad_accum: int) -> None:
-    """Raise ValueError unless the global batch splits evenly over micro-batches, dp ranks and cp chunks."""
-    if config.source != "rollouts" and config.batch_size % (grad_accum * dp_degree) != 0:  # rollouts: by tokens
-        raise ValueError(f"data.batch_size={config.batch_size} is not divisible by training.grad_accum={grad_accum} "
-                         f"x data-parallel degree {dp_degree} = {grad_accum * dp_degree}")
-    if config.seq_len % (2 * cp_degree) != 0:
-        raise ValueError(f"data.seq_len={config.seq_len} is not divisible by 2*cp={2 * cp_degree} (load-balanced "
-                         f"context parallelism cuts each sequence into 2*cp chunks)")
 
 
 def read_sidecar(path: str, key: str = "data.path") -> dict | None:

@@ -17,7 +17,7 @@ import os
 from models.config import ModelConfig
 from models.hf_config import read_hf_config
 from models.presets import preset
-from runtime import checkpoint
+from runtime import checkpoint_dirs
 
 TRAINING_KEYS = ("aux_loss_alpha", "bias_update_speed", "init_std")
 
@@ -30,17 +30,19 @@ def kind(path: str, where: str | None = None) -> str:
         raise ValueError(f"{where}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf"
-    if os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+    if os.path.isfile(os.path.join(path, checkpoint_dirs.MARKER)):
         return "checkpoint"
-    if checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(path)) is not None:
+    if checkpoint_dirs.latest_checkpoint(checkpoint_dirs.checkpoint_dir(path)) is not None:
         return "run"
     raise ValueError(f"{where}: neither a run directory with a complete checkpoint, a complete checkpoint (no "
-                     f"{checkpoint.MARKER} marker) nor a Hugging Face directory (no config.json)")
+                     f"{checkpoint_dirs.MARKER} marker) nor a Hugging Face directory (no config.json)")
 
 
 def checkpoint_path(path: str) -> str:
     """The DCP checkpoint `path` names: itself, or a run directory's newest complete one."""
-    return path if kind(path) == "checkpoint" else checkpoint.latest_checkpoint(checkpoint.checkpoint_dir(path))
+    if kind(path) == "checkpoint":
+        return path
+    return checkpoint_dirs.latest_checkpoint(checkpoint_dirs.checkpoint_dir(path))
 
 
 def source_model(path: str) -> ModelConfig:
@@ -52,11 +54,11 @@ def source_model(path: str) -> ModelConfig:
             raise ValueError(f"posttrain.init_from: {e}") from None
     ckpt = checkpoint_path(path)
     try:
-        saved = checkpoint.read_meta(ckpt).get("model")
+        saved = checkpoint_dirs.read_meta(ckpt).get("model")
         return ModelConfig(**saved)
-    except (checkpoint.Unloadable, TypeError, ValueError) as e:
-        raise ValueError(f"posttrain.init_from={ckpt}: its {checkpoint.MARKER} marker records no usable model "
-                         f"config ({e})") from None
+    except (checkpoint_dirs.Unloadable, TypeError, ValueError) as e:
+        raise ValueError(f"posttrain.init_from={ckpt}: its {checkpoint_dirs.MARKER} marker records no usable "
+                         f"model config ({e})") from None
 
 
 def model_config(path: str, preset_name: str | None, overrides: dict) -> ModelConfig:
@@ -82,6 +84,6 @@ def describe(path: str) -> str:
     if kind(path) == "hf":
         return f"posttrain.init_from: model shape and weights from the Hugging Face directory {path}"
     ckpt = checkpoint_path(path)
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint_dirs.read_meta(ckpt)
     return (f"posttrain.init_from: model shape and weights from checkpoint {ckpt} (step {meta.get('step')}, "
             f"saved on {meta.get('world_size')} ranks); optimizer state starts fresh")

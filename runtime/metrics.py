@@ -1,18 +1,17 @@
-"""Per-step metrics (the `[metrics]` section): `<run.dir>/metrics.jsonl` plus a readable line, both
-from rank 0 only, and optionally TensorBoard event files under `<run.dir>/tb` with the same scalars.
+"""Per-step metrics (the `[metrics]` section: runtime/metrics_config.py): `<run.dir>/metrics.jsonl` plus a
+readable line, both from rank 0 only, and optionally TensorBoard event files under `<run.dir>/tb` with the
+same scalars.
 
 One JSON object per optimizer step, flushed line by line so a crash loses nothing already logged.
 Non-finite floats are written as null (JSON has no NaN). The logger does no communication: the loop
 passes values already reduced over ranks. `python launch/plot_metrics.py RUN_DIR ...` plots them.
 """
 
-import importlib.util
 import json
 import math
 import os
 import resource
 import sys
-from dataclasses import dataclass
 
 import torch
 
@@ -20,16 +19,6 @@ import torch
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "MI300X": 1307e12,
                    "L40S": 362e12}
 FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "optimizer_time_s", "memory_gib")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MetricsConfig:
-    tensorboard: bool = False  # also write TensorBoard event files under run.dir/tb (needs the tensorboard extra)
-    max_logit: bool = False  # record the step's largest attention logit (max_logit) without QK-clip (docs/metrics.md)
-
-    def __post_init__(self):
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("metrics.tensorboard=true needs the tensorboard package (pip install -e '.[tensorboard]')")
 
 
 def peak_flops(device_name: str) -> float | None:

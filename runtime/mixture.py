@@ -18,36 +18,10 @@ overall `eval_loss` is their mean weighted like the training mixture (runtime/tr
 """
 
 import math
-import os
-from dataclasses import dataclass
 
 import numpy as np
 
 _MIX_STREAM = 0x313C  # mixed into the seeds of the row order and the epoch permutations
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceConfig:
-    path: str = ""  # an indexed dataset (prefix of .bin + .idx) or a flat .bin
-    weight: float = 1.0  # share of the sequences, relative to the other sources' weights (> 0)
-    name: str = ""  # name in tokens_by_source and eval_loss/<name>; default: the file name without .bin
-
-    def label(self) -> str:
-        return self.name or os.path.basename(self.path).removesuffix(".bin")
-
-
-def check_sources(sources: tuple) -> None:
-    """ValueError naming data.sources[i] on a missing path, a weight that is not positive, a repeated name."""
-    seen = {}
-    for i, source in enumerate(sources):
-        if not source.path:
-            raise ValueError(f"data.sources[{i}].path is empty: give an indexed dataset prefix or a .bin")
-        if not (source.weight > 0 and math.isfinite(source.weight)):
-            raise ValueError(f"data.sources[{i}].weight={source.weight} must be positive and finite")
-        if source.label() in seen:
-            raise ValueError(f"data.sources[{i}].name={source.label()!r} repeats data.sources[{seen[source.label()]}]'s; "
-                             f"give each source its own name")
-        seen[source.label()] = i
 
 
 class Allocation:

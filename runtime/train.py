@@ -35,7 +35,7 @@ from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
-from parallel.compile import compile_refusal
+from parallel.compile_refusal import compile_refusal
 from parallel.parallelize import parallelize
 from runtime import checkpoint, comm
 from runtime.checkpointer import Checkpointer

@@ -12,7 +12,8 @@ from torch.distributed.fsdp import fully_shard
 from multirank import run_ranks
 from runtime.checkpoint import (MARKER, CheckpointConfig, ModelOptimState, RNGState, checkpoint_step,
                                 complete_checkpoints, latest_checkpoint, load, save)
-from runtime.data import DataConfig, Loader
+from runtime.data import Loader
+from runtime.data_config import DataConfig
 from runtime.errors import RunError
 
 

@@ -13,7 +13,8 @@ import torch
 
 from runtime import corpus
 from parallel.context_parallel import load_balanced_positions
-from runtime.data import DataConfig, Loader, window_starts
+from runtime.data import Loader, window_starts
+from runtime.data_config import DataConfig
 from word_tokenizer import _tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

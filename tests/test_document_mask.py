@@ -183,7 +183,8 @@ def _expected_row(docs, start, seq_len):
 
 
 def test_loader_marks_documents_restarts_positions_and_skips_crossing_labels(tmp_path):
-    from runtime.data import DataConfig, Loader, window_starts
+    from runtime.data import Loader, window_starts
+    from runtime.data_config import DataConfig
 
     prefix, docs = _indexed_dataset(tmp_path)
     config = DataConfig(source="bin", path=prefix, seq_len=32, batch_size=8, document_mask=True)

@@ -15,8 +15,8 @@ NO_INPUT = {"benchmarks/bf16_batch_dependence.py", "launch/torchrun.py"}
 
 
 def test_every_entry_point_uses_the_shared_helper():
-    """A script with a `main` reports user errors through runtime/cli.py (pretrain.py's `stop` does for
-    posttrain.py, which runs pretrain.main)."""
+    """A script with a `main` reports user errors through runtime/cli.py (launch/precheck.py's `stop` does
+    for pretrain.py and posttrain.py, which runs pretrain.main)."""
     scripts = [p for p in glob.glob(os.path.join(REPO, "launch", "*.py")) + glob.glob(os.path.join(REPO, "benchmarks", "*.py"))
                if "\ndef main(" in open(p).read()]
     missing = [os.path.relpath(p, REPO) for p in scripts if os.path.relpath(p, REPO) not in NO_INPUT

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from entry_point import run_ok
-from runtime.data import DataConfig, Loader, split_tokens
+from runtime.data import Loader, split_tokens
+from runtime.data_config import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lr 1e-30 (0 is refused) and no expert-bias update: the weights stay the initial ones bitwise (every update,

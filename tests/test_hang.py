@@ -82,7 +82,8 @@ def _timeouts(rank, world_size, run_dir):
     from torch.distributed import distributed_c10d as c10d
 
     from parallel.meshes import build_meshes
-    from runtime.comm import CommConfig, CommWatch, checkpoint_group
+    from runtime.comm import CommWatch, checkpoint_group
+    from runtime.comm_config import CommConfig
     from runtime.config import load_config
 
     meshes = build_meshes(load_config([]).layout(world_size), "cpu")

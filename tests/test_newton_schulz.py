@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from optim.newton_schulz import (COEFFICIENT_SETS, GRAM_MIN_ASPECT, POLAR_EXPRESS, coefficient_schedule,
-                                 gram_iterations, gram_restarts, lr_scale, ns_flops, orthogonalize, uses_gram)
+from optim.newton_schulz import (COEFFICIENT_SETS, GRAM_MIN_ASPECT, coefficient_schedule, gram_iterations,
+                                 gram_restarts, lr_scale, ns_flops, orthogonalize, uses_gram)
+from optim.ns_coefficients import POLAR_EXPRESS
 
 # The band each coefficient set promises: five iterations map a singular value s of X / ||X||_F to
 # the composed polynomial f(s) (see `scalar_ns`); for s in [s_min, 1], f(s) lies in [lo, hi].

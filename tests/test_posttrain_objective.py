@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from models import Transformer, preset
-from runtime.posttrain import FeedbackObjective, PosttrainConfig
+from runtime.posttrain import FeedbackObjective
+from runtime.posttrain_config import PosttrainConfig
 from runtime.rollout_batch import RolloutLoader
 from posttrain_cases import Data, records
 

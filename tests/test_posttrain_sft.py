@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from examples.make_rollouts import trajectory
 from models import Transformer, preset
-from runtime.posttrain import FeedbackObjective, PosttrainConfig
+from runtime.posttrain import FeedbackObjective
+from runtime.posttrain_config import PosttrainConfig
 from runtime.rollout_batch import RolloutLoader
 from runtime.rollouts import read_rollouts
 

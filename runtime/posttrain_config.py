@@ -1,0 +1,29 @@
+"""The `[posttrain]` section: the loss weights, the feedback KL mode and the teacher (no torch: the config
+tree imports it; runtime/posttrain.py has the objective, and its docstring what each key does)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class PosttrainConfig:
+    sft_coef: float = 0.0  # weight of the next-token (SFT) loss over all assistant tokens
+    rl_coef: float = 1.0  # weight of the policy-gradient loss over all assistant tokens
+    feedback_coef: float = 1.0  # weight of the KL(student || teacher) loss on feedback turns
+    clip_eps: float = 0.2  # PPO ratio clip: the ratio pi/pi_old is clipped to [1-eps, 1+eps]
+    mode: Literal["full", "topk", "sampled"] = "full"  # feedback KL: exact, teacher top-k + tail, sampled token
+    feedback_norm: Literal["targets", "assistant"] = "targets"  # L_feedback / the step's target or assistant tokens
+    top_k: int = 32  # topk: teacher tokens kept per position (one tail bucket holds the rest)
+    vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
+    teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
+    ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
+    init_from: str = ""  # a run dir (its newest checkpoint), a checkpoint dir (any layout) or a Hugging Face dir: the model's shape and starting weights
+
+    def __post_init__(self):
+        checks = {"sft_coef": self.sft_coef >= 0, "rl_coef": self.rl_coef >= 0,
+                  "feedback_coef": self.feedback_coef >= 0, "clip_eps": self.clip_eps > 0, "top_k": self.top_k >= 1,
+                  "vocab_chunk": self.vocab_chunk >= 1, "ema_decay": 0 <= self.ema_decay < 1}
+        expected = {"clip_eps": "> 0", "top_k": ">= 1", "vocab_chunk": ">= 1", "ema_decay": "in [0, 1)"}
+        for key, ok in checks.items():
+            if not ok:
+                raise ValueError(f"posttrain.{key}={getattr(self, key)} must be {expected.get(key, '>= 0')}")

@@ -1,0 +1,121 @@
+"""A config typo is refused before torch loads (launch/precheck.py): the config tree imports no torch, every
+shipped config loads through each entry point's check, and each entry point run as a script exits 2 on a
+typo without importing torch (`python -X importtime` lists every module the script imported)."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run in a fresh interpreter (pytest's has torch loaded): every shipped config through every entry point's
+# check, clean and with each typo, a TOML with a typo, and posttrain.init_from naming a run dir; one line per
+# call on stderr, exit 2 for a typo; torch never imported.
+CHECK_ALL_CONFIGS = r'''
+import contextlib, glob, io, math, os, sys, tomllib
+sys.path.insert(0, os.getcwd())
+from launch import precheck
+
+CHECKS = {"pretrain": lambda argv: precheck.training_job(argv),
+          "posttrain": lambda argv: precheck.training_job(argv, path_source="rollouts"),
+          "dry_run": lambda argv: precheck.tool_config(argv, prefix="config error"),
+          "estimate_memory": lambda argv: precheck.tool_config(argv)}
+PREFIX = {"pretrain": "config error: ", "posttrain": "config error: ", "dry_run": "config error: ",
+          "estimate_memory": "error: "}
+TYPOS = {"--training.stepz=3": "training.stepz: unknown key", "--trainng.steps=3": "trainng.steps: unknown section",
+         "--optim.lr=abc": "optim.lr: expected a finite float", "--data.seq_len=0": "data.seq_len=0"}
+# What a shipped config is refused for as written, on this machine: (config, checks) -> the message. K2.5 names
+# the published checkpoint's directory; the mixture example's seq_len is longer than its debug preset
+# allows, which only launch/pretrain.py's layout check sees.
+REFUSED = {("kimi_k25_256gpu.toml", tuple(CHECKS)): "model.init_from: checkpoints/Kimi-K2.5: no such directory",
+           ("mixture_example.toml", ("pretrain",)): "data.seq_len=512 exceeds model.max_seq_len=256"}
+
+def refusal(path, name):
+    return next((m for (config, names), m in REFUSED.items() if config == os.path.basename(path) and name in names),
+                None)
+
+def call(check, argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            check(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+def world(path):
+    p = tomllib.load(open(path, "rb")).get("parallel", {})
+    dense = [p.get(k, -1) for k in ("dp_replicate", "dp_shard", "cp")]
+    return math.prod(dense) if min(dense) > 0 else 8
+
+configs = sorted(glob.glob("configs/*.toml"))
+assert len(configs) >= 7, configs
+for path in configs:
+    os.environ["WORLD_SIZE"] = str(world(path))
+    for name, check in CHECKS.items():
+        code, err = call(check, ["--config", path])
+        expected = refusal(path, name)
+        if expected:
+            assert code == 2 and err == PREFIX[name] + expected + "\n", (path, name, err)
+        elif (name == "posttrain") == path.endswith("posttrain_example.toml"):  # each job's own entry points
+            assert code == 0 and err == "", (path, name, err)
+        for typo, message in TYPOS.items():
+            code, err = call(check, ["--config", path, typo])
+            assert code == 2 and err.startswith(PREFIX[name] + message) and err.count("\n") == 1, (path, name, err)
+toml = os.path.join(sys.argv[1], "typo.toml")
+open(toml, "w").write(open("configs/debug.toml").read() + "\n[comm]\nheartbeet = true\n")
+for name, check in CHECKS.items():
+    code, err = call(check, ["--config", toml])
+    assert code == 2 and err == PREFIX[name] + "comm.heartbeet: unknown key (valid: init_timeout_s, train_timeout_s, " \
+        "checkpoint_timeout_s, trace_entries, heartbeat)\n", (name, err)
+# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/init_source.py)
+import dataclasses, json
+from models.presets import preset
+run = os.path.join(sys.argv[1], "run")
+os.makedirs(os.path.join(run, "checkpoints", "step_2"))
+with open(os.path.join(run, "checkpoints", "step_2", "COMPLETE"), "w") as f:
+    json.dump({"step": 2, "world_size": 8, "model": dataclasses.asdict(preset("debug"))}, f)
+code, err = call(CHECKS["posttrain"], [f"--posttrain.init_from={run}", "--data.path=r.jsonl", "--model.dim=4096"])
+assert code == 2 and err.startswith("config error: model.dim=4096 (checkpoint: "), err
+heavy = sorted(m for m in ("torch", "numpy", "safetensors", "transformers") if m in sys.modules)
+assert heavy == [], heavy
+print("checked", len(configs), "configs")
+'''
+
+
+def test_every_shipped_config_and_typo_is_checked_without_torch(tmp_path):
+    result = subprocess.run([sys.executable, "-c", CHECK_ALL_CONFIGS, str(tmp_path)], capture_output=True,
+                            text=True, cwd=REPO, timeout=300, env=dict(os.environ, WORLD_SIZE="1", RANK="0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("checked ")
+
+
+# (script, arguments with a typo, the start of its last stderr line, whether that is the only line)
+TYPO_RUNS = [
+    ("launch/pretrain.py", ["--training.stepz=3"], "config error: training.stepz: unknown key", True),
+    ("launch/posttrain.py", ["--config", "configs/posttrain_example.toml", "--posttrain.top_k=x"],
+     "config error: posttrain.top_k: expected int, got 'x'", True),
+    ("launch/dry_run.py", ["--config", "configs/kimi_k2_256gpu.toml", "--parallel.epp=2"],
+     "config error: parallel.epp: unknown key", True),
+    ("launch/estimate_memory.py", ["--config", "configs/kimi_k2_256gpu.toml", "--optim.lr=-1"],
+     "error: optim.lr=-1.0: must be finite and > 0", True),
+    ("launch/evaluate.py", ["--model", "RUN", "--holdout", "1.5"], "evaluate error: --holdout 1.5 must be in [0, 1)",
+     True),
+    ("launch/generate.py", ["--model", "RUN", "--temprature", "0"], "generate.py: error: unrecognized arguments",
+     False),  # argparse: its usage lines, then the error
+]
+
+
+def test_each_entry_point_exits_2_on_a_typo_before_importing_torch(tmp_path):
+    for script, argv, message, one_line in TYPO_RUNS:
+        argv = [os.path.join(REPO, a) if a.startswith("configs/") else a for a in argv]
+        result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, script), *argv],
+                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        lines = result.stderr.splitlines()
+        imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+        said = [line for line in lines if not line.startswith("import time:")]
+        assert result.returncode == 2, (script, said)
+        assert said[-1].startswith(message) and (len(said) == 1 or not one_line), (script, said)
+        assert "launch.precheck" in imported and not {"torch", "numpy"} & imported, script
+    assert os.listdir(tmp_path) == []  # nothing written (run.dir defaults to runs/debug under the cwd)
