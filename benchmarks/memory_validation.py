@@ -147,10 +147,12 @@ def _measure_posttrain(rank, world_size, argv):
     tracker = MemTracker()  # as benchmarks/lib/memory_peak.track_peak, with the hook below
     tracker.track_external(model, *teacher, optimizer)
 
-    def restart_module_stats(module, args):  # the live teacher and the student call the model twice in a
-        if module is model and module in tracker.memory_tracking:  # step, which MemTracker refuses for a
-            tracker.reset_mod_stats()  # top-level module unless its per-module stats restart; the peak it
-            # records (all tensors) is kept
+    # The teacher (a prefix pass, then the item rows) and the live teacher + student call a top-level model
+    # twice in a step, which MemTracker refuses unless its per-module stats restart; the peak it records
+    # (all tensors) is kept.
+    def restart_module_stats(module, args):
+        if (module is model or module in teacher) and module in tracker.memory_tracking:
+            tracker.reset_mod_stats()
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(restart_module_stats)  # before its hooks
     try:

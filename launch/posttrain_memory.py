@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from launch import estimate_memory as E
-from runtime.posttrain import FeedbackObjective
+from runtime import feedback
+from runtime.posttrain import FeedbackObjective, teacher_data
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
 
 PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
@@ -128,7 +129,7 @@ class RowsJob(E.Job):
 
 
 def as_rows(job, rows: int, length: int) -> RowsJob:
-    return RowsJob(job.config, job.layout, job.rank, job.device, rows, length)
+    return RowsJob(**{f.name: getattr(job, f.name) for f in dataclasses.fields(E.Job)}, rows=rows, length=length)
 
 
 def counts(job, shape: RolloutShape) -> dict:
@@ -153,25 +154,32 @@ class _Head(nn.Module):
         self.h = nn.Parameter(torch.randn(PROBE_T, 8, generator=g).to(dtype))
         self.w = nn.Parameter(torch.randn(8, PROBE_V, generator=g).to(dtype))
 
-    def forward(self, inputs_BS, positions_S):
+    def forward(self, inputs_BS, positions_S, documents=None):
         return (self.h @ self.w)[None]
 
 
 def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
-    """One row of PROBE_T tokens: n trained tokens, m targets, all their teacher data on this rank."""
+    """One row of PROBE_T tokens: n trained tokens, m targets, all their teacher data on this rank (the
+    fields the student's loss reads; the teacher's rows are probed apart, `teacher_head_bytes`)."""
     g = torch.Generator().manual_seed(0)
     i64, f32 = torch.int64, torch.float32
     flat = lambda k: torch.arange(k, dtype=i64)  # noqa: E731
     labels = lambda k: torch.randint(0, PROBE_V, (k,), generator=g)  # noqa: E731
-    mb = RolloutMicroBatch(
-        inputs_BS=torch.zeros(1, PROBE_T, dtype=i64), positions_S=flat(PROBE_T),
-        pad_BS=torch.zeros(1, PROBE_T, dtype=torch.bool), trained_flat_n=flat(n), labels_n=labels(n),
-        advantages_n=torch.ones(n, dtype=f32), old_logp_n=torch.zeros(n, dtype=f32),
-        has_old_n=torch.zeros(n, dtype=torch.bool), teacher_inputs_BS=torch.zeros(1, PROBE_T, dtype=i64),
-        teacher_positions_S=flat(PROBE_T), teacher_flat_m=flat(m), teacher_labels_m=labels(m),
-        teacher_counts_P=[m], target_flat_m=flat(m), target_labels_m=labels(m),
-        source_rank_m=torch.zeros(m, dtype=i64), source_slot_m=flat(m))
-    return mb, RolloutStep([mb], trained_tokens=n, target_tokens=m, tokens=PROBE_T)
+    none = dict.fromkeys(RolloutMicroBatch._fields)
+    mb = RolloutMicroBatch(**{
+        **none, "inputs_BS": torch.zeros(1, PROBE_T, dtype=i64), "positions_S": flat(PROBE_T),
+        "pad_BS": torch.zeros(1, PROBE_T, dtype=torch.bool), "trained_flat_n": flat(n), "labels_n": labels(n),
+        "advantages_n": torch.ones(n, dtype=f32), "old_logp_n": torch.zeros(n, dtype=f32),
+        "has_old_n": torch.zeros(n, dtype=torch.bool), "teacher_flat_m": flat(m), "teacher_labels_m": labels(m),
+        "target_flat_m": flat(m), "target_labels_m": labels(m), "positions": PROBE_T, "padding": 0})
+    return mb, RolloutStep([mb], trained_tokens=n, target_tokens=m, tokens=PROBE_T, teacher_tokens=PROBE_T)
+
+
+def _teacher_losses(objective: FeedbackObjective, head: nn.Module, mb: RolloutMicroBatch):
+    """What runtime/posttrain.FeedbackObjective._teacher does after the teacher's forward, on one rank:
+    the targets' teacher data and their entropy (runtime/posttrain.teacher_data, runtime/feedback.entropy)."""
+    logits_mV = head(mb.inputs_BS, mb.positions_S).flatten(0, 1)[mb.teacher_flat_m]
+    return teacher_data(logits_mV, mb.teacher_labels_m, objective.config), feedback.entropy(logits_mV).sum()
 
 
 def _peak(fn) -> int:
@@ -198,17 +206,18 @@ def student_loss_bytes(job, n_frac: float, m_frac: float) -> float:
     objective, head = _probe_objective(job), _Head(dtype)
     mb, step = _probe_batch(int(n_frac * PROBE_T), int(m_frac * PROBE_T))
     with torch.no_grad():
-        data, _ = objective._teacher(head, mb) if mb.target_flat_m.numel() else ([], None)
+        data, _ = _teacher_losses(objective, head, mb) if mb.target_flat_m.numel() else ([], None)
     return _peak(lambda: objective._student(head, mb, data, step)) / (PROBE_T * PROBE_V)
 
 
 def teacher_head_bytes(job, m_frac: float) -> float:
     """Bytes per teacher logit (teacher tokens x V): its logits, the targets' teacher data and entropy
-    (runtime/posttrain.FeedbackObjective._teacher, on one rank: before any all-gather)."""
+    (`_teacher_losses`, as runtime/posttrain.FeedbackObjective._teacher on one rank: before any all-gather)."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
     objective, head = _probe_objective(job), _Head(dtype)
     mb, _ = _probe_batch(0, int(m_frac * PROBE_T))
-    return _peak(lambda: objective._teacher(head, mb)) / (PROBE_T * PROBE_V)
+    with torch.no_grad():
+        return _peak(lambda: _teacher_losses(objective, head, mb)) / (PROBE_T * PROBE_V)
 
 
 def teacher_data_bytes(job, m: int) -> int:
@@ -268,6 +277,14 @@ def teacher_working(job) -> float:
     return out
 
 
+def forward_buffers(job) -> list[int]:
+    """Per unit u (execution order), FSDP bytes while u runs its forward: u and the next
+    training.fsdp_prefetch units (at least 1) unsharded in param_dtype."""
+    sizes = E.unit_sizes(job.config.model, job.layout)
+    depth = max(1, job.config.training.fsdp_prefetch)
+    return [sum(sizes[u:u + 1 + depth]) * job.c for u in range(len(sizes))]
+
+
 # ---- moments ------------------------------------------------------------------------------------
 
 def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
@@ -277,7 +294,7 @@ def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
     teacher = as_rows(job, n["rows"], shape.teacher_tokens())
     n_seq, s_local = teacher.tokens
     V, t_t, m = job.config.model.vocab_size, n["teacher_tokens"], min(n["target_tokens"], n["teacher_tokens"])
-    buffers = E.forward_buffers(teacher)  # embedding, blocks, head
+    buffers = forward_buffers(teacher)  # embedding, blocks, head
     block = {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * job.config.model.dim * job.c,
              "recompute": teacher_working(teacher), "dispatch": E.dispatch(teacher), "teacher_pass": 0}
     head = teacher_head_bytes(job, m / t_t) * t_t * V if m else 0
@@ -336,7 +353,7 @@ def estimate(job, shape: RolloutShape) -> dict:
     fits = device_gib is None or total / E.GIB <= device_gib
     return {"per_rank_gib": {k: v / E.GIB for k, v in parts.items()}, "total_gib": total / E.GIB,
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, shape, parts, total),
-            "peak_at": at, "rank": job.rank, "world": job.layout.world_size,
+            "peak_at": at, "rank": job.rank, "world": job.layout.world_size, "routing_skew": job.routing_skew,
             "micro_batch": {"sequences": n["rows"], "tokens_per_sequence": n["student_tokens"] // n["rows"]},
             "posttrain": {**n, "shape": dataclasses.asdict(shape), "teacher": job.config.posttrain.teacher,
                           "mode": job.config.posttrain.mode}}

@@ -96,8 +96,8 @@ def _eval_mode(model: nn.Module):
 
 
 def _to_device(x, device):
-    if isinstance(x, Documents):
-        return Documents(*(to_device(t, device) for t in x))
+    if isinstance(x, Documents):  # built on the host per micro-batch, without a flex block mask (runs eager)
+        return x._replace(doc_BL=to_device(x.doc_BL, device), rope_BS=to_device(x.rope_BS, device))
     return to_device(x, device) if isinstance(x, torch.Tensor) else x
 
 

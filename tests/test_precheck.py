@@ -25,10 +25,10 @@ PREFIX = {"pretrain": "config error: ", "posttrain": "config error: ", "dry_run"
 TYPOS = {"--training.stepz=3": "training.stepz: unknown key", "--trainng.steps=3": "trainng.steps: unknown section",
          "--optim.lr=abc": "optim.lr: expected a finite float", "--data.seq_len=0": "data.seq_len=0"}
 # What a shipped config is refused for as written, on this machine: (config, checks) -> the message. K2.5 names
-# the published checkpoint's directory; the mixture example's seq_len is longer than its debug preset
-# allows, which only launch/pretrain.py's layout check sees.
+# the published checkpoint's directory (model.init_from to pretrain, posttrain.init_from to post-train).
 REFUSED = {("kimi_k25_256gpu.toml", tuple(CHECKS)): "model.init_from: checkpoints/Kimi-K2.5: no such directory",
-           ("mixture_example.toml", ("pretrain",)): "data.seq_len=512 exceeds model.max_seq_len=256"}
+           ("kimi_k25_posttrain_256gpu.toml", tuple(CHECKS)):
+               "posttrain.init_from=checkpoints/Kimi-K2.5: no such directory"}
 
 def refusal(path, name):
     return next((m for (config, names), m in REFUSED.items() if config == os.path.basename(path) and name in names),
