@@ -22,6 +22,7 @@ from models.experts import GroupedExperts
 from models.kv_cache import KVCache
 from models.layers import FeedForward, RMSNorm
 from models.moe import MoE, Router
+from models.output_head import LossPart, OutputHead
 
 
 class TransformerBlock(nn.Module):
@@ -54,7 +55,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = OutputHead(config.dim, config.vocab_size)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None,
                 cache: KVCache | None = None, documents=None, head: bool = True) -> torch.Tensor:
@@ -84,6 +85,15 @@ class Transformer(nn.Module):
             else:
                 h_BSD = layer(h_BSD, positions_S) if cache is None else layer(h_BSD, positions_S, cache=cache.layers[i])
         return self.output(self.norm(h_BSD)) if head else h_BSD
+
+    def head_losses(self, h_BSD: torch.Tensor, parts: list[LossPart], chunk: int) -> torch.Tensor:
+        """The final norm, then losses over the head's logits in token chunks (models/output_head.py): the
+        parts' sums [K]. h_BSD: `forward(..., head=False)`; each part's `index_n` indexes its B*S positions."""
+        return self.output(self.norm(h_BSD).flatten(0, 1), parts, chunk)
+
+    def logits_at(self, h_BSD: torch.Tensor, flat_n: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of the B*S positions `flat_n` only (the norm is per position)."""
+        return self.output(self.norm(h_BSD.flatten(0, 1)[flat_n]))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, *, seed: int | None = None):

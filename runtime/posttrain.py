@@ -16,13 +16,15 @@ Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forwa
   1. teacher forwards, no grad, routers in eval mode (teacher tokens do not move the expert bias):
      one pass over each trajectory's prefix fills a KV cache (communication under cp: the K/V
      all-gather), then each feedback item's hint + turn attends to its cached prefix and to itself
-     (`prefix_shared_teacher`);
+     (`prefix_shared_teacher`); the head runs at the target positions only;
   2. teacher data of the targets this rank holds on the teacher side: the logits (`full`), top-k
      log-probs, ids and tail (`topk`) or the sampled token's log-prob (`sampled`);
   3. communication: all-gather of that data over the cp group (only when cp > 1; an item is forwarded
      by one cp rank, so a target's teacher position may live on another cp rank than its student one);
   4. student forward over packed rows (document masking; the tail's padding removed from the routers'
-     expert counts and QK-clip's max logits), losses, backward.
+     expert counts and QK-clip's max logits), then the head and the losses over the trained tokens and
+     the targets in chunks of posttrain.head_chunk tokens, logits recomputed in backward
+     (models/output_head.py: memory head_chunk x V instead of the row's S x V), backward.
 Every rank divides by the GLOBAL counts, which it knows from the step plan without communication, so
 the per-rank losses sum to the single-process loss (parallel/gradients.py). Metrics: one all-reduce.
 """
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from models.document_attention import Documents
 from models.kv_cache import KVCache
+from models.output_head import LossPart
 from optim.qk_clip import padding_ignored
 from runtime import checkpoint, feedback, init_source
 from runtime.posttrain_config import PosttrainConfig
@@ -140,14 +143,17 @@ def _padding_ignored(model: nn.Module, pad_BS: torch.Tensor, has_padding: bool):
 
 
 def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Tensor:
-    """The teacher's logits of this rank's item rows [I, Si, V]: one pass over the prefix rows fills a KV
-    cache (through each layer's `kv_source`: under cp, the all-gathered whole rows), then every item row
-    attends to its own cached prefix, right-aligned, and to itself (runtime/rollout_batch.py)."""
+    """The teacher's logits [m, V] of the targets whose teacher position is on this rank: one pass over the
+    prefix rows fills a KV cache (through each layer's `kv_source`: under cp, the all-gathered whole rows),
+    then every item row attends to its own cached prefix, right-aligned, and to itself
+    (runtime/rollout_batch.py); the head runs at the target positions only."""
     cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
     teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, documents=mb.teacher_documents,
             head=False)  # communication under cp: the K/V all-gather
     documents = Documents(mb.item_doc_IL, mb.item_rope_IS)
-    return teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents)
+    h_ISD = teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents,
+                    head=False)
+    return teacher.logits_at(h_ISD, mb.teacher_flat_m)
 
 
 # ---- the objective ------------------------------------------------------------------------------
@@ -191,30 +197,38 @@ class FeedbackObjective:
             return [], torch.zeros((), device=mb.inputs_BS.device)
         teacher = self.teacher if self.teacher is not None else model
         with _eval_mode(teacher):
-            logits_ISV = prefix_shared_teacher(teacher, mb)
-        logits_mV = logits_ISV.flatten(0, 1)[mb.teacher_flat_m]
+            logits_mV = prefix_shared_teacher(teacher, mb)
         data = teacher_data(logits_mV, mb.teacher_labels_m, self.config)
         if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
             data = _gather_cp(data, mb, self.cp_group)
         return data, feedback.entropy(logits_mV).sum()
 
     def _student(self, model, mb: RolloutMicroBatch, data: list[torch.Tensor], step: RolloutStep):
-        logits_BSV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents)
-        logits_TV = logits_BSV.flatten(0, 1)
-        logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
-        old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
-        rl_sum, clipped = feedback.ppo_loss(logp_n, old_n, mb.advantages_n, self.config.clip_eps)
-        kl_sum = logits_TV.new_zeros((), dtype=torch.float32)
-        if data:
-            kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, self.config).sum()
+        """The student's forward and backward; its sums [loss, rl, kl, clipped, 0, sft]. The head and the
+        losses run in token chunks of `head_chunk` (models/output_head.py): over the trained tokens (RL and
+        SFT) and, apart, over the targets (the feedback KL)."""
         c = self.config
-        n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
-        sft_sum = -logp_n.sum()
-        loss = (c.sft_coef * sft_sum + c.rl_coef * rl_sum) / max(step.trained_tokens, 1) \
-            + c.feedback_coef * kl_sum / max(n_feedback, 1)
-        loss.backward()
-        return torch.stack([loss.detach(), rl_sum.detach(), kl_sum.detach(), clipped.float(),
-                            torch.zeros_like(rl_sum), sft_sum.detach()])
+        n_rl = max(step.trained_tokens, 1)
+        n_feedback = max(step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens, 1)
+
+        def trained(logits_cV, lo, hi):
+            logp = feedback.token_logp(logits_cV, mb.labels_n[lo:hi])
+            old = torch.where(mb.has_old_n[lo:hi], mb.old_logp_n[lo:hi], logp.detach())
+            rl_sum, clipped = feedback.ppo_loss(logp, old, mb.advantages_n[lo:hi], c.clip_eps)
+            sft_sum = -logp.sum()
+            loss = (c.sft_coef * sft_sum + c.rl_coef * rl_sum) / n_rl
+            return torch.stack([loss, rl_sum, torch.zeros_like(loss), clipped.float(), torch.zeros_like(loss), sft_sum])
+
+        def targets(logits_cV, lo, hi):
+            kl_sum = feedback_kl(logits_cV, mb.target_labels_m[lo:hi], [x[lo:hi] for x in data], c).sum()
+            zero = torch.zeros_like(kl_sum)
+            return torch.stack([c.feedback_coef * kl_sum / n_feedback, zero, kl_sum, zero, zero, zero])
+
+        h_BSD = model(mb.inputs_BS, mb.positions_S, documents=mb.documents, head=False)
+        parts = [LossPart(mb.trained_flat_n, trained)] + ([LossPart(mb.target_flat_m, targets)] if data else [])
+        sums = model.head_losses(h_BSD, parts, c.head_chunk)
+        sums[0].backward()
+        return sums.detach()
 
     @torch.no_grad()
     def after_step(self, model: nn.Module) -> None:

@@ -15,6 +15,7 @@ class PosttrainConfig:
     feedback_norm: Literal["targets", "assistant"] = "targets"  # L_feedback / the step's target or assistant tokens
     top_k: int = 32  # topk: teacher tokens kept per position (one tail bucket holds the rest)
     vocab_chunk: int = 8192  # full: vocabulary chunk of the exact KL (bounds its extra memory)
+    head_chunk: int = 2048  # the student's output head and losses run over this many tokens at a time (models/output_head.py)
     teacher: Literal["live", "initial", "ema"] = "live"  # teacher weights: current, frozen start, EMA
     ema_decay: float = 0.99  # ema: teacher = decay * teacher + (1 - decay) * student after each step
     init_from: str = ""  # a run dir (its newest checkpoint), a checkpoint dir (any layout) or a Hugging Face dir: the model's shape and starting weights
@@ -22,8 +23,8 @@ class PosttrainConfig:
     def __post_init__(self):
         checks = {"sft_coef": self.sft_coef >= 0, "rl_coef": self.rl_coef >= 0,
                   "feedback_coef": self.feedback_coef >= 0, "clip_eps": self.clip_eps > 0, "top_k": self.top_k >= 1,
-                  "vocab_chunk": self.vocab_chunk >= 1, "ema_decay": 0 <= self.ema_decay < 1}
-        expected = {"clip_eps": "> 0", "top_k": ">= 1", "vocab_chunk": ">= 1", "ema_decay": "in [0, 1)"}
+                  "vocab_chunk": self.vocab_chunk >= 1, "head_chunk": self.head_chunk >= 1, "ema_decay": 0 <= self.ema_decay < 1}
+        expected = {"clip_eps": "> 0", "top_k": ">= 1", "vocab_chunk": ">= 1", "head_chunk": ">= 1", "ema_decay": "in [0, 1)"}
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"posttrain.{key}={getattr(self, key)} must be {expected.get(key, '>= 0')}")

@@ -24,29 +24,31 @@ def setup(tmp_path):
     return model, step
 
 
-def _capture_logits(model, store):
+def _capture_head_input(model, store):
     def hook(module, args, output):
         if output.requires_grad:  # the student forward (the teacher's runs under no_grad)
             output.retain_grad()
             store.append(output)
-    return model.output.register_forward_hook(hook)
+    return model.norm.register_forward_hook(hook)
 
 
 def test_feedback_gradient_is_zero_outside_target_turns(setup):
+    """The gradient reaching the head's input (the final norm's output, per position): the head runs only at
+    trained and target positions, so a loss reading a wrong position would show here."""
     model, step = setup
     (mb,) = step.micro_batches
     captured = []
-    handle = _capture_logits(model, captured)
-    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full"))
+    handle = _capture_head_input(model, captured)
+    objective = FeedbackObjective(PosttrainConfig(rl_coef=0.0, feedback_coef=1.0, mode="full", head_chunk=5))
     objective.forward_backward(model, step, torch.device("cpu"))
     handle.remove()
     (student,) = captured
-    grad_TV = student.grad.flatten(0, 1)
-    target = torch.zeros(grad_TV.shape[0], dtype=torch.bool)
+    grad_TD = student.grad.flatten(0, 1)
+    target = torch.zeros(grad_TD.shape[0], dtype=torch.bool)
     target[mb.target_flat_m] = True
     assert target.sum().item() == step.target_tokens == (60 - 31) + (9 - 1)
-    assert (grad_TV[~target] == 0).all()  # exactly zero: no loss term reads those logits
-    assert (grad_TV[target].abs().sum(1) > 0).all()  # and every target position gets a gradient
+    assert (grad_TD[~target] == 0).all()  # exactly zero: no loss term reads those logits
+    assert (grad_TD[target].abs().sum(1) > 0).all()  # and every target position gets a gradient
 
 
 def _plain_feedback_loss(model, records, sampled=False) -> torch.Tensor:
