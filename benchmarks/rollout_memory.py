@@ -2,15 +2,17 @@
 whole file in memory (runtime/rollouts.read_rollouts, what every rank did before).
 
     python benchmarks/rollout_memory.py [--sizes-mb 128 1024] [--sequential-mb 128] [--ranks 2]
-                                        [--dir /tmp] [--json PATH]
+                                        [--batch-tokens 65536] [--steps 4] [--dir /tmp] [--json PATH]
 
 For each size, a file of long agentic rollouts is generated under --dir (12k-20k tokens a line, a
 Kimi-sized vocabulary, log-probs, two flagged turns with hints; about 170 KB a line) and deleted
 afterwards. Each measurement runs in a fresh process: the imports, then (indexed) `--ranks` gloo ranks
-forked from it, each validating its share of the lines and loading 4 steps of 65,536 tokens as dp rank
-r of --ranks; or (sequential) one process reading the whole file. Reported per rank: peak RSS
-(VmHWM of /proc/self/status) minus the RSS after the imports, in MiB, and the wall time. The index is built
-by the first run on a file (its time is reported apart: `index_s`).
+forked from it, each validating its share of the lines and loading --steps steps of --batch-tokens tokens
+as dp rank r of --ranks; or (sequential) one process reading the whole file. Reported per rank: peak RSS
+(VmHWM of /proc/self/status) minus the RSS after the imports, in MiB, and the wall time; for the steps
+alone (the peak reset by /proc/self/clear_refs after validation): their peak RSS above the RSS where they
+began (`steps_peak_mib`), their time and how many trajectories the rank parsed (`parsed`). The index is
+built by the first run on a file (its time is reported apart: `index_s`).
 """
 
 import argparse
@@ -31,7 +33,6 @@ from runtime.cli import user_errors
 from runtime.paths import check_outputs
 
 VOCAB, MAX_LEN = 163_840, 32_768
-BATCH_TOKENS, STEPS = 65_536, 4
 
 
 def _line(rng: np.random.Generator, advantage: float) -> str:
@@ -75,24 +76,44 @@ def _current_rss_mib() -> float:
     return _status_mib("VmRSS")
 
 
-def _indexed_rank(rank: int, ranks: int, path: str, store: str, conn) -> None:
+def _reset_peak() -> None:
+    """VmHWM back to the RSS now (Linux: 5 written to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _steps(loader, steps: int) -> dict:
+    """Peak RSS above the start, time and trajectories parsed of `steps` steps (the peak reset first)."""
+    from runtime import rollout_file
+    parse, parsed = rollout_file.parse_line, []
+    rollout_file.parse_line = lambda raw, number, *a: parsed.append(number) or parse(raw, number, *a)
+    base, start = _current_rss_mib(), time.perf_counter()
+    _reset_peak()
+    for _ in range(steps):
+        loader.next_step()
+    rollout_file.parse_line = parse
+    return {"steps_peak_mib": round(_rss_mib() - base, 1), "steps_s": round(time.perf_counter() - start, 2),
+            "parsed": len(parsed)}
+
+
+def _indexed_rank(rank: int, ranks: int, path: str, batch_tokens: int, steps: int, store: str, conn) -> None:
     import torch.distributed as dist
     from runtime.rollout_batch import RolloutLoader
     base = _current_rss_mib()
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank, world_size=ranks)
     start = time.perf_counter()
-    data = argparse.Namespace(path=path, batch_tokens=BATCH_TOKENS)
+    data = argparse.Namespace(path=path, batch_tokens=batch_tokens)
     loader = RolloutLoader(data, 0, vocab_size=VOCAB, max_seq_len=MAX_LEN, dp_rank=rank, dp_degree=ranks)
-    validated = time.perf_counter() - start
-    for _ in range(STEPS):
-        loader.next_step()
+    validated, validate_peak = time.perf_counter() - start, _rss_mib()
+    stepped = _steps(loader, steps)
     dist.destroy_process_group()
-    conn.send({"rank": rank, "peak_minus_start_mib": round(_rss_mib() - base, 1), "start_rss_mib": round(base, 1),
+    peak = max(validate_peak, _rss_mib())
+    conn.send({"rank": rank, "peak_minus_start_mib": round(peak - base, 1), "start_rss_mib": round(base, 1),
                "validate_s": round(validated, 2), "total_s": round(time.perf_counter() - start, 2),
-               "trajectories": len(loader.trajs)})
+               "trajectories": len(loader.plan.costs), **stepped})
 
 
-def child_indexed(path: str, ranks: int) -> list[dict]:
+def child_indexed(path: str, ranks: int, batch_tokens: int, steps: int) -> list[dict]:
     """`ranks` gloo ranks forked from this process (the imports done once, before)."""
     import runtime.rollout_batch  # noqa: F401  the imports every rank shares
     from runtime.rollout_file import line_offsets
@@ -102,7 +123,8 @@ def child_indexed(path: str, ranks: int) -> list[dict]:
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         pipes = [ctx.Pipe(duplex=False) for _ in range(ranks)]
-        procs = [ctx.Process(target=_indexed_rank, args=(r, ranks, path, os.path.join(tmp, "store"), pipes[r][1]))
+        procs = [ctx.Process(target=_indexed_rank, args=(r, ranks, path, batch_tokens, steps,
+                                                                os.path.join(tmp, "store"), pipes[r][1]))
                  for r in range(ranks)]
         for p in procs:
             p.start()
@@ -121,9 +143,9 @@ def child_sequential(path: str) -> list[dict]:
              "validate_s": round(time.perf_counter() - start, 2), "trajectories": len(trajs)}]
 
 
-def measure(mode: str, path: str, ranks: int) -> list[dict]:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, path, str(ranks)],
-                         capture_output=True, text=True, check=True)
+def measure(mode: str, path: str, ranks: int, batch_tokens: int, steps: int) -> list[dict]:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, path, str(ranks),
+                          str(batch_tokens), str(steps)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -133,14 +155,17 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--sequential-mb", type=int, nargs="*", default=[128])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-tokens", type=int, default=65_536, help="data.batch_tokens of the steps loaded")
+    parser.add_argument("--steps", type=int, default=4, help="steps each rank loads after validating")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_outputs([("--json", args.json)])
     if args.child:
-        mode, path, ranks = args.child
-        print(json.dumps(child_indexed(path, int(ranks)) if mode == "indexed" else child_sequential(path)))
+        mode, path, ranks, batch_tokens, steps = args.child
+        print(json.dumps(child_indexed(path, int(ranks), int(batch_tokens), int(steps)) if mode == "indexed"
+                         else child_sequential(path)))
         return 0
     results = []
     for size, mode in [(s, "indexed") for s in args.sizes_mb] + [(s, "sequential") for s in args.sequential_mb]:
@@ -148,12 +173,13 @@ def main(argv=None) -> int:
             path = os.path.join(tmp, "rollouts.jsonl")
             lines = make_file(path, size)
             row = {"mode": mode, "file_mib": round(os.path.getsize(path) / 2**20, 1), "lines": lines,
-                   "ranks": measure(mode, path, args.ranks if mode == "indexed" else 1)}
+                   "ranks": measure(mode, path, args.ranks if mode == "indexed" else 1, args.batch_tokens,
+                                    args.steps)}
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch_tokens": BATCH_TOKENS, "steps": STEPS, "results": results}, f, indent=1)
+            json.dump({"batch_tokens": args.batch_tokens, "steps": args.steps, "results": results}, f, indent=1)
     return 0
 
 

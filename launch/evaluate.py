@@ -32,14 +32,14 @@ from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from launch.precheck import add_model_flags  # noqa: E402
+from launch.precheck import ToolParser, add_model_flags  # noqa: E402
 from runtime.cli import report  # noqa: E402
 
 DEFAULTS = {"seq_len": 128, "batch_size": 16, "steps": 4, "seed": 0, "holdout": 0.0}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0], prefix="evaluate error")
     add_model_flags(parser)
     parser.add_argument("--data", default=None, help="token file (.bin; dtype from its .json sidecar or --dtype); "
                                                      "default: the run's recorded evaluation")

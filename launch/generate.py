@@ -22,12 +22,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from launch.precheck import add_model_flags  # noqa: E402
+from launch.precheck import ToolParser, add_model_flags  # noqa: E402
+from runtime.cli import report  # noqa: E402
+from runtime.sampling import SamplingConfig  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ToolParser(description=__doc__.split("\n\n")[0], prefix="generate error",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_flags(parser)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model's)")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -41,16 +43,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-if __name__ == "__main__":  # a bad flag exits here (argparse, status 2), before torch and the model code load
-    parse(sys.argv[1:])
+def sampling_config(args: argparse.Namespace, stop_tokens: tuple[int, ...] = ()) -> SamplingConfig:
+    """The flags' sampling config; ValueError for a --temperature, --top-p or --max-new-tokens out of range."""
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                          stop_tokens=stop_tokens)
+
+
+if __name__ == "__main__":  # a bad flag exits here with status 2, before torch and the model code load
+    try:
+        sampling_config(parse(sys.argv[1:]))
+    except ValueError as e:
+        sys.exit(report(e, prefix="generate error"))
 
 import torch  # noqa: E402
 
 from launch.model_source import load_model  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
-from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
-from runtime.generate import SamplingConfig, generate  # noqa: E402
+from runtime.generate import generate  # noqa: E402
 
 
 def complete(model, tokenizer, prompt: str, sampling: SamplingConfig, seed: int, index: int) -> dict:
@@ -73,19 +83,19 @@ def complete(model, tokenizer, prompt: str, sampling: SamplingConfig, seed: int,
 def run(args: argparse.Namespace) -> list[dict]:
     directory, flag = args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "--model (no --tokenizer)"
     tokenizer = tokenizer_dir.load_directory(directory, args.trust_remote_code, flag)
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                              stop_tokens=tokenizer_dir.eos_ids(directory, tokenizer, flag))
+    config = sampling_config(args, tokenizer_dir.eos_ids(directory, tokenizer, flag))
     prompts = args.prompt if args.prompt is not None else [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or lines on standard input")
     model, loaded = load_model(args.model, args.step)
     print(loaded, file=sys.stderr)
-    return [complete(model, tokenizer, p, sampling, args.seed, i) for i, p in enumerate(prompts)]
+    return [complete(model, tokenizer, p, config, args.seed, i) for i, p in enumerate(prompts)]
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
     try:
+        sampling_config(args)  # the flags before the tokenizer and the model load, as when run as a script
         results = run(args)
     except (ValueError, RunError) as e:
         return report(e, prefix="generate error")

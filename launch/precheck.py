@@ -11,8 +11,10 @@ tree (runtime/config.py and what it imports) is torch-free, and tests/test_prech
   tool_config(argv, prefix)        launch/dry_run.py, estimate_memory.py: `--config PATH` with the
                                    `--section.key=value` overrides; `<prefix>: ...`, exit 2 (the tools'
                                    own flags are their argparse's, checked after the imports)
-  add_model_flags(parser)          --model and --step of launch/evaluate.py, generate.py (no config):
-                                   their argparse flags are parsed before the imports
+  ToolParser(prefix=...)           launch/evaluate.py, generate.py (no config): their argparse, parsed
+                                   before the imports; a bad flag is one line `<prefix>: ...`, exit 2
+                                   (no usage lines first), as a config typo of the training jobs
+  add_model_flags(parser)          their --model and --step
 What needs torch or the files (devices, data, checkpoints' contents) is checked by `main`, after.
 """
 
@@ -74,6 +76,18 @@ def tool_config(argv: list[str], prefix: str = "error") -> None:
         load_config(["--config", args.config, *overrides])
     except ValueError as e:
         fail(e, prefix)
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse whose error (an unknown or malformed flag) is `<prefix>: message` in one line and exit
+    status 2, the tool's own errors' form, instead of the usage lines and then the error."""
+
+    def __init__(self, *args, prefix: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefix = prefix
+
+    def error(self, message: str):
+        fail(message, self.prefix)
 
 
 def add_model_flags(parser) -> None:

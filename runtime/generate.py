@@ -19,7 +19,6 @@ for greedy decoding (temperature 0) they are the model's, at temperature 1.
 Letters: B sequences, P prompt tokens, N new tokens, V vocabulary.
 """
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,21 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from models.kv_cache import KVCache
+from runtime.sampling import SamplingConfig
 
 _SAMPLING_STREAM = 0x5A3E
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p
-    max_new_tokens: int = 64
-    stop_tokens: tuple[int, ...] = ()  # a sequence ends after emitting one of these
-
-    def __post_init__(self):
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.max_new_tokens >= 1):
-            raise ValueError(f"sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} in (0, 1], "
-                             f"max_new_tokens={self.max_new_tokens} >= 1")
 
 
 class Generation(NamedTuple):

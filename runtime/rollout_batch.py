@@ -38,7 +38,7 @@ import torch
 from models.document_attention import Documents
 from parallel.context_parallel import load_balanced_positions
 from runtime.documents import rope_positions
-from runtime.rollout_file import RolloutFile
+from runtime.rollout_file import RolloutFile, TrajectoryStats
 from runtime.rollouts import StepPlan, Trajectory, deal
 
 
@@ -240,13 +240,13 @@ class RolloutLoader:
                  trajectories: list[Trajectory] | None = None, pack: bool = True):
         """Reads `data.path` by its line index, this rank validating its share (runtime/rollout_file.py;
         RunError naming the file and the line), unless `trajectories` are given (in memory, e.g. fresh
-        on-policy rollouts). `pack=False`: one trajectory per row, padded (the layout packing replaced,
-        kept as the tests' reference)."""
+        on-policy rollouts). Either way the trajectories' numbers (`self.stats`, one TrajectoryStats
+        for both) plan the steps. `pack=False`: one trajectory per row, padded (the layout packing
+        replaced, kept as the tests' reference)."""
         self.trajs = trajectories if trajectories is not None else RolloutFile(data.path, vocab_size, max_seq_len)
         self.path = data.path if trajectories is None else "(in memory)"
-        costs = self.trajs.costs() if trajectories is None else [t.cost() for t in trajectories]
-        self.tokens = self.trajs.token_count() if trajectories is None else sum(len(t.tokens) for t in trajectories)
-        self.plan = StepPlan(costs, seed, data.batch_tokens)
+        self.stats = TrajectoryStats.of(trajectories) if trajectories is not None else self.trajs.stats
+        self.plan = StepPlan(self.stats.cost.tolist(), seed, data.batch_tokens)
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp_degree, cp_rank, cp_degree
         self.grad_accum, self.pack = grad_accum, pack
         self.step = 0
@@ -258,21 +258,25 @@ class RolloutLoader:
         steps = (f"at most {budget:,} tokens a step" if not over else
                  f"at most {budget:,} tokens a step, except {len(over):,} trajectories over data.batch_tokens "
                  f"(up to {max(over):,} tokens), each a step of its own")
-        return f"rollouts data.path={self.path}: {self.tokens:,} tokens, {len(self.trajs):,} trajectories, {steps}"
+        tokens = int(self.stats.tokens.sum())
+        return f"rollouts data.path={self.path}: {tokens:,} tokens, {len(costs):,} trajectories, {steps}"
 
     def batch(self, step: int) -> RolloutStep:
-        """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step)."""
+        """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step).
+        The row counts every rank shares and the step's totals come from the trajectories' numbers
+        (`self.stats`): only this rank's slots are parsed."""
         ids = self.plan.step(step)
         slots = deal(ids, self.plan.costs, self.grad_accum * self.dp)
+        items = self.stats.feedback
         n_rows = max(1, max(len(s) for s in slots))
-        n_prefix = max(sum(bool(self.trajs[i].feedback) for i in s) for s in slots)
-        n_items = max(-(-sum(len(self.trajs[i].feedback) for i in s) // self.cp) for s in slots)
+        n_prefix = max(int((items[s] > 0).sum()) for s in slots)
+        n_items = max(-(-int(items[s].sum()) // self.cp) for s in slots)
         mine = [slots[m * self.dp + self.dp_rank] for m in range(self.grad_accum)]
         micro = [build_micro_batch([self.trajs[i] for i in s], n_rows, n_prefix, n_items, self.cp, self.cp_rank,
                                    self.pack) for s in mine]
-        trajs = [self.trajs[i] for i in ids]
-        return RolloutStep(micro, sum(t.trained_tokens() for t in trajs), sum(t.target_tokens() for t in trajs),
-                           sum(t.cost() for t in trajs), sum(t.teacher_cost() for t in trajs))
+        st = self.stats
+        trained, target, cost, teacher = (int(x[ids].sum()) for x in (st.trained, st.target, st.cost, st.teacher))
+        return RolloutStep(micro, trained, target, cost, teacher)
 
     def next_step(self) -> RolloutStep:
         out = self.batch(self.step)

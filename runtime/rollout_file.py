@@ -10,13 +10,15 @@ trajectories parsed on demand by offset (runtime/rollouts.py has the format and 
               refused in one line (it is not ours to overwrite).
   validation  rank r of W parses and validates the lines that start in bytes [r*size/W,
               (r+1)*size/W) of the file, one line at a time, and notes each trajectory's numbers
-              (cost, tokens, trained and target tokens, feedback items). One all-gather of those
+              (`TrajectoryStats`: what a step's plan and totals need). One all-gather of those
               numbers and of each rank's first error, which every rank reaches whatever it found, so
               no rank waits on one that stopped: the lowest failing rank's error (the file's first
               bad line, as a sequential read reports it) is raised on every rank.
   reading     `rollouts[i]` reads trajectory i's line by its offset and parses it again (a few most
               recent stay cached, by tokens): a rank holds the index and the numbers, 8 bytes per
-              line and 40 per trajectory, never the file.
+              line and 56 per trajectory (its line and six numbers), never the file. A step's plan
+              comes from the numbers, so a rank parses only its own micro-batches' trajectories
+              (runtime/rollout_batch.py).
 
 Without a process group the one process validates the whole file, one line at a time.
 """
@@ -24,6 +26,7 @@ Without a process group the one process validates the whole file, one line at a 
 import hashlib
 import os
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import torch.distributed as dist
@@ -34,7 +37,31 @@ from runtime.rollouts import Trajectory, parse_line
 HEAD_BYTES = 1 << 20  # the head hashed into the index's key
 SCAN_BYTES = 1 << 24  # bytes read at a time while scanning for line ends
 CACHE_TOKENS = 1 << 22  # tokens of recently parsed trajectories kept (a step's, typically)
-_STATS = ("cost", "tokens", "trained", "target", "feedback")  # numbers noted per trajectory
+
+
+class TrajectoryStats(NamedTuple):
+    """Each trajectory's numbers (int64 [n] each), from a file's validation or from trajectories in
+    memory: the step plan (costs), the slots' row counts and the step's totals come from these, so
+    building a step parses only this rank's trajectories."""
+    cost: np.ndarray  # tokens forwarded: student and teacher (Trajectory.cost, the budget's unit)
+    tokens: np.ndarray  # student tokens
+    teacher: np.ndarray  # tokens the teacher forwards (Trajectory.teacher_cost)
+    trained: np.ndarray  # trained tokens, the L_rl denominator
+    target: np.ndarray  # target tokens, the L_feedback denominator
+    feedback: np.ndarray  # feedback items (a trajectory with any has a teacher prefix row)
+
+    @staticmethod
+    def row(t: Trajectory) -> tuple[int, ...]:
+        return t.cost(), len(t.tokens), t.teacher_cost(), t.trained_tokens(), t.target_tokens(), len(t.feedback)
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory]) -> "TrajectoryStats":
+        return cls.from_rows(np.array([cls.row(t) for t in trajectories], dtype=np.int64))
+
+    @classmethod
+    def from_rows(cls, rows_NK: np.ndarray) -> "TrajectoryStats":
+        """From [n, len(fields)] int64 rows, one per trajectory."""
+        return cls(*np.ascontiguousarray(rows_NK.reshape(-1, len(cls._fields)).T))
 
 
 def index_path(path: str) -> str:
@@ -110,8 +137,8 @@ def _write_index(path: str, key: np.ndarray, bounds: np.ndarray) -> None:
 
 def _validate(path: str, bounds: np.ndarray, lines: range, vocab_size: int,
               max_seq_len: int) -> tuple[np.ndarray, str | None]:
-    """(int64 [n, 1 + len(_STATS)]: line index and numbers of each trajectory in `lines`, the first
-    error or None); one line in memory at a time."""
+    """(int64 [n, 1 + len(TrajectoryStats._fields)]: line index and numbers of each trajectory in
+    `lines`, the first error or None); one line in memory at a time."""
     rows = []
     with open(path, "rb") as f:
         for line in lines:
@@ -119,10 +146,14 @@ def _validate(path: str, bounds: np.ndarray, lines: range, vocab_size: int,
             try:
                 t = parse_line(f.read(int(bounds[line + 1] - bounds[line])), line + 1, path, vocab_size, max_seq_len)
             except ValueError as e:
-                return np.array(rows, dtype=np.int64).reshape(-1, 1 + len(_STATS)), str(e)
+                return _table(rows), str(e)
             if t is not None:
-                rows.append((line, t.cost(), len(t.tokens), t.trained_tokens(), t.target_tokens(), len(t.feedback)))
-    return np.array(rows, dtype=np.int64).reshape(-1, 1 + len(_STATS)), None
+                rows.append((line, *TrajectoryStats.row(t)))
+    return _table(rows), None
+
+
+def _table(rows: list[tuple[int, ...]]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(-1, 1 + len(TrajectoryStats._fields))
 
 
 def _share(bounds: np.ndarray, rank: int, world: int) -> range:
@@ -153,7 +184,7 @@ class RolloutFile:
             self.bounds = line_offsets(path)
             share = _validate(path, self.bounds, _share(self.bounds, rank, world), vocab_size, max_seq_len)
         except ValueError as e:  # the file changed or vanished since the entry point's check
-            share = (np.zeros((0, 1 + len(_STATS)), dtype=np.int64), str(e))
+            share = (_table([]), str(e))
         shares = _gather(share)
         error = next((e for _, e in shares if e is not None), None)
         if error is not None:
@@ -161,8 +192,8 @@ class RolloutFile:
         table = np.concatenate([rows for rows, _ in shares])
         if not len(table):
             raise RunError(f"data.path: rollouts file {path} holds no trajectory")
-        self.lines = table[:, 0]
-        self.stats = {name: table[:, 1 + k] for k, name in enumerate(_STATS)}
+        self.lines = table[:, 0].copy()
+        self.stats = TrajectoryStats.from_rows(table[:, 1:])
         self._cache: OrderedDict[int, Trajectory] = OrderedDict()
         self._cached_tokens = 0
 
@@ -183,9 +214,3 @@ class RolloutFile:
         while self._cached_tokens > CACHE_TOKENS and len(self._cache) > 1:
             self._cached_tokens -= len(self._cache.popitem(last=False)[1].tokens)
         return t
-
-    def costs(self) -> list[int]:
-        return self.stats["cost"].tolist()
-
-    def token_count(self) -> int:
-        return int(self.stats["tokens"].sum())

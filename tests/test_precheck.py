@@ -1,6 +1,7 @@
 """A config typo is refused before torch loads (launch/precheck.py): the config tree imports no torch, every
 shipped config loads through each entry point's check, and each entry point run as a script exits 2 on a
-typo without importing torch (`python -X importtime` lists every module the script imported)."""
+typo without importing torch (`python -X importtime` lists every module the script imported), in one line
+(argparse's typos of evaluate and generate too, and generate's sampling flags out of range)."""
 
 import os
 import subprocess
@@ -91,24 +92,34 @@ def test_every_shipped_config_and_typo_is_checked_without_torch(tmp_path):
     assert result.stdout.startswith("checked ")
 
 
-# (script, arguments with a typo, the start of its last stderr line, whether that is the only line)
+# (script, arguments with a typo, the start of its one stderr line)
 TYPO_RUNS = [
-    ("launch/pretrain.py", ["--training.stepz=3"], "config error: training.stepz: unknown key", True),
+    ("launch/pretrain.py", ["--training.stepz=3"], "config error: training.stepz: unknown key"),
     ("launch/posttrain.py", ["--config", "configs/posttrain_example.toml", "--posttrain.top_k=x"],
-     "config error: posttrain.top_k: expected int, got 'x'", True),
+     "config error: posttrain.top_k: expected int, got 'x'"),
     ("launch/dry_run.py", ["--config", "configs/kimi_k2_256gpu.toml", "--parallel.epp=2"],
-     "config error: parallel.epp: unknown key", True),
+     "config error: parallel.epp: unknown key"),
     ("launch/estimate_memory.py", ["--config", "configs/kimi_k2_256gpu.toml", "--optim.lr=-1"],
-     "error: optim.lr=-1.0: must be finite and > 0", True),
-    ("launch/evaluate.py", ["--model", "RUN", "--holdout", "1.5"], "evaluate error: --holdout 1.5 must be in [0, 1)",
-     True),
-    ("launch/generate.py", ["--model", "RUN", "--temprature", "0"], "generate.py: error: unrecognized arguments",
-     False),  # argparse: its usage lines, then the error
+     "error: optim.lr=-1.0: must be finite and > 0"),
+    ("launch/evaluate.py", ["--model", "RUN", "--holdout", "1.5"], "evaluate error: --holdout 1.5 must be in [0, 1)"),
+    ("launch/evaluate.py", ["--model", "RUN", "--hold-out", "0.1"],
+     "evaluate error: unrecognized arguments: --hold-out 0.1"),  # argparse's, no usage lines
+    ("launch/evaluate.py", ["--modle", "RUN"], "evaluate error: the following arguments are required: --model"),
+    ("launch/generate.py", ["--model", "RUN", "--temprature", "0"],
+     "generate error: unrecognized arguments: --temprature 0"),
+    ("launch/generate.py", ["--model", "RUN", "--top-p", "x"],
+     "generate error: argument --top-p: invalid float value: 'x'"),
+    ("launch/generate.py", ["--model", "RUN", "--temperature", "-1"],
+     "generate error: sampling: temperature=-1.0 must be >= 0, top_p=1.0 in (0, 1], max_new_tokens=64 >= 1"),
+    ("launch/generate.py", ["--model", "RUN", "--top-p", "0"],
+     "generate error: sampling: temperature=1.0 must be >= 0, top_p=0.0 in (0, 1], max_new_tokens=64 >= 1"),
+    ("launch/generate.py", ["--model", "RUN", "--max-new-tokens", "0", "--prompt", "hi"],
+     "generate error: sampling: temperature=1.0 must be >= 0, top_p=1.0 in (0, 1], max_new_tokens=0 >= 1"),
 ]
 
 
 def test_each_entry_point_exits_2_on_a_typo_before_importing_torch(tmp_path):
-    for script, argv, message, one_line in TYPO_RUNS:
+    for script, argv, message in TYPO_RUNS:
         argv = [os.path.join(REPO, a) if a.startswith("configs/") else a for a in argv]
         result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, script), *argv],
                                 capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -116,6 +127,16 @@ def test_each_entry_point_exits_2_on_a_typo_before_importing_torch(tmp_path):
         imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
         said = [line for line in lines if not line.startswith("import time:")]
         assert result.returncode == 2, (script, said)
-        assert said[-1].startswith(message) and (len(said) == 1 or not one_line), (script, said)
+        assert len(said) == 1 and said[0].startswith(message), (script, said)
         assert "launch.precheck" in imported and not {"torch", "numpy"} & imported, script
     assert os.listdir(tmp_path) == []  # nothing written (run.dir defaults to runs/debug under the cwd)
+
+
+def test_generate_main_refuses_sampling_flags_with_the_precheck_line(capsys):
+    """Called as a function (torch loaded), launch/generate.main gives the line its script run gives, before
+    it looks for the model or the tokenizer (--model RUN does not exist)."""
+    from launch import generate
+    for script, argv, message in TYPO_RUNS:
+        if script == "launch/generate.py" and "sampling:" in message:
+            assert generate.main(argv) == 2
+            assert capsys.readouterr().err == message + "\n"

@@ -1,8 +1,10 @@
 """runtime/rollout_file.py: the line index (built once, reused, rebuilt when the file changes, refused
-when it is another file's), ranks validating a share each, and reading by offset.
+when it is another file's), ranks validating a share each, and reading by offset; RolloutLoader planning
+a step from the gathered numbers, so a rank reads only its own micro-batches' lines.
 
 Oracle: runtime/rollouts.read_rollouts, the sequential reader (the whole file in memory, line after
-line), for the trajectories, their numbers and the first bad line's message."""
+line), for the trajectories, their numbers and the first bad line's message; for a step, the step built
+by parsing every trajectory of it (as RolloutLoader.batch did before)."""
 
 import json
 import os
@@ -12,11 +14,12 @@ import numpy as np
 import pytest
 
 from multirank import run_ranks
+from posttrain_cases import many_feedback_record
 from runtime import rollout_file
 from runtime.errors import RunError
-from runtime.rollout_batch import RolloutLoader
+from runtime.rollout_batch import RolloutLoader, RolloutStep, build_micro_batch
 from runtime.rollout_file import RolloutFile, index_path, line_offsets
-from runtime.rollouts import read_rollouts
+from runtime.rollouts import deal, read_rollouts
 
 VOCAB, MAX_LEN = 256, 256
 
@@ -62,24 +65,101 @@ def test_trajectories_and_numbers_equal_the_sequential_reader(tmp_path, newline_
     rollouts = RolloutFile(path, VOCAB, MAX_LEN)
     assert len(rollouts) == len(expected) == 23
     assert all(_same(rollouts[i], t) for i, t in enumerate(expected))
-    assert rollouts.costs() == [t.cost() for t in expected]
-    assert rollouts.token_count() == sum(len(t.tokens) for t in expected)
-    for name, of in (("trained", lambda t: t.trained_tokens()), ("target", lambda t: t.target_tokens()),
-                     ("feedback", lambda t: len(t.feedback))):
-        assert rollouts.stats[name].tolist() == [of(t) for t in expected], name
+    for name, of in (("cost", lambda t: t.cost()), ("tokens", lambda t: len(t.tokens)),
+                     ("teacher", lambda t: t.teacher_cost()), ("trained", lambda t: t.trained_tokens()),
+                     ("target", lambda t: t.target_tokens()), ("feedback", lambda t: len(t.feedback))):
+        assert getattr(rollouts.stats, name).tolist() == [of(t) for t in expected], name
 
 
-def test_loader_batches_equal_those_of_the_trajectories_in_memory(tmp_path):
-    path = _file(tmp_path / "r.jsonl", _lines(23))
-    data = type("Data", (), {"path": path, "batch_tokens": 300})()
-    from_file = RolloutLoader(data, 5, vocab_size=VOCAB, max_seq_len=MAX_LEN, dp_degree=2, dp_rank=1, grad_accum=2)
-    in_memory = RolloutLoader(data, 5, vocab_size=VOCAB, max_seq_len=MAX_LEN, dp_degree=2, dp_rank=1, grad_accum=2,
-                              trajectories=read_rollouts(path, VOCAB, MAX_LEN))
-    for step in range(6):
-        a, b = from_file.batch(step), in_memory.batch(step)
-        assert a[1:] == b[1:]
-        for x, y in zip(a.micro_batches, b.micro_batches):
-            assert _flat(x) == _flat(y)
+def _mixed_feedback_lines(count: int) -> list[str]:
+    """Trajectories of 20 to 90 tokens with 0, 1, 2 (one hint before its turn: `at`) or one per
+    assistant turn (posttrain_cases.many_feedback_record) feedback items, in turn; blank lines among them."""
+    out = []
+    for k in range(count):
+        n = 20 + (k * 37) % 71
+        record = many_feedback_record(k, n, VOCAB) if k % 4 == 3 else _record(n, k)
+        if k % 4 == 0:
+            record.pop("feedback", None)
+        elif k % 4 == 2:
+            record["turns"] = record["turns"][:1] + [{"role": "assistant", "start": 5, "end": 12},
+                                                     {"role": "assistant", "start": 12, "end": n}]
+            record["feedback"] = [{"turn": 1, "hint": [3], "at": 2}, {"turn": 2, "hint": [4, 5]}]
+        out.append(json.dumps(record))
+        if k % 7 == 6:
+            out.append("")
+    return out
+
+
+def _step_by_parsing(trajs, plan, step, dp, dp_rank, cp, cp_rank, grad_accum) -> RolloutStep:
+    """The oracle: the step as a rank built it by parsing every trajectory of the step (row counts from
+    each slot's trajectories, totals from their methods)."""
+    ids = plan.step(step)
+    slots = deal(ids, plan.costs, grad_accum * dp)
+    n_rows = max(1, max(len(s) for s in slots))
+    n_prefix = max(sum(bool(trajs[i].feedback) for i in s) for s in slots)
+    n_items = max(-(-sum(len(trajs[i].feedback) for i in s) // cp) for s in slots)
+    micro = [build_micro_batch([trajs[i] for i in slots[m * dp + dp_rank]], n_rows, n_prefix, n_items, cp, cp_rank)
+             for m in range(grad_accum)]
+    step_trajs = [trajs[i] for i in ids]
+    return RolloutStep(micro, sum(t.trained_tokens() for t in step_trajs), sum(t.target_tokens() for t in step_trajs),
+                       sum(t.cost() for t in step_trajs), sum(t.teacher_cost() for t in step_trajs))
+
+
+def _assert_same_step(a: RolloutStep, b: RolloutStep) -> None:
+    assert a[1:] == b[1:] and len(a.micro_batches) == len(b.micro_batches)
+    for x, y in zip(a.micro_batches, b.micro_batches):
+        assert _flat(x) == _flat(y)
+
+
+@pytest.mark.parametrize("dp, cp, grad_accum", [(1, 1, 1), (2, 1, 2), (4, 2, 1), (3, 2, 2), (1, 4, 1)])
+def test_a_step_planned_from_the_numbers_equals_the_step_built_by_parsing(tmp_path, dp, cp, grad_accum):
+    """Row counts and totals from the gathered numbers (RolloutFile.stats, or TrajectoryStats of the
+    trajectories in memory) give every rank the step it built by parsing all of the step's trajectories:
+    the same totals and micro-batches (steps of ~10 trajectories with 0 to 8 feedback items)."""
+    path = _file(tmp_path / "r.jsonl", _mixed_feedback_lines(30))
+    trajs = read_rollouts(path, VOCAB, MAX_LEN)
+    assert {0, 1, 2} <= {len(t.feedback) for t in trajs} and max(len(t.feedback) for t in trajs) >= 3
+    data = type("Data", (), {"path": path, "batch_tokens": 1200})()
+    for d in range(dp):
+        for c in range(cp):
+            layout = dict(vocab_size=VOCAB, max_seq_len=MAX_LEN, dp_degree=dp, dp_rank=d, cp_degree=cp, cp_rank=c,
+                          grad_accum=grad_accum)
+            loaders = [RolloutLoader(data, 5, **layout), RolloutLoader(data, 5, **layout, trajectories=trajs)]
+            for step in range(4):
+                expected = _step_by_parsing(trajs, loaders[0].plan, step, dp, d, cp, c, grad_accum)
+                for loader in loaders:
+                    _assert_same_step(loader.batch(step), expected)
+
+
+def _overwrite_lines_but(path: str, bounds: np.ndarray, keep: set[int]) -> None:
+    """Every line of the file but those in `keep` becomes as many bytes of malformed JSON (the offsets stay)."""
+    with open(path, "r+b") as f:
+        for line in sorted(set(range(len(bounds) - 1)) - keep):
+            f.seek(bounds[line])
+            f.write(b"#" * int(bounds[line + 1] - bounds[line] - 1))
+
+
+def test_a_rank_reads_only_its_own_micro_batches_lines(tmp_path):
+    """dp=4, grad_accum=2: after validation, every line of the file but those of this rank's micro-batches
+    in steps 0-2 is overwritten with malformed JSON, and the rank still builds those steps as it did
+    from the intact file. A rank that parsed the other ranks' trajectories of a step (to count feedback
+    items or sum tokens) would stop at one of those lines."""
+    lines = _mixed_feedback_lines(30)
+    intact = _file(tmp_path / "r.jsonl", lines)
+    dp, grad_accum, steps = 4, 2, range(3)
+    for rank in range(dp):
+        layout = dict(vocab_size=VOCAB, max_seq_len=MAX_LEN, dp_degree=dp, dp_rank=rank, grad_accum=grad_accum)
+        reference = RolloutLoader(type("Data", (), {"path": intact, "batch_tokens": 1200})(), 5, **layout)
+        path = _file(tmp_path / f"rank{rank}.jsonl", lines)
+        loader = RolloutLoader(type("Data", (), {"path": path, "batch_tokens": 1200})(), 5, **layout)
+        slots = [deal(loader.plan.step(t), loader.plan.costs, dp * grad_accum) for t in steps]
+        own = {i for s in slots for m in range(grad_accum) for i in s[m * dp + rank]}
+        assert {i for s in slots for slot in s for i in slot} - own  # other ranks' trajectories in these steps
+        _overwrite_lines_but(path, loader.trajs.bounds, {int(loader.trajs.lines[i]) for i in own})
+        with pytest.raises(ValueError, match="malformed JSON"):
+            read_rollouts(path, VOCAB, MAX_LEN)
+        for t in steps:
+            _assert_same_step(loader.batch(t), reference.batch(t))
 
 
 def _flat(fields) -> list:
@@ -140,7 +220,7 @@ def _validate_on_ranks(rank, world, path):
         return seen, str(e)
     finally:
         rollout_file.parse_line = parse
-    return seen, (rollouts.lines.tolist(), rollouts.costs())
+    return seen, (rollouts.lines.tolist(), rollouts.stats.cost.tolist())
 
 
 def test_ranks_validate_a_share_each_and_agree_with_one_process(tmp_path):
@@ -150,7 +230,7 @@ def test_ranks_validate_a_share_each_and_agree_with_one_process(tmp_path):
     shares = [seen for seen, _ in results]
     n_lines = len(line_offsets(path)) - 1
     assert sorted(sum(shares, [])) == list(range(1, n_lines + 1)) and all(len(s) < n_lines / 2 for s in shares)
-    assert all(out == (single.lines.tolist(), single.costs()) for _, out in results)
+    assert all(out == (single.lines.tolist(), single.stats.cost.tolist()) for _, out in results)
 
 
 @pytest.mark.parametrize("bad_at", [3, 45])
