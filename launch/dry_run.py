@@ -39,7 +39,6 @@ estimate (launch/estimate_memory.py for the same rank: states by the same keys, 
 build_s / step_s. Exit status 2 with one line on a config or argument error.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -53,8 +52,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from launch import precheck  # noqa: E402
 
-if __name__ == "__main__":  # a config error exits here, before torch and the model code load
+
+def parse(argv):
+    """(the tool's flags, the rest: config overrides); a malformed flag is one line, exit 2."""
+    ap = precheck.ToolParser(description="Dry run of ranks of a W-rank job (fake process group).",
+                             prefix="config error",
+                             epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world", type=int, default=None, help="world size (default: the config's dense degrees)")
+    ap.add_argument("--ranks", default="0", help="comma-separated ranks to play, e.g. 0,128,255")
+    ap.add_argument("--layers", type=int, default=1, help="blocks materialized at full width for the step (the last ones)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence of the step")
+    ap.add_argument("--json", default=None)
+    return ap.parse_known_args(argv)
+
+
+if __name__ == "__main__":  # a config error or a malformed flag exits here, before torch and the model code load
     precheck.tool_config(sys.argv[1:], prefix="config error")
+    parse(sys.argv[1:])
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -71,18 +86,6 @@ from runtime.config import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 from runtime import train  # noqa: E402
-
-
-def parse(argv):
-    ap = argparse.ArgumentParser(description="Dry run of ranks of a W-rank job (fake process group).",
-                                 epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--world", type=int, default=None, help="world size (default: the config's dense degrees)")
-    ap.add_argument("--ranks", default="0", help="comma-separated ranks to play, e.g. 0,128,255")
-    ap.add_argument("--layers", type=int, default=1, help="blocks materialized at full width for the step (the last ones)")
-    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence of the step")
-    ap.add_argument("--json", default=None)
-    return ap.parse_known_args(argv)
 
 
 def job_config(args, overrides):

@@ -379,8 +379,8 @@ def suggestions(job: Job, parts: dict, total: int) -> list[str]:
 def main(argv=None) -> dict:
     """The estimate of the job the arguments describe (printed, and written to --json). A user error
     (config, --world, --rank, --json) prints one line and exits with status 2, as argparse does."""
-    ap = argparse.ArgumentParser(description="Per-rank peak memory of a training job, before launch.",
-                                 epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
+    ap = precheck.ToolParser(description="Per-rank peak memory of a training job, before launch.", prefix="error",
+                             epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None, help="world size (default: the product of the config's dense degrees)")
     ap.add_argument("--device", choices=tuple(DEVICES), default="h200")

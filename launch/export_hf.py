@@ -18,7 +18,6 @@ config.json and other files: models/hf_like.py). `--tokenizer DIR`: runtime/toke
 (Kimi's tiktoken tokenizer with `--trust-remote-code`); launch/tokenizer_files.py copies its files.
 """
 
-import argparse
 import math
 import os
 import shutil
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from launch import tokenizer_files  # noqa: E402
+from launch.precheck import ToolParser  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.hf import SHARD_BYTES, write_hf  # noqa: E402
 from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
@@ -211,7 +211,7 @@ def shard_limit(shard_gb: float) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0], prefix="export error")
     parser.add_argument("--run-dir", required=True, help="the training run directory (run.dir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--out", required=True, help="output directory: new (created) or empty")

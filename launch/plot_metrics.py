@@ -8,13 +8,13 @@ labelled by their directory name (by their path where two share a name). Needs m
 directory, no image extension, a missing directory) exits with status 2 and one line.
 """
 
-import argparse
 import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from launch.precheck import ToolParser  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 
@@ -118,7 +118,7 @@ def plot(runs: dict[str, list[dict]], out: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot loss, eval loss, grad norm, lr and tokens/s of runs.")
+    parser = ToolParser(description="Plot loss, eval loss, grad norm, lr and tokens/s of runs.", prefix="error")
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
     parser.add_argument("--out", required=True, help="output PNG")
     args = parser.parse_args(argv)

@@ -10,10 +10,13 @@ tree (runtime/config.py and what it imports) is torch-free, and tests/test_prech
                                    WORLD_SIZE; `config error: ...` from rank 0 (`stop`), exit 2
   tool_config(argv, prefix)        launch/dry_run.py, estimate_memory.py: `--config PATH` with the
                                    `--section.key=value` overrides; `<prefix>: ...`, exit 2 (the tools'
-                                   own flags are their argparse's, checked after the imports)
-  ToolParser(prefix=...)           launch/evaluate.py, generate.py (no config): their argparse, parsed
-                                   before the imports; a bad flag is one line `<prefix>: ...`, exit 2
-                                   (no usage lines first), as a config typo of the training jobs
+                                   own flags are their ToolParser's: dry_run's parsed next, before the
+                                   imports; estimate_memory's after, as its parser takes
+                                   posttrain_memory's flags)
+  ToolParser(prefix=...)           every tool's argparse in launch/: a bad flag is one line
+                                   `<prefix>: ...` (the prefix of the tool's other errors), exit 2, no
+                                   usage lines first, as a config typo of the training jobs; evaluate.py
+                                   and generate.py (no config) parse before the imports
   add_model_flags(parser)          their --model and --step
 What needs torch or the files (devices, data, checkpoints' contents) is checked by `main`, after.
 """

@@ -17,13 +17,13 @@ launch/posttrain.py will read it. Bad input: one line naming the input line, exi
 written (the output appears atomically, after every line passed).
 """
 
-import argparse
 import json
 import os
 import sys
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from launch.precheck import ToolParser  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
@@ -174,7 +174,7 @@ def _write(path: str, records: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0], prefix="error")
     parser.add_argument("--tokenizer", required=True, help="local tokenizer directory with a chat template")
     parser.add_argument("--in", dest="inp", required=True, help="conversations, one JSON object per line")
     parser.add_argument("--out", required=True, help="rollout file for launch/posttrain.py (data.path)")

@@ -20,7 +20,6 @@ Not named `tokenize.py`: scripts in launch/ run with launch/ on sys.path, where 
 shadow the standard library's `tokenize` module (imported by torch through `inspect`).
 """
 
-import argparse
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+from launch.precheck import ToolParser  # noqa: E402
 from runtime import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_not_input, check_output_file  # noqa: E402
@@ -146,7 +146,7 @@ def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Tokenize text files into a flat .bin of token ids.")
+    parser = ToolParser(description="Tokenize text files into a flat .bin of token ids.", prefix="error")
     parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer.json or tokenizer directory")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let a tokenizer directory run its own code (Kimi's tokenization_kimi.py)")

@@ -1,11 +1,16 @@
 """A config typo is refused before torch loads (launch/precheck.py): the config tree imports no torch, every
 shipped config loads through each entry point's check, and each entry point run as a script exits 2 on a
 typo without importing torch (`python -X importtime` lists every module the script imported), in one line
-(argparse's typos of evaluate and generate too, and generate's sampling flags out of range)."""
+(argparse's typos of evaluate and generate too, and generate's sampling flags out of range or not finite). The
+other tools' bad flags are one line and exit 2 as well, before torch loads where their argparse needs none."""
 
+import importlib
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,23 +115,32 @@ TYPO_RUNS = [
     ("launch/generate.py", ["--model", "RUN", "--top-p", "x"],
      "generate error: argument --top-p: invalid float value: 'x'"),
     ("launch/generate.py", ["--model", "RUN", "--temperature", "-1"],
-     "generate error: sampling: temperature=-1.0 must be >= 0, top_p=1.0 in (0, 1], max_new_tokens=64 >= 1"),
+     "generate error: sampling: temperature=-1.0 must be finite and >= 0, top_p=1.0 in (0, 1], max_new_tokens=64 >= 1"),
     ("launch/generate.py", ["--model", "RUN", "--top-p", "0"],
-     "generate error: sampling: temperature=1.0 must be >= 0, top_p=0.0 in (0, 1], max_new_tokens=64 >= 1"),
+     "generate error: sampling: temperature=1.0 must be finite and >= 0, top_p=0.0 in (0, 1], max_new_tokens=64 >= 1"),
     ("launch/generate.py", ["--model", "RUN", "--max-new-tokens", "0", "--prompt", "hi"],
-     "generate error: sampling: temperature=1.0 must be >= 0, top_p=1.0 in (0, 1], max_new_tokens=0 >= 1"),
+     "generate error: sampling: temperature=1.0 must be finite and >= 0, top_p=1.0 in (0, 1], max_new_tokens=0 >= 1"),
+    ("launch/generate.py", ["--model", "RUN", "--temperature", "inf"],  # not a uniform draw
+     "generate error: sampling: temperature=inf must be finite and >= 0, top_p=1.0 in (0, 1], max_new_tokens=64 >= 1"),
+    ("launch/generate.py", ["--model", "RUN", "--top-p", "nan"],
+     "generate error: sampling: temperature=1.0 must be finite and >= 0, top_p=nan in (0, 1], max_new_tokens=64 >= 1"),
 ]
+
+
+def _run_script(script: str, argv: list[str], cwd) -> tuple[int, list[str], set[str]]:
+    """(exit status, stderr lines, modules imported) of `python script argv` in a fresh interpreter."""
+    argv = [os.path.join(REPO, a) if a.startswith("configs/") else a for a in argv]
+    result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, script), *argv],
+                            capture_output=True, text=True, cwd=cwd, timeout=300)
+    lines = result.stderr.splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    return result.returncode, [line for line in lines if not line.startswith("import time:")], imported
 
 
 def test_each_entry_point_exits_2_on_a_typo_before_importing_torch(tmp_path):
     for script, argv, message in TYPO_RUNS:
-        argv = [os.path.join(REPO, a) if a.startswith("configs/") else a for a in argv]
-        result = subprocess.run([sys.executable, "-X", "importtime", os.path.join(REPO, script), *argv],
-                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
-        lines = result.stderr.splitlines()
-        imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
-        said = [line for line in lines if not line.startswith("import time:")]
-        assert result.returncode == 2, (script, said)
+        code, said, imported = _run_script(script, argv, tmp_path)
+        assert code == 2, (script, said)
         assert len(said) == 1 and said[0].startswith(message), (script, said)
         assert "launch.precheck" in imported and not {"torch", "numpy"} & imported, script
     assert os.listdir(tmp_path) == []  # nothing written (run.dir defaults to runs/debug under the cwd)
@@ -140,3 +154,69 @@ def test_generate_main_refuses_sampling_flags_with_the_precheck_line(capsys):
         if script == "launch/generate.py" and "sampling:" in message:
             assert generate.main(argv) == 2
             assert capsys.readouterr().err == message + "\n"
+
+
+def test_sampling_refuses_non_finite_temperature_and_top_p():
+    """inf would make sampling a uniform draw (temperature) or keep every token (top_p); nan compares false."""
+    from runtime.sampling import SamplingConfig
+
+    for bad in ({"temperature": math.inf}, {"temperature": -math.inf}, {"temperature": math.nan},
+                {"top_p": math.inf}, {"top_p": math.nan}):
+        with pytest.raises(ValueError, match=r"^sampling: temperature=\S+ must be finite and >= 0, top_p="):
+            SamplingConfig(**bad)
+
+
+# (script, a bad flag, its one stderr line): each tool's argparse is precheck.ToolParser with the prefix of
+# the tool's other errors; parsed before torch loads (dry_run parses its flags in its precheck block)
+FLAG_RUNS = [
+    ("launch/dry_run.py", ["--config", "configs/debug.toml", "--world", "x"],
+     "config error: argument --world: invalid int value: 'x'"),
+    ("launch/dry_run.py", ["--wrold", "8"], "config error: the following arguments are required: --config"),
+    ("launch/tokenize_text.py", ["--tokenizer", "t", "--out", "o.bin", "--workers", "x", "a.txt"],
+     "error: argument --workers: invalid int value: 'x'"),
+    ("launch/tokenize_text.py", ["--tokenizer", "t", "--out", "o.bin", "--eso", "e", "a.txt"],
+     "error: unrecognized arguments: --eso"),
+    ("launch/prepare_rollouts.py", ["--tokenizer", "t", "--in", "i", "--out", "o", "--max-len", "x"],
+     "error: argument --max-len: invalid int value: 'x'"),
+    ("launch/prepare_rollouts.py", ["--tokenizer", "t", "--in", "i", "--out", "o", "--maxlen", "3"],
+     "error: unrecognized arguments: --maxlen 3"),
+    ("launch/plot_metrics.py", ["run", "--out", "c.png", "--dpi", "3"], "error: unrecognized arguments: --dpi 3"),
+    ("launch/plot_metrics.py", ["run", "--out"], "error: argument --out: expected one argument"),
+]
+
+
+def test_each_tool_refuses_a_bad_flag_in_one_line_before_importing_torch(tmp_path):
+    for script, argv, message in FLAG_RUNS:
+        code, said, imported = _run_script(script, argv, tmp_path)
+        assert code == 2 and said == [message], (script, said)
+        assert "launch.precheck" in imported and "torch" not in imported, script
+    assert os.listdir(tmp_path) == []
+
+
+# Tools whose flags are checked after torch loads, called as functions (pytest has torch loaded): export_hf's
+# and estimate_memory's parsers take choices and flags from modules that import torch (models.hf,
+# launch/posttrain_memory.py); an unknown flag of dry_run and estimate_memory is a config override to them,
+# refused by load_config, which names it
+IN_PROCESS_FLAG_RUNS = [
+    ("export_hf", ["--run-dir", "run", "--out", "hf", "--shard-gb", "x"],
+     "export error: argument --shard-gb: invalid float value: 'x'"),
+    ("export_hf", ["--run-dir", "run", "--out", "hf", "--dtpye", "float32"],
+     "export error: unrecognized arguments: --dtpye float32"),
+    ("estimate_memory", ["--config", "configs/debug.toml", "--rank", "x"],
+     "error: argument --rank: invalid int value: 'x'"),
+    ("estimate_memory", ["--config", "configs/debug.toml", "--rnak", "1"],
+     "error: --rnak: expected --config PATH or --section.key=value (see --help)"),
+    ("dry_run", ["--config", "configs/debug.toml", "--wrold", "8"],
+     "config error: --wrold: expected --config PATH or --section.key=value (see --help)"),
+]
+
+
+def test_tools_that_need_torch_refuse_a_bad_flag_in_one_line(tmp_path, capsys):
+    for tool, argv, message in IN_PROCESS_FLAG_RUNS:
+        argv = [os.path.join(REPO, a) if a.startswith("configs/") else str(tmp_path / a) if a in ("run", "hf")
+                else a for a in argv]
+        with pytest.raises(SystemExit) as stop:
+            importlib.import_module(f"launch.{tool}").main(argv)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [message], tool
+    assert os.listdir(tmp_path) == []
