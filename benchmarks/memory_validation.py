@@ -10,10 +10,10 @@ gradients, optimizer state, FSDP buffers, activations, temporaries). Prints esti
 their ratio per case.
 
 Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
-trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged, so today's per-item teacher row,
-L + H positions, is the prefix-shared pass the estimate models, L + H + T, less the turn), one step of
-launch/posttrain.py's objective (teacher pass, student forward/backward, clipping, optimizer step, EMA
-update) with the live and the ema teacher, each rank's slot holding one trajectory.
+trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged), one step of
+launch/posttrain.py's objective (the prefix-shared teacher's two passes, student forward/backward over the
+packed row, clipping, optimizer step, EMA update) with the live and the ema teacher, each rank's slot
+holding POSTTRAIN_ROWS trajectories.
 """
 
 import argparse
@@ -147,12 +147,17 @@ def _measure_posttrain(rank, world_size, argv):
     tracker = MemTracker()  # as benchmarks/lib/memory_peak.track_peak, with the hook below
     tracker.track_external(model, *teacher, optimizer)
 
-    # The teacher (a prefix pass, then the item rows) and the live teacher + student call a top-level model
-    # twice in a step, which MemTracker refuses unless its per-module stats restart; the peak it records
-    # (all tensors) is kept.
+    # A top-level model called again in the step (the teacher: a prefix pass, then the item rows; the live
+    # teacher, then the student) is refused by MemTracker unless it is tracked afresh: only that module's
+    # own stats restart. Its submodules keep theirs (MemTracker allows a submodule to be called more than
+    # once): ModTracker queues a post-backward callback for every module called without a grad-requiring
+    # input (every teacher module), run at the end of the student's backward, which looks the module's stats
+    # up; clearing them all (`reset_mod_stats`) loses those of modules not called again (the teacher's
+    # `kv_source`s, called only while the prefix pass fills the cache) and fails there with a KeyError.
+    # The peak it records (all tensors) does not depend on per-module stats.
     def restart_module_stats(module, args):
         if (module is model or module in teacher) and module in tracker.memory_tracking:
-            tracker.reset_mod_stats()
+            del tracker.memory_tracking[module]
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(restart_module_stats)  # before its hooks
     try:

@@ -7,16 +7,18 @@ launch: the terms launch/estimate_memory.py adds for the teacher and the feedbac
 The rollouts' shape is an input (the config bounds it, the file is not read): L the longest trajectory
 (default model.max_seq_len, the loader's limit), K feedback items per trajectory, each a hint of H tokens
 before a flagged turn of T tokens, A the fraction of a row's tokens that are trained (assistant tokens).
-From it, per micro-batch on one rank:
-  teacher tokens  L + K (H + T) per trajectory: the teacher runs the trajectory once and each item's
-                  hint + turn attends to that pass's cached prefix (not one full row per item)
-  packing         trajectories packed into rows of L tokens with document masking (only a row's tail is
-                  padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of them,
-                  cost = L + teacher tokens: the longest ones, the worst case for a budget
-  cp              each row split over cp: t = rows x L / cp student tokens, rows x (L + K (H + T)) / cp
-                  teacher tokens; A t trained tokens (assistant turns run through a rollout, and each cp
-                  rank holds an early and a late chunk of it); min(K T rows, t) targets (flagged turns near
-                  a rollout's end sit in a few cp chunks, so one rank may hold all of them)
+From it, per micro-batch on one rank (runtime/rollout_batch.py's layout):
+  packing         a slot's trajectories packed end to end into one row with document masking (only its
+                  tail is padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of
+                  them, cost = L + L + K (H + T): the longest ones, alike, the worst case for a budget
+  student         the row split over cp (load-balanced chunks i and 2 cp - 1 - i): t = rows x L / cp
+                  tokens; A t trained (assistant turns run through a rollout); the targets of the whole
+                  trajectories in this rank's chunks and at most min(K T, the rest) more per chunk
+                  (`student_targets`: all of them with one trajectory a slot, 1/cp of them with many)
+  teacher         prefix-shared: one pass over the packed prefix row (split like the student's: t tokens,
+                  the prefix taken as the whole trajectory) fills a KV cache, then item rows of H + T
+                  tokens attend to it; item k of the slot runs whole on cp rank k % cp, so a rank holds
+                  ceil(rows K / cp) items and their T targets each on the teacher side
 What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
@@ -25,9 +27,11 @@ What is counted, on top of launch/estimate_memory.py's terms for the student at 
                   targets' rows of the feedback KL in posttrain.mode (replaces pretraining's logits term)
   teacher_data    the teacher's data of the local targets, kept through the student's pass: full
                   [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
-  teacher_pass    the teacher's forward (no grad): its logits [teacher tokens, V], the targets' teacher
-                  data and entropy, the all-gather of that data over cp (every rank receives cp x the
-                  longest list), one block's working activations and dispatch at the teacher's tokens
+  teacher_pass    the teacher's forward (no grad; launch/teacher_memory.py): a block of its prefix pass or
+                  its item pass (working set, dispatch, the KV cache of the whole prefix row, gathered
+                  under cp) or its head on the item rows (their logits [items x (H + T), V], the targets'
+                  teacher data and entropy, the all-gather of that data over cp: every rank receives cp x
+                  the longest list)
 The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
 runtime's own functions (runtime/feedback.py, runtime/posttrain.py) run on small logits [256, 2048]
 under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled by t V.
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from launch import estimate_memory as E
+from launch import teacher_memory as TM
 from runtime import feedback
 from runtime.posttrain import FeedbackObjective, teacher_data
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
@@ -63,6 +68,10 @@ class RolloutShape:
     def teacher_tokens(self) -> int:
         """Teacher positions of one trajectory: the trajectory once, then each item's hint + turn."""
         return self.rollout_tokens + self.feedback_items * (self.hint_tokens + self.turn_tokens)
+
+    def item_tokens(self) -> int:
+        """Positions of one item row: its hint and its flagged turn (the prefix comes from the cache)."""
+        return self.hint_tokens + self.turn_tokens
 
     def cost(self) -> int:
         return self.rollout_tokens + self.teacher_tokens()
@@ -122,9 +131,12 @@ class RowsJob(E.Job):
     launch/estimate_memory.py's terms then read the post-training micro-batch."""
     rows: int = 1
     length: int = 1
+    split: bool = True  # False: each row whole on this rank (the teacher's item rows)
 
     @property
     def tokens(self) -> tuple[int, int]:
+        if not self.split:
+            return self.rows, self.length
         return self.rows, _round_up(self.length, 2 * self.layout.cp) // self.layout.cp
 
 
@@ -133,13 +145,26 @@ def as_rows(job, rows: int, length: int) -> RowsJob:
 
 
 def counts(job, shape: RolloutShape) -> dict:
-    """Per rank and micro-batch: rows, student tokens t, teacher tokens, trained n, targets m."""
-    rows = rows_per_micro_batch(job, shape)
-    student, teacher = as_rows(job, rows, shape.rollout_tokens), as_rows(job, rows, shape.teacher_tokens())
-    t = math.prod(student.tokens)
-    targets = min(shape.feedback_items * shape.turn_tokens * rows, t)
-    return {"rows": rows, "student_tokens": t, "teacher_tokens": math.prod(teacher.tokens),
-            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": targets}
+    """Per rank and micro-batch: rows, student tokens t, trained n, targets m on the student side, item
+    rows and targets on the teacher side, teacher tokens (the prefix row's and the item rows')."""
+    rows, cp = rows_per_micro_batch(job, shape), job.layout.cp
+    t = math.prod(as_rows(job, rows, shape.rollout_tokens).tokens)
+    items = -(-rows * shape.feedback_items // cp)  # item k of the slot is forwarded whole by cp rank k % cp
+    return {"rows": rows, "student_tokens": t, "teacher_tokens": t + items * shape.item_tokens(),
+            "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": student_targets(job, shape, rows, t),
+            "items": items, "teacher_targets": items * shape.turn_tokens}
+
+
+def student_targets(job, shape: RolloutShape, rows: int, t: int) -> int:
+    """Targets whose student position one cp rank holds. The slot's trajectories are packed end to end into
+    one row; cp rank i holds its chunks i and 2 cp - 1 - i, each c = rows L / (2 cp) contiguous positions
+    (runtime/rollout_batch.py). With the slot's trajectories alike (each the longest, its flagged turns at
+    the same places), a chunk of c = q L + r positions holds q whole trajectories' K T targets and at most
+    min(K T, r) more: all of a trajectory's targets may sit in one rank's chunks (one trajectory a slot,
+    turns flagged near its end), but a row of many trajectories spreads them over the cp ranks."""
+    L, KT, cp = shape.rollout_tokens, shape.feedback_items * shape.turn_tokens, job.layout.cp
+    q, r = divmod(_round_up(rows * L, 2 * cp) // (2 * cp), L)
+    return min(KT * rows, t, 2 * (q * KT + min(KT, r)))
 
 
 # ---- the loss path, measured on small logits ----------------------------------------------------
@@ -177,8 +202,10 @@ def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
 
 def _teacher_losses(objective: FeedbackObjective, head: nn.Module, mb: RolloutMicroBatch):
     """What runtime/posttrain.FeedbackObjective._teacher does after the teacher's forward, on one rank:
-    the targets' teacher data and their entropy (runtime/posttrain.teacher_data, runtime/feedback.entropy)."""
-    logits_mV = head(mb.inputs_BS, mb.positions_S).flatten(0, 1)[mb.teacher_flat_m]
+    the targets' teacher data and their entropy (runtime/posttrain.teacher_data, runtime/feedback.entropy),
+    the item rows' logits alive throughout (the runtime holds them until both exist)."""
+    logits_BSV = head(mb.inputs_BS, mb.positions_S)
+    logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
     return teacher_data(logits_mV, mb.teacher_labels_m, objective.config), feedback.entropy(logits_mV).sum()
 
 
@@ -231,51 +258,7 @@ def teacher_data_bytes(job, m: int) -> int:
     return m * (k * (4 + 8) + (4 if k < V else 0))
 
 
-# ---- the teacher's blocks, measured on the CPU at the real widths --------------------------------
-
-def _working(block, seq: int, dtype: torch.dtype) -> int:
-    """Peak bytes a block's forward on [1, seq] tokens creates under no_grad, its input excluded."""
-    from torch.distributed._tools.mem_tracker import MemTracker  # private, checked on torch 2.13.0
-
-    x = torch.randn(1, seq, block.attention_norm.weight.shape[0]).to(dtype)
-    tracker = MemTracker()
-    tracker.track_external(block)
-    with tracker, torch.no_grad():
-        before = sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
-        block(x, torch.arange(seq))
-    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - before
-
-
-def teacher_block_fit(model_config, layer_id: int, dtype: torch.dtype, moe: bool) -> tuple[float, float, float]:
-    """(a, b, e): a no-grad block forward's working bytes per sequence of S tokens = a S + b S^2 (+ e S E),
-    fitted as launch/estimate_memory.block_fits fits the kept bytes (two lengths, two expert counts)."""
-    e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
-    s1, s2 = E.PROBE_SEQ
-    block = E._build_block(model_config, layer_id, e1, dtype)
-    k1, k2 = _working(block, s1, dtype), _working(block, s2, dtype)
-    e = 0.0
-    if moe:
-        e = (_working(E._build_block(model_config, layer_id, 2 * e1, dtype), s1, dtype) - k1) / (s1 * e1)
-    k1, k2 = k1 - e * s1 * e1, k2 - e * s2 * e1
-    b = (k2 / s2 - k1 / s1) / (s2 - s1)
-    return k1 / s1 - b * s1, b, e
-
-
-def teacher_working(job) -> float:
-    """The largest working set of one teacher block at `job`'s micro-batch (the S^2 term, attention
-    probabilities of the CPU's math kernel, only on the CPU, as in launch/estimate_memory.activations)."""
-    cfg = job.config.model
-    dtype = torch.bfloat16 if job.c == 2 else torch.float32
-    n_seq, s_local = job.tokens
-    quadratic = 1.0 if job.device == "cpu" else 0.0
-    kinds = ([(0, False)] if cfg.n_dense_layers else []) + ([(cfg.n_dense_layers, True)] if cfg.n_moe_layers else [])
-    out = 0.0
-    for layer_id, moe in kinds:
-        a, b, e = teacher_block_fit(cfg, layer_id, dtype, moe)
-        out = max(out, n_seq * (a * s_local + quadratic * b * s_local * s_local * job.layout.cp
-                                + e * s_local * cfg.n_routed_experts))
-    return out
-
+# ---- moments -------------------------------------------------------------------------------------
 
 def forward_buffers(job) -> list[int]:
     """Per unit u (execution order), FSDP bytes while u runs its forward: u and the next
@@ -285,22 +268,29 @@ def forward_buffers(job) -> list[int]:
     return [sum(sizes[u:u + 1 + depth]) * job.c for u in range(len(sizes))]
 
 
-# ---- moments ------------------------------------------------------------------------------------
-
 def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
-    """Bytes at the larger moment of the teacher's forward (no grad): a block's (its FSDP units, its
-    input, its working activations and dispatch at the teacher's tokens) or the head's (its unit, the
-    logits with the targets' data and entropy, the all-gather of that data over cp)."""
-    teacher = as_rows(job, n["rows"], shape.teacher_tokens())
-    n_seq, s_local = teacher.tokens
-    V, t_t, m = job.config.model.vocab_size, n["teacher_tokens"], min(n["target_tokens"], n["teacher_tokens"])
-    buffers = forward_buffers(teacher)  # embedding, blocks, head
-    block = {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * job.config.model.dim * job.c,
-             "recompute": teacher_working(teacher), "dispatch": E.dispatch(teacher), "teacher_pass": 0}
-    head = teacher_head_bytes(job, m / t_t) * t_t * V if m else 0
-    gather = (job.layout.cp + 1) * teacher_data_bytes(job, m) if job.layout.cp > 1 else 0  # received + padded
+    """Bytes at the largest moment of the prefix-shared teacher's forward (no grad; launch/teacher_memory.py):
+    a block of its prefix pass or of its item pass (the block's FSDP units, its input, working set and
+    dispatch, with the KV cache) or its head, which runs on the item rows only (its unit, their logits with
+    the targets' data and entropy, the all-gather of that data over cp: every rank receives cp x the
+    longest list). `teacher_pass` holds the teacher's own tensors: the cache, or the head's."""
+    cfg, c, cp = job.config.model, job.c, job.layout.cp
+    prefix = as_rows(job, n["rows"], shape.rollout_tokens)
+    items = dataclasses.replace(as_rows(job, n["items"], shape.item_tokens()), split=False)
+    cache = TM.kv_cache_bytes(job, _round_up(n["rows"] * shape.rollout_tokens, 2 * cp))  # whole rows, cp too
+    buffers = forward_buffers(job)  # embedding, blocks, head
+
+    def block(rows: RowsJob, cached: int) -> dict:
+        n_seq, s_local = rows.tokens
+        return {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * cfg.dim * c,
+                "recompute": TM.working(job, n_seq, s_local, cached), "dispatch": E.dispatch(rows),
+                "teacher_pass": cache}
+
+    t_i, m = math.prod(items.tokens), n["teacher_targets"]
+    head = teacher_head_bytes(job, m / t_i) * t_i * cfg.vocab_size
+    gather = (cp + 1) * teacher_data_bytes(job, m) if cp > 1 else 0  # received + padded
     head = {"fsdp_buffers": buffers[-1], "activations": 0, "recompute": 0, "dispatch": 0, "teacher_pass": head + gather}
-    moment = max((block, head), key=lambda d: sum(d.values()))
+    moment = max((block(prefix, 0), block(items, shape.rollout_tokens), head), key=lambda d: sum(d.values()))
     return {**moment, "ep_kept": 0, "logits": 0, "teacher_data": 0}
 
 
