@@ -147,7 +147,7 @@ def _measure_posttrain(rank, world_size, argv):
     tracker = MemTracker()  # as benchmarks/lib/memory_peak.track_peak, with the hook below
     tracker.track_external(model, *teacher, optimizer)
 
-    # A top-level model called again in the step (the teacher: a prefix pass, then the item rows; the live
+    # A top-level module called again in the step (the teacher: a prefix pass, then the item rows; the live
     # teacher, then the student) is refused by MemTracker unless it is tracked afresh: only that module's
     # own stats restart. Its submodules keep theirs (MemTracker allows a submodule to be called more than
     # once): ModTracker queues a post-backward callback for every module called without a grad-requiring
@@ -155,8 +155,11 @@ def _measure_posttrain(rank, world_size, argv):
     # up; clearing them all (`reset_mod_stats`) loses those of modules not called again (the teacher's
     # `kv_source`s, called only while the prefix pass fills the cache) and fails there with a KeyError.
     # The peak it records (all tensors) does not depend on per-module stats.
+    # The final norm and the head are called on their own too (models/model.py `head_losses`, `logits_at`).
+    top_level = {m for t in (model, *teacher) for m in (t, t.norm, t.output)}
+
     def restart_module_stats(module, args):
-        if (module is model or module in teacher) and module in tracker.memory_tracking:
+        if module in top_level and module in tracker.memory_tracking:
             del tracker.memory_tracking[module]
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(restart_module_stats)  # before its hooks

@@ -22,19 +22,23 @@ From it, per micro-batch on one rank (runtime/rollout_batch.py's layout):
 What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
-  logits          the student's logits [t, V] in the compute dtype, their gradient, and what the losses
-                  keep and create over them: the trained tokens' fp32 log-softmax (RL, SFT) and the
-                  targets' rows of the feedback KL in posttrain.mode (replaces pretraining's logits term)
+  logits          the student's head and losses, run in chunks of posttrain.head_chunk rows with the logits
+                  recomputed in backward (models/output_head.py): the largest chunk's logits, their
+                  gradient and what the losses create over them (the trained rows' fp32 log-softmax for
+                  RL and SFT, the target rows' feedback KL in posttrain.mode), the head weight gradient's
+                  fp32 accumulator [V, D] and the gradient of its input [t, D] (replaces pretraining's
+                  logits term)
   teacher_data    the teacher's data of the local targets, kept through the student's pass: full
                   [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
   teacher_pass    the teacher's forward (no grad; launch/teacher_memory.py): a block of its prefix pass or
                   its item pass (working set, dispatch, the KV cache of the whole prefix row, gathered
-                  under cp) or its head on the item rows (their logits [items x (H + T), V], the targets'
-                  teacher data and entropy, the all-gather of that data over cp: every rank receives cp x
-                  the longest list)
+                  under cp) or its head at the targets of its items (their logits [items x T, V], the
+                  targets' teacher data and entropy, the all-gather of that data over cp: every rank
+                  receives cp x the longest list)
 The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
-runtime's own functions (runtime/feedback.py, runtime/posttrain.py) run on small logits [256, 2048]
-under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled by t V.
+runtime's own functions (runtime/feedback.py, runtime/posttrain.py, models/output_head.py) run on small
+logits [256, 2048] under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled
+by the real chunk's (or targets') rows x V.
 Peak = params + optimizer state + teacher_copy + runtime + the largest moment: the teacher's pass, the
 student's forward/backward peak with teacher_data alive, or the optimizer step (grads + muon_step); the
 gradient shards count in each moment that has them (with grad_accum = 1 not before the head's backward).
@@ -49,6 +53,7 @@ from torch import nn
 
 from launch import estimate_memory as E
 from launch import teacher_memory as TM
+from models.output_head import OutputHead
 from runtime import feedback
 from runtime.posttrain import FeedbackObjective, teacher_data
 from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
@@ -169,18 +174,28 @@ def student_targets(job, shape: RolloutShape, rows: int, t: int) -> int:
 
 # ---- the loss path, measured on small logits ----------------------------------------------------
 
-class _Head(nn.Module):
-    """Stands in for the model in the loss-path probes: logits [1, PROBE_T, PROBE_V] as a non-leaf output
-    of a head of width 8 (its weights and their gradients are negligible)."""
+class _Model(nn.Module):
+    """Stands in for the model in the loss-path probes: hidden states [1, PROBE_T, 1] as a non-leaf output and
+    the runtime's output head (models/output_head.py) of width 1 over PROBE_V (its weight, gradient and the
+    chunked backward's fp32 accumulator are negligible here; `student_peak` counts them at the real width)."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.h = nn.Parameter(torch.randn(PROBE_T, 8, generator=g).to(dtype))
-        self.w = nn.Parameter(torch.randn(8, PROBE_V, generator=g).to(dtype))
+        self.h = nn.Parameter(torch.randn(PROBE_T, 1, generator=g).to(dtype))
+        self.output = OutputHead(1, PROBE_V).to(dtype)
+        with torch.no_grad():
+            self.output.weight.copy_(torch.randn(PROBE_V, 1, generator=g))
 
-    def forward(self, inputs_BS, positions_S, documents=None):
-        return (self.h @ self.w)[None]
+    def forward(self, inputs_BS, positions_S, documents=None, head: bool = True):
+        h_BSD = (self.h * 1)[None]
+        return self.output(h_BSD) if head else h_BSD
+
+    def head_losses(self, h_BSD, parts, chunk):
+        return self.output(h_BSD.flatten(0, 1), parts, chunk)
+
+    def logits_at(self, h_BSD, flat_n):
+        return self.output(h_BSD.flatten(0, 1)[flat_n])
 
 
 def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
@@ -197,15 +212,15 @@ def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
         "advantages_n": torch.ones(n, dtype=f32), "old_logp_n": torch.zeros(n, dtype=f32),
         "has_old_n": torch.zeros(n, dtype=torch.bool), "teacher_flat_m": flat(m), "teacher_labels_m": labels(m),
         "target_flat_m": flat(m), "target_labels_m": labels(m), "positions": PROBE_T, "padding": 0})
-    return mb, RolloutStep([mb], trained_tokens=n, target_tokens=m, tokens=PROBE_T, teacher_tokens=PROBE_T)
+    return mb, RolloutStep([mb], trained_tokens=max(n, 1), target_tokens=max(m, 1), tokens=PROBE_T,
+                           teacher_tokens=PROBE_T)
 
 
-def _teacher_losses(objective: FeedbackObjective, head: nn.Module, mb: RolloutMicroBatch):
-    """What runtime/posttrain.FeedbackObjective._teacher does after the teacher's forward, on one rank:
-    the targets' teacher data and their entropy (runtime/posttrain.teacher_data, runtime/feedback.entropy),
-    the item rows' logits alive throughout (the runtime holds them until both exist)."""
-    logits_BSV = head(mb.inputs_BS, mb.positions_S)
-    logits_mV = logits_BSV.flatten(0, 1)[mb.teacher_flat_m]
+def _teacher_losses(objective: FeedbackObjective, model: nn.Module, mb: RolloutMicroBatch):
+    """What runtime/posttrain.FeedbackObjective._teacher does after the teacher's blocks, on one rank: the head
+    at the targets only (`logits_at`), their teacher data and entropy (runtime/posttrain.teacher_data,
+    runtime/feedback.entropy), the targets' logits alive throughout."""
+    logits_mV = model.logits_at(model(mb.inputs_BS, mb.positions_S, head=False), mb.teacher_flat_m)
     return teacher_data(logits_mV, mb.teacher_labels_m, objective.config), feedback.entropy(logits_mV).sum()
 
 
@@ -218,33 +233,40 @@ def _peak(fn) -> int:
     return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
 
 
-def _probe_objective(job) -> FeedbackObjective:
+def _probe_objective(job, head_chunk: int = PROBE_T) -> FeedbackObjective:
     """The objective with the vocabulary chunk and top-k scaled to the probe's vocabulary."""
     p, V = job.config.posttrain, job.config.model.vocab_size
     return FeedbackObjective(dataclasses.replace(
-        p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)),
+        p, vocab_chunk=max(1, round(p.vocab_chunk * PROBE_V / V)), head_chunk=head_chunk,
         top_k=max(1, round(p.top_k * PROBE_V / V)) if p.top_k < V else PROBE_V))
 
 
-def student_loss_bytes(job, n_frac: float, m_frac: float) -> float:
-    """Bytes per logit (t V) of the student's logits, their gradient and the losses over them: the
-    runtime's student pass (runtime/posttrain.FeedbackObjective._student) on [PROBE_T, PROBE_V] logits."""
+def student_loss_bytes(job, n: int, m: int) -> float:
+    """Peak bytes of the student's loss path at the real vocabulary: the largest chunk of the chunked head
+    (models/output_head.py: min(head_chunk, n) trained rows, then min(head_chunk, m) target rows), its
+    logits, their gradient and the losses over them. Measured on the runtime's student pass
+    (runtime/posttrain.FeedbackObjective._student) with the probe's vocabulary and one chunk of PROBE_T rows
+    standing for the larger real chunk (the smaller in proportion), scaled by real / probe logits."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
-    objective, head = _probe_objective(job), _Head(dtype)
-    mb, step = _probe_batch(int(n_frac * PROBE_T), int(m_frac * PROBE_T))
+    chunk = job.config.posttrain.head_chunk
+    rows_n, rows_m = min(chunk, n), min(chunk, m)
+    rows = max(rows_n, rows_m, 1)
+    objective, model = _probe_objective(job), _Model(dtype)
+    mb, step = _probe_batch(round(PROBE_T * rows_n / rows), round(PROBE_T * rows_m / rows))
     with torch.no_grad():
-        data, _ = _teacher_losses(objective, head, mb) if mb.target_flat_m.numel() else ([], None)
-    return _peak(lambda: objective._student(head, mb, data, step)) / (PROBE_T * PROBE_V)
+        data, _ = _teacher_losses(objective, model, mb) if mb.target_flat_m.numel() else ([], None)
+    scale = rows * job.config.model.vocab_size / (PROBE_T * PROBE_V)
+    return _peak(lambda: objective._student(model, mb, data, step)) * scale
 
 
-def teacher_head_bytes(job, m_frac: float) -> float:
-    """Bytes per teacher logit (teacher tokens x V): its logits, the targets' teacher data and entropy
+def teacher_head_bytes(job) -> float:
+    """Bytes per teacher logit (targets x V): the head at the targets, their teacher data and entropy
     (`_teacher_losses`, as runtime/posttrain.FeedbackObjective._teacher on one rank: before any all-gather)."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
-    objective, head = _probe_objective(job), _Head(dtype)
-    mb, _ = _probe_batch(0, int(m_frac * PROBE_T))
+    objective, model = _probe_objective(job), _Model(dtype)
+    mb, _ = _probe_batch(0, PROBE_T)
     with torch.no_grad():
-        return _peak(lambda: _teacher_losses(objective, head, mb)) / (PROBE_T * PROBE_V)
+        return _peak(lambda: _teacher_losses(objective, model, mb)) / (PROBE_T * PROBE_V)
 
 
 def teacher_data_bytes(job, m: int) -> int:
@@ -286,8 +308,8 @@ def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
                 "recompute": TM.working(job, n_seq, s_local, cached), "dispatch": E.dispatch(rows),
                 "teacher_pass": cache}
 
-    t_i, m = math.prod(items.tokens), n["teacher_targets"]
-    head = teacher_head_bytes(job, m / t_i) * t_i * cfg.vocab_size
+    m = n["teacher_targets"]
+    head = teacher_head_bytes(job) * m * cfg.vocab_size
     gather = (cp + 1) * teacher_data_bytes(job, m) if cp > 1 else 0  # received + padded
     head = {"fsdp_buffers": buffers[-1], "activations": 0, "recompute": 0, "dispatch": 0, "teacher_pass": head + gather}
     moment = max((block(prefix, 0), block(items, shape.rollout_tokens), head), key=lambda d: sum(d.values()))
@@ -297,22 +319,33 @@ def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
 def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
     """The largest moment of the student's forward/backward, the teacher data alive throughout (the
     moments of launch/estimate_memory.step_peak without paired micro-batches or recompute ahead, which
-    post-training refuses, and with the post-training losses):
-      losses   the losses' backward over the logits: every block's activations, the head's unit
-               unsharded, the measured loss path (logits, their gradient, the losses' tensors)
-      head     the head's backward: the logits and their gradient, the head's FSDP buffers
-      block l  blocks 0..l saved, block l's recompute, FSDP buffers and dispatch"""
+    post-training refuses, and with the post-training losses). The head runs in chunks of
+    posttrain.head_chunk rows (models/output_head.py), so no moment holds the row's logits:
+      losses   the head's backward, a chunk at a time: every block's activations, the head's unit unsharded
+               (and the units FSDP prefetches before it), its weight gradient's fp32 accumulator [V, D] with a
+               chunk's product added to it (compute dtype), the
+               gradient of its input [t, D], the measured loss path of the largest chunk
+      head     the end of the head's backward: its FSDP buffers (unsharded weight, its gradient, the
+               reduce-scatter input); the fp32 accumulator is alive while it is cast to the gradient and
+               freed before the reduce-scatter input exists, so it counts only beyond that input
+      block l  blocks 0..l saved, block l's recompute, FSDP buffers and dispatch, the embedding's output (the
+               final norm's fp32 copy and output, which launch/estimate_memory.step_peak still counts there, are
+               freed by the head's backward)"""
     student = as_rows(job, n["rows"], shape.rollout_tokens)
     cfg, c = job.config.model, job.c
     kept_L, recompute_L, edges, _ = E.activations(student)
     buffers, disp, kept = E.fsdp_buffers(student), E.dispatch(student), E.kept_rows(student)
     t, moe = n["student_tokens"], [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
-    loss_path = student_loss_bytes(job, n["trained_tokens"] / t, n["target_tokens"] / t) * t * cfg.vocab_size
+    sizes, depth = E.unit_sizes(cfg, job.layout), max(1, job.config.training.fsdp_prefetch)
+    accumulator = cfg.vocab_size * cfg.dim * (4 + c)  # fp32, and each chunk's product [V, D] added to it
+    loss_path = student_loss_bytes(job, n["trained_tokens"], n["target_tokens"]) + accumulator + t * cfg.dim * c
+    embedded = t * cfg.dim * c  # the embedding's output; the final norm's tensors are gone once the head's backward ran
     every = {"activations": sum(kept_L) + edges, "recompute": 0, "dispatch": 0, "ep_kept": kept * sum(moe)}
-    moments = {"losses": {"fsdp_buffers": E.unit_sizes(cfg, job.layout)[-1] * c, **every, "logits": loss_path},
-               "head": {"fsdp_buffers": buffers[-1], **every, "logits": 2 * t * cfg.vocab_size * c}}
+    moments = {"losses": {"fsdp_buffers": (sizes[-1] + sum(sizes[-1 - depth:-1])) * c, **every, "logits": loss_path},
+               "head": {"fsdp_buffers": buffers[-1], **every,
+                        "logits": max(0, accumulator - sizes[-1] * E.DTYPE_BYTES[job.config.training.reduce_dtype])}}
     for l in range(cfg.n_layers):
-        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[:l + 1]) + edges,
+        moments[f"block {l}"] = {"fsdp_buffers": buffers[l + 1], "activations": sum(kept_L[:l + 1]) + embedded,
                                  "recompute": recompute_L[l], "dispatch": disp if moe[l] else 0,
                                  "ep_kept": kept * sum(moe[:l + 1]), "logits": 0}
     at = max(moments, key=lambda k: sum(moments[k].values()))

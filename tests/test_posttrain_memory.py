@@ -56,7 +56,7 @@ def test_estimate_within_the_band_of_measured_post_training_peaks(tmp_path, case
     """One real post-training step (teacher pass, student forward/backward, optimizer step) under torch's
     MemTracker against the estimate: the two cases where the post-training terms decide the peak (a
     vocabulary of 4096; the ema teacher's copy and its two passes, prefix and items; cp 2 in bf16, where packing
-    spreads the targets over the cp ranks). Measured 1.014 and 1.072 (benchmarks/memory_validation.py
+    spreads the targets over the cp ranks). Measured 0.999 and 1.061 (benchmarks/memory_validation.py
     --objective posttrain runs all cases)."""
     row = posttrain_row(str(tmp_path), *case)
     assert row["peak_at"] == "student losses"
