@@ -56,14 +56,18 @@ def _argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "flo
                                        f"--training.param_dtype={param_dtype}"]
 
 
-def _measure(rank, world_size, argv):
+def _job(world_size: int, argv: list[str]):
+    """(config, layout, meshes, device, model, optimizer, loader) of one rank's CPU training job."""
     config = load_config(argv)
     layout = config.layout(world_size)
     meshes = build_meshes(layout, "cpu")
     device = torch.device("cpu")
     model = T.build_model(config, meshes, layout, device)
-    optimizer = T.build_optimizer(model, config)
-    loader = T.build_loader(config, meshes, layout)
+    return config, layout, meshes, device, model, T.build_optimizer(model, config), T.build_loader(config, meshes, layout)
+
+
+def _measure(rank, world_size, argv):
+    config, _, _, device, model, optimizer, loader = _job(world_size, argv)
     with track_peak(model, optimizers=(optimizer,)) as peak:
         T.forward_backward(model, loader.next_step(), config.data.tokens_per_step(), device)
         T.clip_grad_norm_(model.parameters(), config.training.grad_clip)
@@ -133,13 +137,7 @@ def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, ex
 def _measure_posttrain(rank, world_size, argv):
     from launch.posttrain import build_objective
 
-    config = load_config(argv)
-    layout = config.layout(world_size)
-    meshes = build_meshes(layout, "cpu")
-    device = torch.device("cpu")
-    model = T.build_model(config, meshes, layout, device)
-    optimizer = T.build_optimizer(model, config)
-    loader = T.build_loader(config, meshes, layout)
+    config, layout, meshes, device, model, optimizer, loader = _job(world_size, argv)
     objective = build_objective(config, model, meshes, layout, device)
     teacher = () if objective.teacher is None else (objective.teacher,)
     for t in teacher:  # MemTracker hooks every called module's parameter gradients and refuses frozen ones;

@@ -38,14 +38,15 @@ MIB = 2**20
 
 
 def whole_logits_student(model, mb, data, step, c: PosttrainConfig) -> torch.Tensor:
-    """The student before chunking: every position's logits [B, S, V], then the losses over them."""
+    """The student before chunking: every position's logits [B, S, V], then the losses over them; backward
+    run, the loss returned (tests/test_output_head.py holds the chunked head to it too)."""
     logits_TV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents).flatten(0, 1)
     logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
     old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
     rl_sum, _ = feedback.ppo_loss(logp_n, old_n, mb.advantages_n, c.clip_eps)
-    kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, c).sum()
-    loss = (c.sft_coef * -logp_n.sum() + c.rl_coef * rl_sum) / step.trained_tokens \
-        + c.feedback_coef * kl_sum / step.target_tokens
+    kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, c).sum() if data else 0.0
+    n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
+    loss = (c.sft_coef * -logp_n.sum() + c.rl_coef * rl_sum) / step.trained_tokens + c.feedback_coef * kl_sum / n_feedback
     loss.backward()
     return loss.detach()
 

@@ -37,10 +37,7 @@ def spans(n: int, chunk: int) -> list[tuple[int, int]]:
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, weight_VD, index_n, fn, chunk):
-        total = None
-        for lo, hi in spans(len(index_n), chunk):
-            value = fn(F.linear(x_TD[index_n[lo:hi]], weight_VD), lo, hi)
-            total = value if total is None else total + value
+        total = sum(fn(F.linear(x_TD[index_n[lo:hi]], weight_VD), lo, hi) for lo, hi in spans(len(index_n), chunk))
         ctx.save_for_backward(x_TD, weight_VD, index_n)
         ctx.fn, ctx.chunk = fn, chunk
         return total
@@ -72,8 +69,4 @@ class OutputHead(nn.Linear):
         """x [..., D] -> logits [..., V]; with `parts` (x: [T, D], chunk >= 1): the parts' sums [K], added."""
         if parts is None:
             return super().forward(x)
-        total = None
-        for part in parts:
-            value = _ChunkedLoss.apply(x, self.weight, part.index_n, part.fn, chunk)
-            total = value if total is None else total + value
-        return total
+        return sum(_ChunkedLoss.apply(x, self.weight, part.index_n, part.fn, chunk) for part in parts)

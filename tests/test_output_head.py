@@ -1,6 +1,6 @@
 """The output head's chunked losses (models/output_head.py) against plain autograd over whole logits: the
 head alone, and the post-training objective, whose student used to compute every position's logits and the
-losses over them in one piece (written out here as the reference)."""
+losses over them in one piece (written out as benchmarks/output_head.whole_logits_student, the reference)."""
 
 import json
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.output_head import whole_logits_student
 from models import Transformer, preset
 from models.output_head import LossPart, OutputHead
-from runtime import feedback
-from runtime.posttrain import FeedbackObjective, feedback_kl
+from runtime.posttrain import FeedbackObjective
 from runtime.posttrain_config import PosttrainConfig
 from runtime.rollout_batch import RolloutLoader
 from posttrain_cases import Data, many_feedback_record, records
@@ -69,17 +69,6 @@ def test_empty_part_still_reaches_every_parameter():
     assert out.item() == 0 and (x.grad == 0).all() and (head.weight.grad == 0).all()
 
 
-def _whole_logits_student(model, mb, data, step, c: PosttrainConfig) -> torch.Tensor:
-    """The student as it was before chunking: every position's logits [B, S, V], then the losses over them."""
-    logits_TV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents).flatten(0, 1)
-    logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
-    old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
-    rl_sum, _ = feedback.ppo_loss(logp_n, old_n, mb.advantages_n, c.clip_eps)
-    kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, c).sum() if data else 0.0
-    n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
-    return (c.sft_coef * -logp_n.sum() + c.rl_coef * rl_sum) / step.trained_tokens + c.feedback_coef * kl_sum / n_feedback
-
-
 @pytest.mark.parametrize("mode", ["full", "topk", "sampled"])
 def test_objective_with_chunked_head_equals_whole_logits(tmp_path, mode):
     """The whole objective (sft, RL and feedback KL all on; two packed micro-batches of trajectories with many
@@ -106,9 +95,7 @@ def test_objective_with_chunked_head_equals_whole_logits(tmp_path, mode):
     want = 0.0
     for mb in step.micro_batches:
         teacher_data, _ = objective._teacher(model, mb)
-        part = _whole_logits_student(model, mb, teacher_data, step, config)
-        part.backward()
-        want += part.item()
+        want += whole_logits_student(model, mb, teacher_data, step, config).item()
     assert metrics["target_tokens"] > 100 and len(step.micro_batches) == 2
     assert loss.item() == pytest.approx(want, rel=1e-6)
     for k, p in model.named_parameters():
