@@ -18,7 +18,7 @@ pre-check: the initial teacher-student gap on the flagged turns per behaviour (`
    episodes per step and number of steps. Every step: the current policy plays `episodes` fresh
    episodes (tasks and sampling streams drawn from (seed, step)), they are scored (reward = task
    success, advantage = reward minus the batch mean), turned into rollout records with their behaviour
-   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain.py; the
+   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain/objective.py; the
    teacher is the base policy with the hint, `--teacher live` uses the current weights) is taken on them:
      reward_only    rl_coef 1, feedback_coef 0   L_rl with the trajectory advantage
      feedback       rl_coef 1, feedback_coef 1   L_rl + L_feedback on the flagged turns
@@ -59,8 +59,8 @@ from parallel.meshes import build_meshes  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.generate import SamplingConfig  # noqa: E402
-from runtime.rollout_batch import RolloutLoader  # noqa: E402
-from runtime.rollouts import trajectory_from_record  # noqa: E402
+from runtime.posttrain.rollout_batch import RolloutLoader  # noqa: E402
+from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 from runtime.schedule import build_scheduler  # noqa: E402
 from runtime.train import build_model, build_optimizer, train_step  # noqa: E402

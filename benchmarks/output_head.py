@@ -26,13 +26,13 @@ import torch
 from benchmarks.lib.memory_peak import track_peak
 from benchmarks.teacher_tokens import synthetic_record
 from models import Transformer, preset
-from runtime import feedback
+from runtime.posttrain import feedback
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain import FeedbackObjective, feedback_kl
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import trajectory_from_record
 
 MIB = 2**20
 

@@ -1,5 +1,5 @@
 """Post-training's teacher: tokens forwarded and CPU time, the prefix-shared teacher with packed rows
-(runtime/rollout_batch.py) against one teacher row per feedback item and one trajectory per row.
+(runtime/posttrain/rollout_batch.py) against one teacher row per feedback item and one trajectory per row.
 
     python benchmarks/teacher_tokens.py [--episodes 64] [--time-length 16384] [--repeats 3] [--json PATH]
 
@@ -38,9 +38,9 @@ from examples.tool_env import GOALS, rollout_record
 from models import Transformer, preset
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain import FeedbackObjective, PosttrainConfig, prefix_shared_teacher, teacher_data
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import Trajectory, trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig, prefix_shared_teacher, teacher_data
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import Trajectory, trajectory_from_record
 
 P_INVALID, P_REDUNDANT = 0.138, 0.065
 

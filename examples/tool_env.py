@@ -145,7 +145,7 @@ def transcript(rng: random.Random, p_invalid: float, p_reminder: float, n_goals:
 
 def rollout_record(episode: Episode, logprobs: dict[int, list[float]] | None = None, advantage: float = 0.0,
                    with_feedback: bool = True) -> dict:
-    """The episode as a rollout line for `data.source = "rollouts"` (runtime/rollouts.py): byte tokens,
+    """The episode as a rollout line for `data.source = "rollouts"` (runtime/posttrain/rollouts.py): byte tokens,
     turn ranges, advantage, the behaviour log-probs of the generated tokens (`logprobs[turn index]`, one
     per byte of the turn's line after the header; 0 elsewhere) and the hint on every turn that called an
     unavailable tool. An assistant turn's range holds the generated tokens only; its header belongs to

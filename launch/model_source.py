@@ -17,12 +17,13 @@ import torch.distributed.checkpoint as dcp
 from launch.export_hf import PREFIX, check_shapes, checkpoint_model_config, checkpoint_path, dcp_fetch
 from models.hf import load_pretrained
 from models.model import Transformer
-from runtime import checkpoint, init_source
+from runtime.checkpoint import checkpoint
+from runtime.posttrain import init_source
 
 
 def kind(path: str) -> str:
     """"hf" (config.json), "checkpoint" (a COMPLETE marker) or "run" (a complete checkpoint under
-    checkpoints/); ValueError naming --model else (runtime/init_source.py, as posttrain.init_from)."""
+    checkpoints/); ValueError naming --model else (runtime/posttrain/init_source.py, as posttrain.init_from)."""
     return init_source.kind(path, where=f"--model {path}")
 
 

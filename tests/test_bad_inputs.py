@@ -10,7 +10,7 @@ from launch.pretrain import main
 from runtime.config import load_config
 from runtime.errors import Diverged
 from runtime.guards import DivergenceGuard
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.rollouts import read_rollouts
 from runtime.train import NextToken
 
 VOCAB, MAX_LEN = 256, 64
@@ -181,7 +181,7 @@ def test_export_of_a_gqa_model_is_one_line_that_hf_needs_mla(tmp_path):
 
 def test_garbled_checkpoint_marker_is_named(tmp_path, capsys):
     from launch.export_hf import main as export
-    from runtime.posttrain import check_init_from
+    from runtime.posttrain.objective import check_init_from
 
     step = tmp_path / "run" / "checkpoints" / "step_1"
     step.mkdir(parents=True)

@@ -13,7 +13,7 @@ from examples.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, R
 from examples.tool_env import GOALS, HEADER, rollout_record
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.rollouts import trajectory_from_record
 
 
 def _right(episode) -> dict[str, str]:

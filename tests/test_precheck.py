@@ -75,7 +75,7 @@ for name, check in CHECKS.items():
     code, err = call(check, ["--config", toml])
     assert code == 2 and err == PREFIX[name] + "comm.heartbeet: unknown key (valid: init_timeout_s, train_timeout_s, " \
         "checkpoint_timeout_s, trace_entries, heartbeat)\n", (name, err)
-# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/init_source.py)
+# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/posttrain/init_source.py)
 import dataclasses, json
 from models.presets import preset
 run = os.path.join(sys.argv[1], "run")

@@ -9,7 +9,7 @@ import pytest
 from examples.tool_env import GOALS, HEADER, new_episode, play, rollout_record, step, transcript
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.rollouts import trajectory_from_record
 
 
 def _episode():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from models.hf import check_checkpoint, load_state
 from models.hf_config import read_hf_config
-from runtime import checkpoint
+from runtime.checkpoint import checkpoint
 from runtime.errors import RunError
 
 
