@@ -8,7 +8,7 @@ Sections and where each one's dataclass lives (next to the component it configur
   [eval]      EvalConfig      runtime/eval_config.py  [metrics]    MetricsConfig    runtime/metrics_config.py
   [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain/config.py
 None of these modules imports torch (the model's config reads only models/config.py, presets.py and
-hf_config.py): entry points check a config before torch loads (launch/precheck.py).
+models/hf/config.py): entry points check a config before torch loads (launch/precheck.py).
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from models import PRESETS, ModelConfig, preset
-from models.hf_config import read_hf_config
+from models.hf.config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
 from parallel.compile_refusal import check_compile

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from launch.pretrain import main
 from models import Transformer, preset
-from models.hf import check_checkpoint, save_pretrained
-from models.hf_config import read_hf_config
+from models.hf.checkpoint import check_checkpoint, save_pretrained
+from models.hf.config import read_hf_config
 from multirank import run_ranks
 from runtime.checkpoint.run_lock import LOCK_NAME, _try_lock
 

@@ -172,7 +172,7 @@ def test_feedback_experiment_checks_arguments_before_training(tmp_path, capsys, 
 
 def test_export_of_a_gqa_model_is_one_line_that_hf_needs_mla(tmp_path):
     from models import Transformer, preset
-    from models.hf import save_pretrained
+    from models.hf.checkpoint import save_pretrained
 
     with pytest.raises(ValueError, match=r"attn='gqa' attention; the Hugging Face DeepSeek-V3 format .* attn='mla'"):
         save_pretrained(Transformer(preset("debug_gqa")), str(tmp_path / "out"))

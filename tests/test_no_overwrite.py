@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from models import preset
-from models.hf_config import hf_config_dict
+from models.hf.config import hf_config_dict
 
 CONFIG = "[training]\nsteps = 1\n"
 ORIGINAL = "keep me\n"

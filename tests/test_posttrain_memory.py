@@ -80,7 +80,7 @@ def _k25_dir(path) -> str:
     positions (YaRN factor 64 over 4,096), in the multimodal wrapper."""
     from int4_reference import k25_config
     from models import preset
-    from models.hf_config import hf_config_dict
+    from models.hf.config import hf_config_dict
 
     text = hf_config_dict(preset("kimi_k2_1t", max_seq_len=262144, rope_factor=64.0, rope_original_seq_len=4096))
     (path / "config.json").write_text(json.dumps(k25_config(text)))

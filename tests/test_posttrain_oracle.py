@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_reference import hf_config, random_hf_model  # noqa: E402
-from models.hf import load_pretrained  # noqa: E402
+from models.hf.checkpoint import load_pretrained  # noqa: E402
 from runtime.data.config import DataConfig  # noqa: E402
 from runtime.posttrain.objective import FeedbackObjective  # noqa: E402
 from runtime.posttrain.config import PosttrainConfig  # noqa: E402

@@ -191,7 +191,7 @@ def kimi_model(tok_dir, tmp_path_factory):
     directory holding the same weights as its one complete checkpoint (what export_hf reads)."""
     from hf_reference import hf_config, random_hf_model
 
-    from models.hf import load_pretrained
+    from models.hf.checkpoint import load_pretrained
     from runtime.checkpoint import checkpoint
 
     base, ranks = tok_dir

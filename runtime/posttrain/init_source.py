@@ -15,7 +15,7 @@ import dataclasses
 import os
 
 from models.config import ModelConfig
-from models.hf_config import read_hf_config
+from models.hf.config import read_hf_config
 from models.presets import preset
 from runtime.checkpoint import dirs as checkpoint_dirs
 
