@@ -156,7 +156,7 @@ def test_plot_metrics_refuses_what_it_cannot_plot(tmp_path, capsys, content, mes
     ("--json={tmp}/missing/result.json", "--json {tmp}/missing/result.json: {tmp}/missing does not exist"),
 ])
 def test_feedback_experiment_checks_arguments_before_training(tmp_path, capsys, monkeypatch, flag, message):
-    from benchmarks import feedback_experiment as fe
+    from experiments import feedback_experiment as fe
 
     def no_training(*args):
         raise AssertionError("training started")

@@ -1,11 +1,11 @@
 """Does targeted feedback fix a wrong tool call faster than the trajectory reward alone? The on-policy
-experiment on the tool-use environment (examples/tool_env.py), on CPU.
+experiment on the tool-use environment (experiments/tool_env.py), on CPU.
 
-    python benchmarks/feedback_experiment.py [--quick] --json PATH [--plot PNG] [--work DIR]
-    python benchmarks/feedback_experiment.py --env long [--teacher initial|ema|live] [--mode full|topk] ...
-    python benchmarks/feedback_experiment.py --merge A.json,B.json,... --json PATH   (runs split by --first-seed)
+    python experiments/feedback_experiment.py [--quick] --json PATH [--plot PNG] [--work DIR]
+    python experiments/feedback_experiment.py --env long [--teacher initial|ema|live] [--mode full|topk] ...
+    python experiments/feedback_experiment.py --merge A.json,B.json,... --json PATH   (runs split by --first-seed)
 
-`--env long` (docs/feedback_long.md) runs the long-horizon environment (examples/long_tool_env.py: 20-30
+`--env long` (docs/feedback_long.md) runs the long-horizon environment (experiments/long_tool_env.py: 20-30
 assistant turns, a wrong call costs a turn of a generous budget) with its own defaults (LONG), a second
 flagged behaviour (the redundant call, `redundant_call_rate` in the JSON) and, before training, the
 pre-check: the initial teacher-student gap on the flagged turns per behaviour (`precheck` in the JSON).
@@ -52,8 +52,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from examples import long_tool_env, tool_env  # noqa: E402
-from examples.tool_env import HEADER, rollout_record  # noqa: E402
+from experiments import long_tool_env, tool_env  # noqa: E402
+from experiments.tool_env import HEADER, rollout_record  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
@@ -90,7 +90,7 @@ class ExperimentConfig:
     feedback_norm: str = "targets"  # posttrain.feedback_norm: L_feedback / target tokens, or / assistant tokens
     temperature: float = 1.0
     line_tokens: int = 0  # most tokens generated per assistant line; 0: the environment's (short 16, long 12)
-    env: str = "short"  # "short": examples/tool_env.py (<= 5 turns); "long": examples/long_tool_env.py (20-30)
+    env: str = "short"  # "short": experiments/tool_env.py (<= 5 turns); "long": experiments/long_tool_env.py (20-30)
     p_redundant: float = 0.1  # long env's transcripts: after an ok, the same call is repeated (2nd behaviour)
     arms: tuple[str, ...] = tuple(ARMS)
 
