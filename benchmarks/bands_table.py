@@ -4,7 +4,7 @@
 
 Prints two markdown tables; docs/performance.md holds them verbatim (tests/test_calibrate.py checks it, so
 the docs cannot drift from the results):
-  calibration  each published run of benchmarks/calibration/ (held-out ones marked): measured and projected
+  calibration  each published run of planning/calibration/cases/: measured and projected
                tokens/s/GPU and their ratio (benchmarks/calibrate.py)
   re-ranking   per model and world size: the recommended dual-mesh row of
                benchmarks/results/step_projection_<model>_bf16_calibrated.json (the fastest that fits an H200
@@ -14,7 +14,6 @@ the docs cannot drift from the results):
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -22,8 +21,8 @@ import sys
 if __package__ in (None, ""):  # `python benchmarks/bands_table.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import calibrate
-from benchmarks.lib.ep_projection import describe_knobs
+from planning.calibration.case import case_files, project_case
+from planning.ep_traffic import describe_knobs
 from runtime.cli import user_errors
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
@@ -32,20 +31,11 @@ MODELS = {"kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3"}
 PP_ROWS = ("pp16 1f1b ep8 ", "pp16 dualpipe ep8 ")  # the layouts Moonshot and DeepSeek ran, EP inside a node
 
 
-def case_files() -> list[tuple[str, bool]]:
-    """[(case file, held out)]: benchmarks/calibration/*.toml, then benchmarks/calibration/held_out/*.toml."""
-    root = os.path.join(BENCHMARKS, "calibration")
-    return ([(p, False) for p in sorted(glob.glob(os.path.join(root, "*.toml")))]
-            + [(p, True) for p in sorted(glob.glob(os.path.join(root, "held_out", "*.toml")))])
-
-
 def calibration_table() -> str:
     lines = ["| published run (case file) | measured tokens/s/GPU | projected | ratio |", "|---|---|---|---|"]
-    for path, held_out in case_files():
-        r = calibrate.project_case(path)
-        name = os.path.relpath(path, os.path.join(BENCHMARKS, "calibration"))
-        mark = " **held out**" if held_out else ""
-        lines.append(f"| {r['name']} (`{name}`){mark} | {r['measured_tokens_per_gpu_s']:,.0f} | "
+    for path in case_files():
+        r = project_case(path)
+        lines.append(f"| {r['name']} (`{os.path.basename(path)}`) | {r['measured_tokens_per_gpu_s']:,.0f} | "
                      f"{r['projected_tokens_per_gpu_s']:,.0f} | {r['ratio']:.3f} |")
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ MemTracker (benchmarks/lib/memory_peak.py): the peak of all live tensors on rank
 gradients, optimizer state, FSDP buffers, activations, temporaries). Prints estimate, measured and
 their ratio per case.
 
-Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
+Post-training cases (planning/memory/posttrain.py): the debug model on a rollout file of equal
 trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged), one step of
 launch/posttrain.py's objective (the prefix-shared teacher's two passes, student forward/backward over the
 packed row, clipping, optimizer step, EMA update) with the live and the ema teacher, each rank's slot
@@ -31,8 +31,8 @@ import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once b
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402  (private, checked on torch 2.13.0)
 
 from benchmarks.lib.memory_peak import track_peak  # noqa: E402
-from launch.estimate_memory import Job, estimate  # noqa: E402
-from launch.posttrain_memory import RolloutShape, estimate as posttrain_estimate  # noqa: E402
+from planning.memory.pretrain import Job, estimate  # noqa: E402
+from planning.memory.posttrain import RolloutShape, estimate as posttrain_estimate  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
@@ -190,7 +190,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--objective", default="pretrain", choices=("pretrain", "posttrain"),
-                    help="posttrain: the POSTTRAIN_CASES (launch/posttrain_memory.py's terms)")
+                    help="posttrain: the POSTTRAIN_CASES (planning/memory/posttrain.py's terms)")
     args = ap.parse_args(argv)
     check_outputs([("--json", args.json)])
     rows = []

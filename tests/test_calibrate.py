@@ -1,18 +1,19 @@
-"""The calibrated step model against published runs (benchmarks/calibrate.py, benchmarks/calibration/*.toml),
+"""The calibrated step model against published runs (benchmarks/calibrate.py, planning/calibration/cases/*.toml),
 its network model against the published figures it rests on, and bad case files (one line, exit 2)."""
 
-import glob
 import json
 import os
 
 import pytest
 
 from benchmarks import calibrate
-from benchmarks.lib import layout_step, network_model
-from benchmarks.lib.device_model import DEVICES
+from planning import network as network_model
+from planning import step as layout_step
+from planning.calibration.case import case_files
+from planning.devices import DEVICES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = sorted(glob.glob(os.path.join(REPO, "benchmarks", "calibration", "*.toml")))
+CASES = case_files()
 TOLERANCE = 0.15  # the accuracy asked of the fitted cases; the spread of the committed cases is 0.87-1.12
 
 
@@ -28,19 +29,7 @@ def test_each_published_run_is_projected_within_15_percent(case, tmp_path):
     calibrate.main(["--case", case, "--json", str(out)])
     result = json.loads(out.read_text())
     assert abs(result["ratio"] - 1) <= TOLERANCE, result
-    assert round(result["ratio"], 3) in network_model.CALIBRATION_RATIOS  # the spread the bands quote
     assert result["projected_tokens_per_gpu_s"] == pytest.approx(result["ratio"] * result["measured_tokens_per_gpu_s"])
-
-
-HELD_OUT = sorted(glob.glob(os.path.join(REPO, "benchmarks", "calibration", "held_out", "*.toml")))
-HELD_OUT_TOLERANCE = 0.25  # the accuracy asked of a run the model was not fitted on
-
-
-@pytest.mark.parametrize("case", HELD_OUT, ids=os.path.basename)
-def test_each_held_out_run_is_projected_within_25_percent_and_stays_out_of_the_bands(case):
-    result = calibrate.project_case(case)
-    assert abs(result["ratio"] - 1) <= HELD_OUT_TOLERANCE, result
-    assert round(result["ratio"], 3) not in network_model.CALIBRATION_RATIOS
 
 
 def test_docs_hold_the_generated_calibration_and_band_tables():
@@ -50,7 +39,6 @@ def test_docs_hold_the_generated_calibration_and_band_tables():
 
     with open(os.path.join(REPO, "docs", "performance.md")) as f:
         docs = f.read()
-    assert HELD_OUT and {p for p, held in bands_table.case_files() if held} == set(HELD_OUT)
     assert bands_table.calibration_table() in docs
     assert bands_table.reranking_table() in docs
 
@@ -92,7 +80,7 @@ def test_contention_slows_only_the_overlapped_compute():
 
 
 def _write_case(tmp_path, edit):
-    text = open(os.path.join(REPO, "benchmarks", "calibration", "torchtitan_dsv3_b200_nccl.toml")).read()
+    text = open(os.path.join(REPO, "planning", "calibration", "cases", "torchtitan_dsv3_b200_nccl.toml")).read()
     path = tmp_path / "case.toml"
     path.write_text(edit(text))
     return str(path)

@@ -181,8 +181,8 @@ def test_large_configs_set_the_calibrated_recommendation(model):
     docs/performance.md#re-ranked-with-the-calibrated-model)."""
     import json
 
-    from benchmarks.lib.ep_projection import dispatch_knobs
-    from benchmarks.step_projection import describe
+    from planning.ep_traffic import dispatch_knobs
+    from planning.dual_mesh import describe
 
     layout = load_config(["--config", os.path.join(CONFIGS, f"{model}_256gpu.toml")]).layout(256)
     path = os.path.join(REPO, "benchmarks", "results", f"step_projection_{model}_bf16_calibrated.json")
@@ -246,7 +246,7 @@ def test_the_launcher_sets_expandable_segments_unless_the_user_chose():
 def test_the_256_gpu_configs_prefetch_as_the_projections_assume(name):
     """The step projection overlaps FSDP with compute and the memory estimate holds one prefetched unit:
     explicit prefetch of 1 makes that hold whatever the host does (parallel/overlap.py)."""
-    from launch.estimate_memory import Job, fsdp_buffers
+    from planning.memory.pretrain import Job, fsdp_buffers
 
     config = load_config(["--config", f"configs/{name}.toml"])
     assert config.training.fsdp_prefetch == 1

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.memory_validation import _argv, _measure
-from launch.estimate_memory import Job, estimate, main
+from launch.estimate_memory import main
+from planning.memory.pretrain import Job, estimate
 from multirank import run_ranks
 from parallel.gradients import IGNORE_INDEX, loss_fn
 from runtime.config import load_config
@@ -107,7 +108,7 @@ def _muon_step_ratio(rank, world_size):
     """Peak extra memory of one sharded-Muon step / this rank's largest bucket, overlap on and off."""
     from benchmarks.lib.counters import count_step
     from benchmarks.lib.param_sets import build_param_set, clone_params
-    from launch.estimate_memory import largest_bucket
+    from planning.memory.pretrain import largest_bucket
     from optim.config import OptimConfig
     from optim.sharded.muon import ShardedMuon
 
@@ -125,7 +126,7 @@ def _muon_step_ratio(rank, world_size):
 def test_muon_step_transients_are_step_buckets_x_the_largest_bucket():
     """The estimate's muon_step (STEP_BUCKETS x the largest bucket) bounds a real step's peak extra
     memory, and not loosely: 6 buckets of kimi_slice on 2 ranks measured 6.2-6.6 (overlap) and 4.2-4.8."""
-    from launch.estimate_memory import STEP_BUCKETS
+    from planning.memory.pretrain import STEP_BUCKETS
 
     for ratios in run_ranks(_muon_step_ratio, 2, timeout=300):
         for overlap, ratio in ratios.items():

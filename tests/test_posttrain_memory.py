@@ -1,4 +1,4 @@
-"""The memory estimate of post-training jobs (launch/posttrain_memory.py through launch/estimate_memory.py):
+"""The memory estimate of post-training jobs (planning/memory/posttrain.py through launch/estimate_memory.py):
 its token counts against the runtime's own batching, its peak against measured peaks of real CPU
 post-training steps (the 0.99-1.13 band of the pretraining estimate), the Kimi K2.5 post-training config
 fitting an H200 by it, and one-line refusals of a bad rollout shape."""
@@ -9,8 +9,9 @@ import os
 import pytest
 
 from benchmarks.memory_validation import POSTTRAIN_ROWS, POSTTRAIN_SHAPE, posttrain_argv, posttrain_row, write_rollouts
-from launch.estimate_memory import Job, main
-from launch.posttrain_memory import counts, estimate
+from launch.estimate_memory import main
+from planning.memory.pretrain import Job
+from planning.memory.posttrain import counts, estimate
 from runtime.config import load_config
 from runtime.rollout_batch import RolloutLoader
 

@@ -1,5 +1,5 @@
 """Forward FLOPs per token of each transformer block, by part: what activation checkpointing reruns
-(parallel/activation_checkpoint.py), for benchmarks/step_projection.py and benchmarks/lib/layout_step.py.
+(parallel/activation_checkpoint.py), for benchmarks/step_projection.py and planning/step.py.
 
 The convention of runtime.metrics.flops_per_token (6 per active matmul parameter, causal attention
 3 S (qk + v) per layer and head), split forward 1/3 : backward 2/3: a forward is 2 per active

@@ -1,5 +1,5 @@
 """One training step of a layout with pipeline (PP), tensor (TP) and expert (EP) parallelism and ZeRO-1 or
-FSDP data parallelism, on the calibrated device and network (benchmarks/lib/network_model.py): how published
+FSDP data parallelism, on the calibrated device and network (planning/network.py): how published
 runs ran (benchmarks/calibrate.py) and PP layouts the runtime does not implement (docs/performance.md).
 
 Per GPU and step, `step_terms` (ranks: tp innermost, then cp and the data-parallel ranks of a stage, then pp;
@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.lib import network_model as net
-from benchmarks.lib.block_flops import DEFAULT_EFFICIENCY, RATE, block_parts, flops_split, recompute_flops
-from benchmarks.lib.fsdp_traffic import peers
+from planning import network as net
+from planning.flops import DEFAULT_EFFICIENCY, RATE, block_parts, flops_split, recompute_flops
+from planning.fsdp_traffic import peers
+from planning.memory.coarse import activation_bytes
 
 # FP8 GEMMs' end-to-end rate over the bf16 rate at the same efficiency. The datasheet doubles the peak;
 # DeepSeek-V3's run (fine-grained 1 x 128 / 128 x 128 scaling: quantize kernels, promotion to CUDA cores
@@ -54,7 +55,7 @@ PRECISIONS = ("bf16", "fp8")
 class Run:
     """One training run: cluster, model, step and layout (the case file's sections, benchmarks/calibrate.py)."""
     model: object  # models.config.ModelConfig
-    device: object  # benchmarks.lib.device_model.DeviceModel
+    device: object  # planning.devices.DeviceModel
     gpus: int
     gpus_per_node: int
     seq_len: int
@@ -140,7 +141,7 @@ def routing_rows(model, ep: int, gpus_per_node: int) -> dict:
     """Per token and MoE layer, mean over the ep ranks (the model's own routing, sampled):
     {"copies_intra", "copies_inter"}: token copies to other GPUs of my node / to other nodes;
     {"nodes_inter"}: distinct other nodes a token reaches (what a node-deduplicated dispatch sends)."""
-    from benchmarks.lib.ep_projection import sampled_routing
+    from planning.ep_traffic import sampled_routing
 
     local = model.n_routed_experts // ep
     node_of = torch.arange(ep) // gpus_per_node
@@ -239,11 +240,11 @@ def bubble_fraction(r: Run) -> float:
 
 
 def memory_gib(r: Run) -> float:
-    """A coarse peak per GPU (for ranking layouts, like step_projection's): bf16 weights (DualPipe: two
+    """A coarse peak per GPU (for ranking layouts, like planning/dual_mesh.py's): bf16 weights (DualPipe: two
     copies) and fp32 gradients of the GPU's parameters, fp32 master weights and two optimizer states sharded
     over the data-parallel group (ZeRO-1) or everything over it (FSDP), and the activations of the micro-batches
     in flight on the first stage (1f1b, interleaved: pp; dualpipe: pp + 1; no PP: 1) for its layers: per token
-    and layer step_projection's formula (every input kept), or the layer input alone under full checkpointing."""
+    and layer planning/memory/coarse.py's formula."""
     c = r.model
     dense, expert = stage_params(r)
     groups = ((dense, r.dp * r.cp), (expert, max(1, r.dp * r.cp * r.tp // (r.ep * r.etp))))
@@ -252,12 +253,9 @@ def memory_gib(r: Run) -> float:
         states = sum(p * (2 * copies + 4 + 12 / g) for p, g in groups)
     else:
         states = sum(p * (2 * copies + 4 + 12) / g for p, g in groups)
-    head = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim if c.attn == "mla" else 2 * c.head_dim
-    per_token_layer = 16 * c.dim + 2 * c.n_heads * head + c.n_activated_experts * (c.dim + 3 * c.moe_inter_dim)
-    kept = c.dim if r.activation_checkpoint == "full" else per_token_layer
     in_flight = 1 if r.pp == 1 else r.pp + (r.pp_schedule == "dualpipe")
     tokens = r.micro_batch * r.seq_len / (r.cp * r.tp)
-    activations = in_flight * c.n_layers / r.pp * kept * tokens * 2 + per_token_layer * tokens * 2
+    activations = activation_bytes(c, tokens, c.n_layers / r.pp, r.activation_checkpoint, 2, in_flight)
     return (states + activations) / 2**30
 
 

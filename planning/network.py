@@ -1,5 +1,5 @@
 """Seconds of one collective on a GPU cluster, and the compute it slows: the calibrated network model
-shared by benchmarks/lib/layout_step.py (the published runs of benchmarks/calibrate.py, PP/TP/ZeRO-1
+shared by planning/step.py (the published runs of benchmarks/calibrate.py, PP/TP/ZeRO-1
 layouts) and benchmarks/step_projection.py (the runtime's dual-mesh layouts).
 
 One collective of a rank that sends `intra` bytes to peers on its node and `inter` bytes to peers on
