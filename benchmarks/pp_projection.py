@@ -4,7 +4,7 @@ implement, on the calibrated step model, beside the runtime's dual-mesh rows of 
     python benchmarks/pp_projection.py --config PATH [--compare 256,1024] [--device h200] [--json OUT]
 
 The command line of planning/pipeline.py (the candidates, their terms and bands). The fastest that fits memory
-at each world size is marked "recommended".
+at each world size is marked "recommended" (none when none fits).
 """
 
 import argparse
@@ -22,24 +22,28 @@ from runtime.paths import check_outputs, config_inputs
 
 @user_errors
 def main(argv=None) -> dict:
-    from benchmarks.step_projection import config_world
+    from benchmarks.step_projection import config_world, worlds_of
     from planning.devices import device_model
     from runtime.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--compare", default="256,1024", help="comma-separated world sizes")
-    p.add_argument("--device", default="h200")
+    p.add_argument("--device", default="h200", help="a device of planning/devices.py (h100, h200, h800, b200)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    worlds = worlds_of(args.compare)
     job = load_config(["--config", args.config])
     check_outputs([("--json", args.json)], config_inputs(args.config, job))
     device = device_model(args.device)
     rows = []
-    for world in (int(w) for w in args.compare.split(",")):
-        here = [row(run, device.memory_gib) for run in candidates(job, world, config_world(job), device)]
-        best = max([r for r in here if r["fits"]] or here, key=lambda r: r["tokens_per_gpu_s_band"][1])
-        best["recommended"] = True
+    for world in worlds:
+        here = [row(run, device.memory_gib) for run in candidates(job, world, config_world(job, "--compare"), device)]
+        fitting = [r for r in here if r["fits"]]
+        if fitting:
+            max(fitting, key=lambda r: r["tokens_per_gpu_s_band"][1])["recommended"] = True
+        else:
+            print(f"{world:5d} no PP candidate fits {device.memory_gib:.1f} GiB by the coarse memory model")
         rows += here
     for r in rows:
         low, central, high = r["tokens_per_gpu_s_band"]

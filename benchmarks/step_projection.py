@@ -20,8 +20,8 @@ import sys
 if __package__ in (None, ""):  # `python benchmarks/step_projection.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planning.dual_mesh import (DTYPE_BYTES, MEMORY_NOTE, Options, candidate_layouts, compute_rates, project_layout,
-                                resolved, scaled_job)
+from planning.dual_mesh import (DTYPE_BYTES, EP_CANDIDATES, MEMORY_NOTE, Options, candidate_layouts, compute_rates,
+                                project_layout, resolved, scaled_job)
 from planning.ep_traffic import describe_knobs, dispatch_variants
 from runtime.cli import user_errors
 from runtime.paths import check_outputs, config_inputs
@@ -40,6 +40,11 @@ def compare(job, config_world: int, worlds, device, rates, args) -> list[dict]:
         layouts = {}
         for name, layout in candidate_layouts(scaled, world, base).items():
             layouts |= variants(scaled, name, layout, args)
+        if not layouts:
+            raise ValueError(f"--compare {world}: no candidate layout at {world} GPUs (candidates: ep of "
+                             f"{', '.join(map(str, EP_CANDIDATES))} dividing the model's "
+                             f"{job.model.n_routed_experts} experts and the world, dense FSDP over nodes of 8, that "
+                             f"the runtime accepts with the batch scaled to {scaled.data.batch_size} sequences)")
         rows += recommend(project_rows(scaled, layouts, device, rates, args), world, scaled, layouts, args)
     return rows
 
@@ -63,20 +68,23 @@ def project_rows(job, layouts: dict, device, rates, args) -> list[dict]:
 
 
 def recommend(rows: list[dict], world: int, job, layouts: dict, args) -> list[dict]:
-    """Mark the fastest row that fits memory (else the fastest) `"recommended": true`: by the coarse memory
-    model, or with --memory-estimate by launch/estimate_memory.py (rank 0, uniform routing), run on the rows
-    in order of step time until one fits (each checked row gets "estimate_gib")."""
+    """Mark the fastest row that fits memory `"recommended": true`: by the coarse memory model, or with
+    --memory-estimate by the memory estimate (planning/memory/pretrain.py, rank 0, uniform routing), run on the
+    rows in order of step time until one fits (each checked row gets "estimate_gib"). When none fits, none is
+    recommended, and the line says so."""
     by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
     if args.memory_estimate:
-        best = next((r for r in by_time if estimate_fits(r, job, layouts[r["name"]], args.device)), by_time[0])
-        fits = best["estimate_fits"]
+        best = next((r for r in by_time if estimate_fits(r, job, layouts[r["name"]], args.device)), None)
     else:
-        best = next((r for r in by_time if r["fits"]), by_time[0])
-        fits = best["fits"]
+        best = next((r for r in by_time if r["fits"]), None)
+    if best is None:
+        print(f"  recommended at {world} GPUs: none: no row fits {args.memory_gib:.1f} GiB "
+              f"({'by the memory estimate' if args.memory_estimate else 'by the coarse memory model'}); more GPUs, "
+              f"activation checkpointing or a larger card", flush=True)
+        return rows
     best["recommended"] = True
     print(f"  recommended at {world} GPUs: {best['name']}: {best['layout']} {describe_knobs(best['dispatch'])} "
-          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%}{'' if fits else ', does NOT fit memory'})",
-          flush=True)
+          f"({best['time_s']['step']:.2f} s, MFU {best['mfu']:.1%})", flush=True)
     return rows
 
 
@@ -143,12 +151,32 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def config_world(job) -> int:
+def config_world(job, flag: str = "--world") -> int:
+    """The world size the config's own degrees give; ValueError naming `flag` when the config infers one."""
     degrees = [job.parallel.dp_replicate, job.parallel.dp_shard, job.parallel.cp]
     if any(d < 1 for d in degrees):
-        raise ValueError(f"parallel.dp_replicate x dp_shard x cp = {' x '.join(map(str, degrees))} infers a "
-                         f"degree (-1): pass --world")
+        raise ValueError(f"{flag}: the config infers a degree (parallel.dp_replicate x dp_shard x cp = "
+                         f"{' x '.join(map(str, degrees))}), so the world its batch is for is unknown: pass --world")
     return math.prod(degrees)
+
+
+def worlds_of(text: str) -> list[int]:
+    """--compare's world sizes; ValueError naming the flag."""
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--compare {text}: expected comma-separated world sizes, e.g. 256,1024") from None
+    if bad := [w for w in worlds if w < 1]:
+        raise ValueError(f"--compare {text}: world sizes must be >= 1 (got {', '.join(map(str, bad))})")
+    return worlds
+
+
+def check_flags(args) -> None:
+    """One-line refusals of the numeric flags, before any projecting."""
+    if args.world is not None and args.world < 1:
+        raise ValueError(f"--world {args.world}: must be >= 1")
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        raise ValueError(f"--memory-gib {args.memory_gib}: must be a finite number of GiB > 0")
 
 
 @user_errors
@@ -157,14 +185,19 @@ def main(argv=None) -> dict:
     from runtime.config import load_config
 
     args = parse_args(argv)
+    check_flags(args)
+    worlds = worlds_of(args.compare) if args.compare else None
     job = load_config(["--config", args.config])
     check_outputs([("--json", args.json)], config_inputs(args.config, job)
                   + [("the --calibration file", args.calibration)])
-    device = device_model(args.device, args.calibration)
+    try:
+        device = device_model(args.device, args.calibration)
+        rates = compute_rates(device, args.calibration)
+    except ValueError as e:
+        raise ValueError(f"--device {args.device} / --calibration {args.calibration}: {e}") from None
     if args.memory_gib is None:
         args.memory_gib = device.memory_gib
-    rates = compute_rates(device, args.calibration)
-    world = args.world or config_world(job)
+    world = args.world or config_world(job, "--compare" if worlds else "--world")
     print(f"{job.model_preset}: {job.data.tokens_per_step()} tokens per step at {world} "
           f"GPUs, {job.training.grad_accum} micro-batches; {device.name}; compute "
           + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rates.items()) + " TFLOP/s")
@@ -174,7 +207,7 @@ def main(argv=None) -> dict:
     print(MEMORY_NOTE)
     print(HEADER)
     if args.compare:
-        rows = compare(job, world, [int(w) for w in args.compare.split(",")], device, rates, args)
+        rows = compare(job, world, worlds, device, rates, args)
     else:
         layouts = variants(job, "config", job.layout(world), args)
         rows = recommend(project_rows(job, layouts, device, rates, args), world, job, layouts, args)

@@ -68,15 +68,28 @@ def device_model(name: str, calibration: str | None = None) -> DeviceModel:
     return calibrate(device, calibration) if calibration else device
 
 
+def read_calibration(path: str) -> dict:
+    """The JSON benchmarks/gpu_check.py writes (its calibration keys at the top level); ValueError naming the file."""
+    try:
+        with open(path) as f:
+            measured = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}); expected the JSON benchmarks/gpu_check.py writes") from None
+    if not isinstance(measured, dict):
+        raise ValueError(f"{path}: a JSON {type(measured).__name__}, expected the object benchmarks/gpu_check.py writes")
+    return measured
+
+
 def calibrate(device: DeviceModel, path: str) -> DeviceModel:
-    """Replace the sustained NS rate by one measured by `optimizer_step.py --calibrate-kimi` (its JSON
-    "kimi_blocks_gflops", bf16 preferred). Link bandwidths stay assumptions: one GPU cannot measure them."""
-    with open(path) as f:
-        measured = json.load(f)
+    """Replace the sustained NS rate by one measured on the Kimi K2 blocks (the JSON's "kimi_blocks_gflops", bf16
+    preferred: benchmarks/gpu_check.py's calibration section, or optimizer_step.py --calibrate-kimi N). Link
+    bandwidths stay assumptions: one GPU cannot measure them."""
+    measured = read_calibration(path)
     rates = measured.get("kimi_blocks_gflops") or {}
     dtype = "bfloat16" if "bfloat16" in rates else next(iter(rates), None)
     if dtype is None:
-        raise ValueError(f"{path}: no 'kimi_blocks_gflops' (run optimizer_step.py with --calibrate-kimi N)")
+        raise ValueError(f"{path}: no 'kimi_blocks_gflops' (the calibration benchmarks/gpu_check.py writes on a GPU; "
+                         f"optimizer_step.py --calibrate-kimi N writes it too)")
     return replace(device, sustained_tflops=rates[dtype] / 1e3,
                    source=f"NS rate {rates[dtype] / 1e3:.0f} TFLOP/s ({dtype}) measured on {measured.get('device')} "
                           f"({path}); links and HBM: assumptions")

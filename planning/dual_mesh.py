@@ -1,5 +1,5 @@
 """The whole training step of the runtime's dual-mesh layouts, projected per rank: FLOPs, bytes per mesh and
-link, host syncs, time, MFU and a coarse memory (benchmarks/step_traffic.py is its command line).
+link, host syncs, time, MFU and a coarse memory (benchmarks/step_projection.py is its command line).
 
 Dtypes, activation checkpointing, micro-batches (training.grad_accum) and grad_sync come from the config
 (training.param_dtype: weights all-gathered and activations computed in it; training.reduce_dtype:
@@ -43,17 +43,19 @@ Groups follow the runtime's rank numbering (parallel/meshes.py): the dense mesh 
 the expert mesh numbers `parallel.expert_inner` innermost, ep (the default: expert FSDP groups stride
 across nodes) or edp_shard (expert FSDP inside a node, ep across nodes); --compare projects both.
 
-Time (device model: planning/devices.py links; compute rates below, or measured with
---calibration from benchmarks/gpu_check.py):
+Time (planning/devices.py links, planning/network.py efficiencies; compute rates the fitted shares of peak of
+planning/parameters.py, or measured with --calibration from benchmarks/gpu_check.py):
     compute = model FLOPs / rates + recompute, recompute = the rerun FLOPs / rates (time_s["recompute"])
     step = max(compute + ep + cp, all bytes over NVLink, all bytes over the network) + optimizer
-           + host_syncs x SYNC_S
+           + host_syncs x sync_s (fitted)
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
 the links with the EP and CP traffic (hence all bytes in the link terms); the EP and
 CP collectives sit on the critical path, except what `parallel.ep_overlap_chunks` hides behind the
 routed experts' matmuls (`exposed_ep_s`); --overlap-ep shows the what-if
 max(compute, ep + cp) (an upper bound: no runtime path hides all of it); a host sync is charged
-SYNC_S of idle device.
+the fitted sync_s of idle device. Every row carries the band of the cross-validated error (planning/bands.py)
+and, beside it, the central figure with the busiest expert rank at SKEW_LOW x the mean (`tokens_per_gpu_s_skew_1_2`:
+the published runs were force-balanced, so the band does not cover routing skew).
 MFU = model FLOPs / (step x peak) (the recompute's FLOPs are not model FLOPs).
 Memory per GPU (a coarse model for ranking layouts, MEMORY_NOTE): fp32 weights + gradients + optimizer
 state of the local shards, the two largest units unsharded in param_dtype (prefetch), and activations:
@@ -63,24 +65,21 @@ then need ~1 MB per token and layer and fit no layout). A layout "fits" below FI
 """
 
 import dataclasses
-import json
 import math
 
 import torch
 
 from planning import network as net
-from planning import ep_traffic
+from planning import bands, ep_traffic
 from planning.ep_traffic import degrees_only, dispatch_knobs, exposed_ep_s
-from planning.flops import DEFAULT_EFFICIENCY, flops_split, recompute_flops
+from planning.devices import read_calibration
+from planning.flops import flops_split, recompute_flops
 from planning.fsdp_traffic import GPUS_PER_NODE, Link, all_gather, fsdp_traffic, fsdp_units, groups
 from planning.memory.coarse import activation_bytes
 from planning.optimizer_step import optimizer_step_s
+from planning.parameters import fitted
 
-SYNC_S = 50e-6  # idle device per host sync: the queue drains, then waits for the host's next launches
-SKEW_LOW = 1.2  # the band's low side: the busiest expert rank at 1.2x the mean (routing skew, no run's statistics)
-BAND_RESTS_ON = ("low: routing skew 1.2 and the calibration's most optimistic ratio; central: the calibrated "
-                 "device and network (benchmarks/calibrate.py), balanced routing; high: the calibration's most "
-                 "pessimistic ratio")
+SKEW_LOW = 1.2  # a what-if beside the band: the busiest expert rank at 1.2x the mean (routing skew)
 FIT_FRACTION = 0.9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MEMORY_NOTE = ("memory: a coarse model (sharded fp32 states, 2 unsharded units, per-token activation formula) that "
@@ -118,14 +117,15 @@ def ep_links(config, layout, local_tokens: int, micro_batches: int, act_bytes: i
     return {name: Link(*b) for name, b in by_stage.items()}, nodes
 
 
-def ep_seconds(stages: dict, device, expert_s: float, chunks: int, nodes: int, collectives: dict) -> float:
+def ep_seconds(stages: dict, device, expert_s: float, chunks: int, inter_peers: int, collectives: dict) -> float:
     """EP time on the critical path: the all-to-alls of a layer run one after another (each waits for
-    the previous one's data), each as long as its slower link at the calibrated all-to-all efficiency of
-    an EP group over `nodes` nodes, plus a latency per collective (`collectives[name]` per step); with
-    pieces, the pipelined stages hide behind the routed experts' matmuls as `exposed_ep_s` says: the
-    direct dispatch and combine, or with dedup its node hop (parallel/ep/pieces.py: each piece's
-    fan-out stays serial)."""
-    seconds = {name: max(_ep_link_seconds(link, device, nodes)) + collectives[name] * net.LATENCY_S
+    the previous one's data), each as long as its slower link at the NCCL all-to-all efficiency of its message
+    to each of the `inter_peers` remote peers (planning/network.py), plus a latency per collective
+    (`collectives[name]` per step); with pieces, the pipelined stages hide behind the routed experts' matmuls
+    as `exposed_ep_s` says: the direct dispatch and combine, or with dedup its node hop (parallel/ep/pieces.py:
+    each piece's fan-out stays serial)."""
+    seconds = {name: net.all_to_all_s(device, link.intra, link.inter, "nccl", inter_peers,
+                                      count=max(1, collectives[name]))
                for name, link in stages.items()}
     pipelined = ep_traffic.NODE_HOP_STAGES if "node_dispatch" in stages else ep_traffic.PIPELINED_STAGES
     piped = sum(t for name, t in seconds.items() if name in pipelined) if chunks > 1 else 0.0
@@ -251,12 +251,13 @@ def project_layout(config_job, layout, device, rates: dict, opts: "Options", opt
               "fsdp_collectives": 3 * len(units) * micro, "cp_collectives": 2 * c.n_layers * micro * (layout.cp > 1)}
     times = {skew: step_times(c, layout, device, opts, compute, ep_stages, fsdp_total, cp, shapes, skew)
              for skew in (1.0, SKEW_LOW)}
-    t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": syncs * SYNC_S}
-    t["step"] += opt_s + syncs * SYNC_S
+    sync_s = syncs * fitted().sync_s
+    t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": sync_s}
+    t["step"] += opt_s + sync_s
     step = t["step"]
     per_gpu = tokens / layout.world_size
-    band = (per_gpu / (times[SKEW_LOW]["step"] + opt_s + syncs * SYNC_S) / max(net.CALIBRATION_RATIOS),
-            per_gpu / step, per_gpu / step / min(net.CALIBRATION_RATIOS))
+    band = bands.band(per_gpu / step)
+    skewed = per_gpu / (times[SKEW_LOW]["step"] + opt_s + sync_s)
     flops = sum(split.values())
     memory = memory_bytes(model, c, layout, units, local_tokens, act_bytes, grad_sync,
                           DTYPE_BYTES[dtypes["param_dtype"]], dtypes["activation_checkpoint"], nodes_per_token)
@@ -271,7 +272,7 @@ def project_layout(config_job, layout, device, rates: dict, opts: "Options", opt
         "ep": gb(ep), "cp": gb(cp), "cp_parts": {k: gb(v) for k, v in cp_parts.items()}, "host_syncs": syncs,
         "time_s": t, "mfu": flops / (step * device.peak_tflops * 1e12),
         "tokens_per_gpu_s_band": band, "mfu_band": tuple(b * flops / per_gpu / (device.peak_tflops * 1e12) for b in band),
-        "band_rests_on": BAND_RESTS_ON, "cpu_paths": cpu_paths(layout),
+        "band_rests_on": bands.RESTS_ON, "tokens_per_gpu_s_skew_1_2": skewed, "cpu_paths": cpu_paths(layout),
         "memory_gib": {k: v / 2**30 for k, v in memory.items()},
         "fits": memory["total"] <= FIT_FRACTION * opts.memory_gib * 2**30,
     }
@@ -283,14 +284,15 @@ def step_times(c, layout, device, opts, compute: float, ep_stages: dict, fsdp_to
     and routed-expert compute; without the optimizer and host syncs."""
     compute = compute + (skew - 1) * shapes["expert_s"]
     stages = {name: link.scale(skew) for name, link in ep_stages.items()}
-    nodes = ep_placement(c, layout).n_nodes if layout.ep > 1 else 1
+    peers = inter_peers(c, layout)
     collectives = ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages)
-    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes, collectives)
-    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes, collectives)
+    serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, peers, collectives)
+    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, peers, collectives)
     cp_s = max(_link_seconds(cp, device)) + shapes["cp_collectives"] * net.LATENCY_S
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     fsdp_network_s += shapes["fsdp_collectives"] * net.LATENCY_S
-    ep_network_s = _ep_link_seconds(sum(stages.values(), Link()), device, nodes)[1]
+    ep_network_s = sum(net.all_to_all_links_s(device, 0.0, link.inter, "nccl", peers, max(1, collectives[name]))[1]
+                       for name, link in stages.items())
     nvlink_s = _link_seconds(fsdp_total + sum(stages.values(), Link()) + cp, device)[0]
     network_s = fsdp_network_s + ep_network_s + _link_seconds(cp, device)[1]  # all traffic shares the NIC
     hidden = max(0.0, serial - ep_s) if not opts.overlap_ep else min(compute, ep_s + cp_s)
@@ -304,7 +306,7 @@ def step_times(c, layout, device, opts, compute: float, ep_stages: dict, fsdp_to
 def cpu_paths(layout) -> list[str]:
     """The CPU-tested runtime paths a row's figure depends on (their tests count its bytes and syncs)."""
     knobs = dispatch_knobs(layout)
-    paths = ["parallel/fsdp.py (tests/test_step_traffic.py: FSDP bytes)", "optim/sharded (the Muon step)"]
+    paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
     if layout.ep > 1:
         paths.append("parallel/ep/plan.py (tests/test_ep_dispatch.py: EP bytes)")
     paths += ["parallel/ep/dedup.py"] * knobs["ep_dedup"]
@@ -328,11 +330,12 @@ def _link_seconds(link: Link, device) -> tuple[float, float]:
             link.inter / (device.nic_line_gbs * 1e9 * net.RING_EFFICIENCY))
 
 
-def _ep_link_seconds(link: Link, device, nodes: int) -> tuple[float, float]:
-    """(NVLink seconds, network seconds) of one rank's all-to-all bytes in an EP group over `nodes` nodes:
-    the runtime's all_to_all_single, at the calibrated NCCL efficiency (planning/network.py)."""
-    return (link.intra / (device.nvlink_line_gbs * 1e9 * net.NVLINK_EFFICIENCY),
-            link.inter / (device.nic_line_gbs * 1e9 * net.inter_efficiency("all_to_all", nodes, "nccl")))
+def inter_peers(config, layout) -> int:
+    """Ranks of rank 0's ep group on other nodes (the peers an all-to-all's inter-node bytes split over)."""
+    if layout.ep == 1:
+        return 1
+    placement = ep_placement(config, layout)
+    return max(1, layout.ep - len(placement.members(placement.node_of_rank[0])))
 
 
 def describe(layout) -> str:
@@ -342,37 +345,43 @@ def describe(layout) -> str:
 
 
 def compute_rates(device, calibration: str | None) -> dict:
-    """FLOP/s per kind of compute: measured (gpu_check "rates_tflops") where given, else the defaults."""
-    rates = {k: f * device.peak_tflops * 1e12 for k, f in DEFAULT_EFFICIENCY.items()}
+    """FLOP/s per kind of compute: measured (gpu_check "rates_tflops") where given, else the fitted shares of the
+    bf16 peak (planning/parameters.py)."""
+    eff = fitted()
+    shares = {"matmul_bf16": eff.gemm, "grouped_mm_bf16": eff.grouped, "attention_bf16": eff.attention}
+    rates = {k: f * device.peak_tflops * 1e12 for k, f in shares.items()}
     if calibration:
-        with open(calibration) as f:
-            measured = json.load(f).get("rates_tflops", {})
+        measured = read_calibration(calibration).get("rates_tflops", {})
         rates.update({k: v * 1e12 for k, v in measured.items() if k in rates})
     return rates
 
 
-# -- candidate layouts and the command line
+EP_CANDIDATES = (8, 32, 64, 128, 256)
+
 
 def candidate_layouts(job, world: int, base) -> dict:
     """{name: Layout} users would consider at `world` GPUs: dense FSDP inside a node (dp_shard=8)
     replicated across nodes, and experts with ep inside a node (8) or across 4, 8, 16... nodes,
     each with expert FSDP over the rest (edp_shard = world / ep), numbered with ep innermost (name
     "ep<N>") and with edp_shard innermost ("ep<N>_shard_inner", when both degrees exceed 1), plus
-    `base` (the config's own, when it resolves at this world size)."""
+    `base` (the config's own, when it resolves at this world size). A layout the runtime refuses (its own
+    checks of the model, batch and micro-batches) is not a candidate."""
     from parallel.layout import ParallelConfig
 
     E = job.model.n_routed_experts
     out = {}
     if base is not None:
         out["config"] = base
-    for ep in (8, 32, 64, 128, 256):
-        if E % ep or world % ep or ep > world:
+    for ep in EP_CANDIDATES:
+        if E % ep or world % ep or ep > world or world % 8:
             continue
         for inner in ("ep", "edp_shard") if 1 < ep < world else ("ep",):
             parallel = ParallelConfig(dp_replicate=world // 8, dp_shard=8, cp=1, ep=ep, edp_replicate=1,
                                       edp_shard=world // ep, expert_inner=inner)
-            # the runtime's own checks (model, batch, micro-batches): a layout it would refuse is not a candidate
-            layout = dataclasses.replace(job, parallel=parallel).layout(world)
+            try:
+                layout = dataclasses.replace(job, parallel=parallel).layout(world)
+            except ValueError:
+                continue
             if layout != base:  # the config's own is listed once, as "config"
                 out[f"ep{ep}" + ("_shard_inner" if inner == "edp_shard" else "")] = layout
     return out

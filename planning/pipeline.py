@@ -11,12 +11,11 @@ under FIT_FRACTION of the device's.
 
 import dataclasses
 
-from planning import network as net
-from planning import step
+from planning import bands, step
 
 PP_DEGREES = (4, 8, 16)
 EP_DEGREES = (8, 16)
-SKEW_LOW = 1.2  # planning/dual_mesh.py's
+SKEW_LOW = 1.2  # planning/dual_mesh.py's what-if beside the band
 FIT_FRACTION = 0.9
 
 
@@ -45,9 +44,10 @@ def row(run: step.Run, memory_gib: float) -> dict:
     terms = step.step_terms(run)
     skewed = step.step_terms(dataclasses.replace(run, skew=SKEW_LOW))
     central = terms["tokens_per_gpu_s"]
-    band = (skewed["tokens_per_gpu_s"] / max(net.CALIBRATION_RATIOS), central, central / min(net.CALIBRATION_RATIOS))
+    band = bands.band(central)
     per_token = terms["mfu_bf16"] / central
     return {"world": run.gpus, "layout": f"pp{run.pp} {run.pp_schedule}{'x2' if run.virtual_stages > 1 else ''} "
                                          f"ep{run.ep} dp{run.dp} zero1",
             "time_s": terms, "tokens_per_gpu_s_band": band, "mfu_band": tuple(b * per_token for b in band),
+            "tokens_per_gpu_s_skew_1_2": skewed["tokens_per_gpu_s"], "band_rests_on": bands.RESTS_ON,
             "fits": terms["memory_gib"] <= FIT_FRACTION * memory_gib}

@@ -248,3 +248,51 @@ def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch)
     assert len(estimated) == 3 and [r.get("estimate_fits") for r in by_time[:4]] == [False, False, True, None]
     assert [r.get("recommended", False) for r in by_time[:3]] == [False, False, True]
     assert sum(1 for r in rows if r.get("recommended")) == 1
+
+
+def test_no_row_is_recommended_when_none_fits(capsys):
+    """When every row fails to fit (here the debug job against 1 KiB of memory), none is marked recommended and the
+    line says so (a row that does not fit was recommended before)."""
+    from benchmarks.step_projection import main
+
+    rows = main(["--config", "configs/debug.toml", "--world", "8", "--memory-gib", str(2**-20)])["rows"]
+    assert rows and not any(r["fits"] or r.get("recommended") for r in rows)
+    assert "recommended at 8 GPUs: none: no row fits" in capsys.readouterr().out
+
+
+# (arguments, the phrase of the one line): each named the wrong thing, raised, or was accepted before
+FLAG_MISTAKES = {
+    "world_zero": (["--config", "configs/debug.toml", "--world", "0"], "--world 0: must be >= 1"),
+    "compare_on_an_inferred_layout": (["--config", "configs/debug.toml", "--compare", "16"],
+                                      "--compare: the config infers a degree"),
+    "compare_not_numbers": (["--config", "configs/debug.toml", "--world", "8", "--compare", "0,abc"],
+                            "--compare 0,abc: expected comma-separated world sizes"),
+    "compare_negative": (["--config", "configs/debug.toml", "--world", "8", "--compare", "-256"],
+                         "--compare -256: world sizes must be >= 1 (got -256)"),
+    "compare_beyond_any_layout": (["--config", "configs/kimi_k2_256gpu.toml", "--compare", "1048576"],
+                                  "--compare 1048576: no candidate layout at 1048576 GPUs"),
+    "compare_without_candidates": (["--config", "configs/debug.toml", "--world", "2", "--compare", "4"],
+                                   "--compare 4: no candidate layout at 4 GPUs"),
+    "memory_negative": (["--config", "configs/debug.toml", "--world", "8", "--memory-gib", "-5"],
+                        "--memory-gib -5.0: must be a finite number of GiB > 0"),
+    "memory_nan": (["--config", "configs/debug.toml", "--world", "8", "--memory-gib", "nan"],
+                   "--memory-gib nan: must be a finite number of GiB > 0"),
+    "calibration_not_json": (["--config", "configs/debug.toml", "--world", "8", "--calibration", "{tmp}/garbage.json"],
+                             "not JSON"),
+    "calibration_without_the_keys": (["--config", "configs/debug.toml", "--world", "8", "--calibration",
+                                      "{tmp}/empty.json"], "the calibration benchmarks/gpu_check.py writes"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAG_MISTAKES))
+def test_step_projection_mistakes_are_one_line_exit_2_naming_the_flag(case, tmp_path, capsys):
+    from benchmarks.step_projection import main
+
+    (tmp_path / "garbage.json").write_text("not json at all")
+    (tmp_path / "empty.json").write_text("{}")
+    argv, phrase = FLAG_MISTAKES[case]
+    with pytest.raises(SystemExit) as stop:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert phrase in err, err
