@@ -11,7 +11,10 @@ public names for launch/ and benchmarks/ to use. It imports neither (tests/test_
   step.py            one training step of a PP / TP / EP / FSDP / ZeRO-1 layout (published runs, PP candidates)
   dual_mesh.py       one training step of the runtime's dual-mesh layouts, per EP dispatch combination
   pipeline.py        PP candidates on step.py's model; optimizer_step.py: the sharded Muon step
+  parameters.py      the fitted parameters (calibration/fitted.json); bands.py: low / central / high of a
+                     projection from the cross-validated error
   memory/            per-rank memory: pretrain.py (and per pipeline stage), posttrain.py, teacher.py, probe.py
                      (measured activations), coarse.py (the one activation formula the step models rank by)
   calibration/       published runs as case files (cases/*.toml), the joint fit and its cross-validation
+                     (fit.py; benchmarks/calibrate.py --cross-validate)
 """
