@@ -30,7 +30,7 @@ the time budget (--budget-s) is recorded as skipped:
                parallelism's chunked flash attention against fp32, grouped matmuls with empty expert
                groups, training steps with activation checkpointing and with QK-clip
   calibration  the keys the projections read: "kimi_blocks_gflops" {dtype: GFLOP/s} (what
-               benchmarks/lib/device_model.py --calibration reads) and "rates_tflops" (matmul, grouped
+               planning/devices.py --calibration reads) and "rates_tflops" (matmul, grouped
                matmul, attention, MFU: benchmarks/step_projection.py --calibration)
 Timing: CUDA events around `iters` back-to-back calls after warm-up (per-call mean); on the CPU,
 perf_counter. FLOPs are counted from the shapes (2 m n k per matmul), not from the kernels.

@@ -11,8 +11,7 @@ tree (runtime/config.py and what it imports) is torch-free, and tests/test_prech
   tool_config(argv, prefix)        launch/dry_run.py, estimate_memory.py: `--config PATH` with the
                                    `--section.key=value` overrides; `<prefix>: ...`, exit 2 (the tools'
                                    own flags are their ToolParser's: dry_run's parsed next, before the
-                                   imports; estimate_memory's after, as its parser takes
-                                   posttrain_memory's flags)
+                                   imports; estimate_memory's after)
   ToolParser(prefix=...)           every tool's argparse in launch/: a bad flag is one line
                                    `<prefix>: ...` (the prefix of the tool's other errors), exit 2, no
                                    usage lines first, as a config typo of the training jobs; evaluate.py
@@ -64,9 +63,10 @@ def training_job(argv: list[str], path_source: str = "bin") -> None:
         sys.exit(stop(rank, f"config error: {e}", EXIT_USER_ERROR))
 
 
-def tool_config(argv: list[str], prefix: str = "error") -> None:
+def tool_config(argv: list[str], prefix: str = "error", explain=None) -> None:
     """launch/dry_run.py and estimate_memory.py, before their imports: `--config PATH` with the
-    `--section.key=value` overrides of `argv`; exit 2 with `prefix: message` on a config error."""
+    `--section.key=value` overrides of `argv`; exit 2 with `prefix: message` on a config error (the message
+    passed through the tool's `explain`, when it has one, as its `main` does)."""
     if "--help" in argv or "-h" in argv:
         return
     parser = argparse.ArgumentParser(add_help=False)
@@ -78,7 +78,7 @@ def tool_config(argv: list[str], prefix: str = "error") -> None:
     try:
         load_config(["--config", args.config, *overrides])
     except ValueError as e:
-        fail(e, prefix)
+        fail(explain(str(e)) if explain else e, prefix)
 
 
 class ToolParser(argparse.ArgumentParser):

@@ -1,6 +1,6 @@
 """Shared fixtures of the EP tests (tests/test_ep_dispatch.py, tests/test_ep_grid.py): the debug model without
 its dense block on 8 gloo ranks in two simulated nodes (`ranks_per_node` = 4), its single-process step, one
-parallelized step per case with every all-to-all byte counted (benchmarks/lib/ep_traffic.py), the plan's
+parallelized step per case with every all-to-all byte counted (planning/recording.py), the plan's
 bytes for the run's own routing, and the single-process step with FP8 rows (`fp8_reference`).
 
 Tolerances as in tests/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
@@ -15,7 +15,7 @@ the process groups are not what is tested here.
 import torch
 import torch.distributed as dist
 
-from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
+from planning.recording import record_collectives, split_by_node
 from models import Transformer, preset
 from models.experts import swiglu_experts
 from models.moe import LocalDispatcher, MoE
@@ -156,12 +156,12 @@ def run_case(config, reference, checkpoint="none") -> dict:
     inputs, labels = batch(model.config.vocab_size)
     rows = slice(meshes.dp_rank() * (BATCH // layout.dp), (meshes.dp_rank() + 1) * (BATCH // layout.dp))
     positions = load_balanced_positions(SEQ, layout.cp, meshes.cp_rank())
-    with count_all_to_all() as forward, count_syncs() as syncs:
+    with record_collectives() as forward, count_syncs() as syncs:
         loss = loss_fn(model(inputs[rows][:, positions], positions_S=positions), labels[rows][:, positions],
                        BATCH * SEQ)
     forward_routing = list(routing)  # the forward's (a recompute routes again)
     kept = sum(v.numel() * v.element_size() for tape in tapes for _, v in tape.entries if isinstance(v, torch.Tensor))
-    with count_all_to_all() as backward:
+    with record_collectives() as backward:
         loss.backward()
     grad_err = {}
     for fqn, p in model.named_parameters():
@@ -199,9 +199,9 @@ def assert_matches_single_process(reference: dict, per_rank: list[dict]) -> None
 
 def planned_bytes(per_rank, name, config, backward=False, stages=None) -> dict[int, tuple[int, int]]:
     """{global rank: (intra, inter) bytes} the whole-step projection's per-layer EP stages
-    (benchmarks/lib/ep_projection.layer_stages: the runtime's dispatch plan) give for case `name`'s own
+    (planning/ep_traffic.layer_stages: the runtime's dispatch plan) give for case `name`'s own
     routing (`config`: its ParallelConfig), summed over the MoE layers (only the named `stages` when given)."""
-    from benchmarks.lib.ep_projection import layer_stages
+    from planning.ep_traffic import layer_stages
 
     out = {}
     layout = config.resolve(WORLD)

@@ -10,7 +10,7 @@ import torch
 from benchmarks import projection
 from benchmarks.lib import harness
 from benchmarks.lib.counters import count_step
-from benchmarks.lib.device_model import DEVICES
+from planning.devices import DEVICES
 from benchmarks.lib.methods import Method, build_method
 from benchmarks.lib.param_sets import build_param_set
 from models import preset
@@ -182,9 +182,9 @@ def _elementwise_bytes(rank, world_size):
 
 
 def test_projection_elementwise_bytes_are_the_steps_own():
-    """The device model's ELEMENTWISE_BYTES is what the sharded step moves per element (counted on
+    """The optimizer-step model's ELEMENTWISE_BYTES is what the sharded step moves per element (counted on
     one process; the busiest of 2 ranks measured the same 64.3): it must move with the code."""
-    from benchmarks.lib.device_model import ELEMENTWISE_BYTES
+    from planning.optimizer_step import ELEMENTWISE_BYTES
 
     [(per_element, ns_bytes)] = run_ranks(_elementwise_bytes, 1, timeout=180)
     assert abs(per_element - ELEMENTWISE_BYTES) < 0.5, per_element

@@ -15,7 +15,8 @@ import sys
 from functools import lru_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP = ("benchmarks", "configs", "docs", "examples", "experiments", "launch", "models", "optim", "parallel", "runtime",
+TOP = ("benchmarks", "configs", "docs", "examples", "experiments", "launch", "models", "optim", "parallel",
+       "planning", "runtime",
        "tests")
 FILE_EXT = (".py", ".toml", ".md", ".json", ".jsonl", ".png")
 CHECKED_FLAGS = ("launch/", "benchmarks/", "experiments/")

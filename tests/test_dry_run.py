@@ -53,7 +53,7 @@ def test_the_step_counts_collectives_on_their_meshes(ranks_0_and_63):
 
 def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
     """The FSDP terms (benchmarks/step_projection.py fsdp_traffic) and the per-layer EP term
-    (benchmarks/lib/ep_projection.py layer_link_bytes on the step's routing) equal the bytes the step's
+    (planning/ep_traffic.py layer_link_bytes on the step's routing) equal the bytes the step's
     collectives put on the wire, in-node and across nodes, to the byte."""
     for r in ranks_0_and_63:
         terms = {(c["source"], c["kind"], c["mesh"].split(" = ")[0]): c for c in r["projection_comparison"]}
@@ -69,25 +69,18 @@ def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
 
 
 def test_wire_bytes_follow_the_counters_convention():
-    """benchmarks/lib/wire_bytes.py against benchmarks/counters.py's independent per-kind formulas (bytes sent,
-    self excluded), on a 4-rank group split over two nodes of 2."""
-    import torch
+    """planning/wire.py on a 4-rank group split over two nodes of 2, rank 1 (its node: ranks 0 and 1), against
+    the convention written out by hand (bytes sent, self excluded): an all-gather sends its 24-byte shard to each
+    of 3 peers, a reduce-scatter each peer's quarter of 96 bytes, an all-reduce 2 x 96 / 4 to each, an
+    all-to-all each peer's rows (splits 3, 0, 2, 5 of 24-byte rows; its own 0 stays)."""
+    from planning.wire import wire_bytes
 
-    from benchmarks.lib import counters
-    from benchmarks.lib.wire_bytes import wire_bytes
-
-    shard, full, splits = torch.zeros(6), torch.zeros(4, 6), [3, 0, 2, 5]
-    rows = torch.zeros(sum(splits), 6)
-    expected = {"all_gather": counters._c10d_bytes("_allgather_base_", (None, shard), 4, 1)[0],
-                "reduce_scatter": counters._c10d_bytes("_reduce_scatter_base_", (None, full), 4, 1)[0],
-                "all_reduce": counters._c10d_bytes("allreduce_", (full,), 4, 1)[0],
-                "all_to_all": counters._c10d_bytes("alltoall_base_", (rows, rows, None, splits, splits), 4, 1)[0]}
-    passed = {"all_gather": 24, "reduce_scatter": 96, "all_reduce": 96, "all_to_all": rows.numel() * 4}
-    for kind, sent in expected.items():
+    splits = [3, 0, 2, 5]
+    passed = {"all_gather": 24, "reduce_scatter": 96, "all_reduce": 96, "all_to_all": sum(splits) * 24}
+    expected = {"all_gather": (24, 48), "reduce_scatter": (24, 48), "all_reduce": (48, 96), "all_to_all": (72, 168)}
+    for kind, want in expected.items():
         split_bytes = [s * 24 for s in splits] if kind == "all_to_all" else None
-        intra, inter = wire_bytes(kind, passed[kind], [0, 1, 2, 3], 1, 2, split_bytes)
-        assert intra + inter == sent, kind
-        assert intra == {"all_gather": 24, "reduce_scatter": 24, "all_reduce": 48, "all_to_all": 72}[kind], kind
+        assert wire_bytes(kind, passed[kind], [0, 1, 2, 3], 1, 2, split_bytes) == want, kind
 
 
 def test_a_broken_layout_fails_with_the_launchs_line(tmp_path, capfd):

@@ -2,7 +2,7 @@
 cases beyond tests/test_ep_grid.py's grid (no checkpointing, selective checkpointing, the folded HSDP layout,
 dropping capacity, FP8 dispatch and FP8 combine gradient each alone) on 8 gloo ranks in two simulated nodes
 (parallel.ranks_per_node=4) against the single-process step, with every all-to-all byte counted
-(benchmarks/lib/ep_traffic.py) and compared with the plan. Shared fixtures and tolerances: tests/ep_cases.py.
+(planning/recording.py) and compared with the plan. Shared fixtures and tolerances: tests/ep_cases.py.
 """
 
 import itertools
@@ -144,7 +144,7 @@ def test_counted_bytes_equal_the_plan(results, name):
     """Every all-to-all byte of the forward and of the backward, per rank, within and across the two
     simulated nodes, equals the projection's per-layer EP bytes for the run's own routing."""
     _, per_rank = results
-    from benchmarks.lib.ep_projection import expert_call_stages
+    from planning.ep_traffic import expert_call_stages
 
     resent = {"full": None, "selective": expert_call_stages(CASES[name])}.get(CHECKPOINT.get(name), ())
     for direction in ("forward", "backward"):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from benchmarks.gpu_check import main, parse_args, run, train_argv
-from benchmarks.lib.device_model import DEVICES, calibrate
+from planning.devices import DEVICES, calibrate
 from multirank import run_ranks
 
 

@@ -1,35 +1,38 @@
-"""The import arrows run one way: models <- parallel <- optim <- runtime <- launch, and inside optim/ and
-benchmarks/ as the folders say. Read from the source with `ast` (no import executed), every import
-counted, those inside functions too.
+"""The import arrows run one way: models <- parallel <- optim <- runtime <- planning <- launch and benchmarks,
+and inside optim/ and benchmarks/ as the folders say. Read from the source with `ast` (no import executed),
+every import counted, those inside functions too.
 
 Rules (each holds on the tree today; `RULES` is the whole list):
-  models/            imports none of parallel, optim, runtime, launch, benchmarks
-  parallel/          imports none of optim, runtime, launch, benchmarks
-  optim/             imports none of runtime, launch, benchmarks
+  models/            imports none of parallel, optim, runtime, planning, launch, benchmarks
+  parallel/          imports none of optim, runtime, planning, launch, benchmarks
+  optim/             imports none of runtime, planning, launch, benchmarks
   optim/*.py         (NS, reference Muon, AdamW, config, QK-clip) imports neither optim.planner nor optim.sharded
   optim/planner/     does not import optim.sharded (the planner is pure; the optimizer uses it)
-  runtime/           imports neither launch nor benchmarks
-  launch/            imports no benchmark script (benchmarks.lib only: launch/dry_run.py's counters)
+  runtime/           imports none of planning, launch, benchmarks
+  planning/          imports neither launch nor benchmarks (the cost model: launch and benchmarks use it)
+  launch/            imports nothing from benchmarks (measurements stay there; what launch needs is in planning)
   benchmarks/lib/    imports no benchmark script (the scripts use the helpers, never the reverse)
+And launch/'s modules import each other without a circle.
 """
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("models", "parallel", "optim", "runtime", "launch", "benchmarks")
+PACKAGES = ("models", "parallel", "optim", "runtime", "planning", "launch", "benchmarks")
 SCRIPTS = "benchmarks scripts"  # any benchmarks.X that is not under benchmarks.lib
 
 # (modules the rule covers, forbidden module prefixes): a module is covered when its dotted name
 # starts with the first entry (for "optim.*top": directly in optim/)
 RULES = [
-    ("models", ("parallel", "optim", "runtime", "launch", "benchmarks")),
-    ("parallel", ("optim", "runtime", "launch", "benchmarks")),
-    ("optim", ("runtime", "launch", "benchmarks")),
+    ("models", ("parallel", "optim", "runtime", "planning", "launch", "benchmarks")),
+    ("parallel", ("optim", "runtime", "planning", "launch", "benchmarks")),
+    ("optim", ("runtime", "planning", "launch", "benchmarks")),
     ("optim.*top", ("optim.planner", "optim.sharded")),
     ("optim.planner", ("optim.sharded",)),
-    ("runtime", ("launch", "benchmarks")),
-    ("launch", (SCRIPTS,)),
+    ("runtime", ("planning", "launch", "benchmarks")),
+    ("planning", ("launch", "benchmarks")),
+    ("launch", ("benchmarks",)),
     ("benchmarks.lib", (SCRIPTS,)),
 ]
 
@@ -98,12 +101,46 @@ def test_imports_run_one_way():
     # the scan sees the arrows that are allowed, so an empty violation list is not an empty scan
     assert "models.boxes" in found["models.hf.checkpoint"] and "models.boxes" in found["optim.planner.plan"]
     assert "optim.planner.plan" in found["optim.sharded.muon"] and "benchmarks.lib.harness" in found["benchmarks.optimizer_step"]
+    assert "planning.memory.pretrain" in found["launch.estimate_memory"]
+    assert "planning.calibration.case" in found["benchmarks.calibrate"]
     assert len(found) > 100  # 135 modules when written
     assert violations() == []
 
 
+def cycles(found: dict, scope: str) -> list[list[str]]:
+    """Import circles among the modules under `scope` (each as the path that closes it)."""
+    graph = {m: {n for n in names if _covered(n, scope) and n in found} for m, names in found.items()
+             if _covered(m, scope)}
+    out, done = [], set()
+
+    def walk(module, path):
+        if module in path:
+            out.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for n in sorted(graph.get(module, ())):
+            walk(n, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])
+    return out
+
+
+def test_launch_has_no_import_circle(tmp_path):
+    """launch/'s tools import each other one way (the memory estimate's three modules live in planning/memory/);
+    a circle planted in a scratch tree is found."""
+    assert cycles(imports(), "launch") == []
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "a.py").write_text("from launch import b\n")
+    (tmp_path / "launch" / "b.py").write_text("def f():\n    from launch import a\n")
+    assert cycles(imports(str(tmp_path)), "launch") == [["launch.a", "launch.b", "launch.a"]]
+
+
 def test_a_broken_arrow_is_reported(tmp_path):
-    """A model module importing parallel/ and a helper importing a script are each named, with the rule."""
+    """A model module importing parallel/, a helper importing a script, the planner importing a launch tool and
+    a launch tool importing a benchmarks helper are each named, with the rule."""
     for package in PACKAGES:
         (tmp_path / package).mkdir()
     (tmp_path / "benchmarks" / "lib").mkdir()
@@ -113,10 +150,16 @@ def test_a_broken_arrow_is_reported(tmp_path):
     (tmp_path / "benchmarks" / "lib" / "counters.py").write_text("from benchmarks import gpu_check\n")
     (tmp_path / "optim" / "planner").mkdir()
     (tmp_path / "optim" / "planner" / "plan.py").write_text("import optim.sharded.muon\n")
+    (tmp_path / "launch" / "estimate_memory.py").write_text("")
+    (tmp_path / "planning" / "step.py").write_text("from launch import estimate_memory\n")
+    (tmp_path / "launch" / "dry_run.py").write_text("from benchmarks.lib.counters import MATMULS\n")
     assert violations(str(tmp_path)) == [
         "benchmarks.lib.counters -> benchmarks.gpu_check (benchmarks.lib)",
+        "launch.dry_run -> benchmarks.lib.counters (launch)",
         "models.hf -> parallel.boxes (models)",
         "optim.planner.plan -> optim.sharded.muon (optim.planner)",
+        "planning.step -> launch (planning)",
+        "planning.step -> launch.estimate_memory (planning)",
     ]
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.memory_validation import _argv, _measure
-from launch.estimate_memory import Job, estimate, main
+from launch.estimate_memory import main
+from planning.memory.pretrain import Job, estimate
 from multirank import run_ranks
 from parallel.gradients import IGNORE_INDEX, loss_fn
 from runtime.config import load_config
@@ -80,8 +81,11 @@ ESTIMATE_MISTAKES = {
                               "parallel.cp=1 = 256 ranks, but the world size is 8"),
     "rank_too_large": (["--world", "2", "--rank", "2"], "--rank 2: must be in 0..1 for a world of 2"),
     "rank_negative": (["--world", "2", "--rank", "-1"], "--rank -1: must be in 0..1 for a world of 2"),
-    "routing_skew_below_one": (["--world", "2", "--routing-skew", "0.8"], "--routing-skew 0.8: must be >= 1.0"),
-    "routing_skew_nan": (["--world", "2", "--routing-skew", "nan"], "--routing-skew nan: must be >= 1.0"),
+    "routing_skew_below_one": (["--world", "2", "--routing-skew", "0.8"],
+                               "--routing-skew 0.8: must be a finite number >= 1.0"),
+    "routing_skew_nan": (["--world", "2", "--routing-skew", "nan"], "--routing-skew nan: must be a finite number >= 1.0"),
+    "routing_skew_inf": (["--world", "2", "--routing-skew", "inf"],  # was an OverflowError traceback
+                         "--routing-skew inf: must be a finite number >= 1.0"),
     "json_in_a_missing_directory": (["--world", "2", "--json", "{tmp}/nodir/e.json"],
                                     "--json {tmp}/nodir/e.json: {tmp}/nodir does not exist"),
     "json_is_a_directory": (["--world", "2", "--json", "{tmp}"], "--json {tmp} is a directory; give a file such as {tmp}/estimate.json"),
@@ -107,7 +111,7 @@ def _muon_step_ratio(rank, world_size):
     """Peak extra memory of one sharded-Muon step / this rank's largest bucket, overlap on and off."""
     from benchmarks.lib.counters import count_step
     from benchmarks.lib.param_sets import build_param_set, clone_params
-    from launch.estimate_memory import largest_bucket
+    from planning.memory.pretrain import largest_bucket
     from optim.config import OptimConfig
     from optim.sharded.muon import ShardedMuon
 
@@ -125,7 +129,7 @@ def _muon_step_ratio(rank, world_size):
 def test_muon_step_transients_are_step_buckets_x_the_largest_bucket():
     """The estimate's muon_step (STEP_BUCKETS x the largest bucket) bounds a real step's peak extra
     memory, and not loosely: 6 buckets of kimi_slice on 2 ranks measured 6.2-6.6 (overlap) and 4.2-4.8."""
-    from launch.estimate_memory import STEP_BUCKETS
+    from planning.memory.pretrain import STEP_BUCKETS
 
     for ratios in run_ranks(_muon_step_ratio, 2, timeout=300):
         for overlap, ratio in ratios.items():
@@ -147,3 +151,25 @@ def test_routing_skew_scales_the_busiest_rank_s_dispatch_and_kept_buffers_only()
         assert b[part] == pytest.approx(1.2 * a[part] if part in ("dispatch", "ep_kept") else a[part], rel=1e-6), part
     grown = skewed["total_gib"] - uniform["total_gib"]
     assert grown == pytest.approx(0.2 * (a["dispatch"] + a["ep_kept"]), rel=1e-6) and skewed["routing_skew"] == 1.2
+
+
+def test_a_pipeline_stage_holds_its_layers_and_its_micro_batches_in_flight():
+    """planning/memory/pretrain.py per stage (what pipeline parallelism will ask): the stages' sharded state adds up
+    to the whole model's (each parameter in one stage: the embedding with the first, the head with the last); the
+    whole model as one stage is the plain estimate; a 1F1B stage keeps pp - index micro-batches in flight."""
+    from planning.memory.pretrain import Stage, estimate, estimate_stage, pipeline_stage, sharded_state
+
+    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=4", "--model.n_dense_layers=1"])
+    job = Job(config, config.layout(2), 0, "cpu")
+    stages = [pipeline_stage(config.model, 2, i) for i in range(2)]
+    assert [(s.first, s.last, s.in_flight) for s in stages] == [(0, 2, 2.0), (2, 4, 1.0)]
+    parts = [sharded_state(job, s) for s in stages]
+    assert {k: parts[0][k] + parts[1][k] for k in parts[0]} == sharded_state(job)
+    whole = estimate(job)
+    assert estimate_stage(job, Stage(0, 4, 1.0))["total_gib"] == whole["total_gib"]
+    first, last = (estimate_stage(job, s) for s in stages)
+    assert "head" not in first["peak_at"] and first["per_rank_gib"]["logits"] == 0  # the head is the last stage's
+    doubled = estimate_stage(job, Stage(0, 2, 4.0))["per_rank_gib"]["activations"]
+    assert doubled > first["per_rank_gib"]["activations"]
+    interleaved = pipeline_stage(config.model, 2, 0, "interleaved", virtual_stages=2)
+    assert interleaved.in_flight == (2 * 1 + 1 * 2 + 1) / 2  # Megatron's interleaved warm-up + 1, in stage units

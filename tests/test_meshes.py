@@ -188,7 +188,7 @@ def _real_boxes(rank, world_size):
 def test_memory_estimate_boxes_follow_the_expert_numbering():
     """The estimate derives every rank's shard from the layout alone. With edp_shard innermost most ranks
     hold other expert rows than the ep-innermost numbering would give them (ranks 1-6 of the first layout)."""
-    from launch.estimate_memory import rank_boxes
+    from planning.memory.pretrain import rank_boxes
 
     real = run_ranks(_real_boxes, 8)
     for i, config in enumerate(BOX_LAYOUTS):

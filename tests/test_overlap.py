@@ -14,10 +14,10 @@ import collections
 import pytest
 import torch
 
-from benchmarks.lib import counters
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from parallel.overlap import fsdp_units_in_forward_order
+from planning.recording import record_collectives
 from runtime import train as T
 from runtime.config import load_config
 
@@ -28,16 +28,6 @@ MODES = {"every": [], "replicas_last": ["--training.grad_sync=replicas_last", "-
          "last": ["--training.grad_sync=last"]}  # prefetch rides along with one mode: one fewer model build
 
 
-class _Collectives(counters._CommCounter):
-    def __init__(self):
-        super().__init__(counters.StepCounts())
-        self.calls = collections.Counter()
-
-    def _add(self, name, sent_received):
-        super()._add(name, sent_received)
-        self.calls[name] += 1
-
-
 def _steps(argv):
     config = load_config(argv)
     layout = config.layout(4)
@@ -46,14 +36,13 @@ def _steps(argv):
     optimizer = T.build_optimizer(model, config)
     scheduler = T.build_scheduler(optimizer, config.training)
     loader = T.build_loader(config, meshes, layout)
-    counter = _Collectives()
-    with counter:
+    with record_collectives() as calls:
         first = T.train_step(model, optimizer, scheduler, loader, config, torch.device("cpu"))
     second = T.train_step(model, optimizer, scheduler, loader, config, torch.device("cpu"))
     # private FSDP2 state (torch 2.13.0): the units each unit prefetches in forward
     prefetch = [len(u._get_fsdp_state()._states_to_forward_prefetch) for u in fsdp_units_in_forward_order(model)]
     return {"losses": [first["loss"], second["loss"]], "norms": [first["grad_norm"], second["grad_norm"]],
-            "calls": dict(counter.calls), "prefetch": prefetch}
+            "calls": dict(collections.Counter(call.op for call in calls)), "prefetch": prefetch}
 
 
 def _run(rank, world_size):

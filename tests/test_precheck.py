@@ -195,7 +195,7 @@ def test_each_tool_refuses_a_bad_flag_in_one_line_before_importing_torch(tmp_pat
 
 # Tools whose flags are checked after torch loads, called as functions (pytest has torch loaded): export_hf's
 # and estimate_memory's parsers take choices and flags from modules that import torch (models.hf.checkpoint,
-# launch/posttrain_memory.py); an unknown flag of dry_run and estimate_memory is a config override to them,
+# planning/memory/posttrain.py); an unknown flag of dry_run and estimate_memory is a config override to them,
 # refused by load_config, which names it
 IN_PROCESS_FLAG_RUNS = [
     ("export_hf", ["--run-dir", "run", "--out", "hf", "--shard-gb", "x"],

@@ -48,7 +48,7 @@ def test_dtypes_and_checkpointing_come_from_the_config(job, capsys):
             assert gathered(fp32) / 2 < gathered(row) < gathered(fp32) / 2 * 1.02
         assert row["fsdp"][mesh]["reduce_scatter"] == fp32["fsdp"][mesh]["reduce_scatter"]
     # tokens dispatched in bf16: half the bytes, plus the per-expert int64 counts, which do not shrink with
-    # the dtype (benchmarks/lib/ep_projection.py INTEGER_STAGES; 224 bytes of 682 kB here)
+    # the dtype (planning/ep_traffic.py INTEGER_STAGES; 224 bytes of 682 kB here)
     assert fp32["ep"]["intra_gb"] / 2 < row["ep"]["intra_gb"] < fp32["ep"]["intra_gb"] / 2 * 1.01
     assert row["memory_gib"]["activations"] == pytest.approx(fp32["memory_gib"]["activations"] / 2, rel=1e-9)
     _, none, _ = _row(job, capsys, "--activation-checkpoint", "none")

@@ -1,8 +1,8 @@
 """The whole-step projection's bytes against bytes counted on real 8-rank CPU runs.
 
 Each case runs the runtime's forward/backward (runtime/train.py: FSDP2 on both meshes, EP
-all-to-alls, CP all-gathers) under benchmarks/lib/counters.py's collective counter, bucketed by
-collective, and compares each rank's bytes with benchmarks/step_projection.py for the same job and
+all-to-alls, CP all-gathers) under planning/recording.py's collective recorder, bucketed by
+collective, and compares each rank's bytes with planning/dual_mesh.py's projection for the same job and
 layout. FSDP and CP bytes depend only on shapes and should match to the byte; EP bytes depend on
 where the router sends tokens (the projection assumes uniform routing), hence the 10% tolerance
 (measured deviation on these cases: under 5% in total, under 7% per link: 69,696 counted against
@@ -18,13 +18,12 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
-from benchmarks import step_projection
-from benchmarks.lib import counters, fsdp_traffic
-from benchmarks.lib.device_model import device_model
-from benchmarks.step_projection import compute_rates, parse_args, peers, project_layout
+from planning import dual_mesh, fsdp_traffic
+from planning.devices import device_model
+from planning.dual_mesh import Options, compute_rates, project_layout
+from planning.fsdp_traffic import peers
+from planning.recording import record_collectives
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime import train as T
@@ -44,8 +43,6 @@ CASES = {  # dp_replicate, dp_shard, cp | edp_replicate, edp_shard, ep, and othe
     "hsdp_experts_edp_shard_inner": ((2, 4, 1), (2, 2, 2), ["--parallel.expert_inner=edp_shard"]),
 }
 NODE = 4  # GPUs per node the 8 CPU ranks stand for
-KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-         "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce", "alltoall_base_": "all_to_all"}
 EP_RTOL = 0.10
 
 
@@ -55,57 +52,21 @@ def _argv(name):
                            f"--parallel.edp_replicate={er}", f"--parallel.edp_shard={es}", f"--parallel.ep={ep}"]
 
 
-class _ByKind(counters._CommCounter):
-    """Bytes sent per kind of collective, and per (kind, "intra" | "inter") by the peer's node: an
-    all-to-all's rows go to the peer they are split for; every other collective sends each peer an
-    equal share (all-gather: the shard; reduce-scatter: the peer's chunk; all-reduce as reduce-scatter
-    plus all-gather, the convention of counters.py and of the projection)."""
-
-    def __init__(self):
-        super().__init__(counters.StepCounts())
-        self.sent = collections.Counter()
-        self.group = None
-
-    def _collective(self, func, args):
-        boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-        if func.namespace == "c10d" and boxed:
-            self.group = dist.ProcessGroup.unbox(boxed[0])
-        elif func.namespace == "_c10d_functional":
-            self.group = distributed_c10d._resolve_process_group(args[-1])
-        self.args = args
-        super()._collective(func, args)
-
-    def _add(self, name, sent_received):
-        super()._add(name, sent_received)
-        if not sent_received:
-            return
-        kind, sent = KINDS.get(name, name), int(sent_received[0])
-        self.sent[kind] += sent
-        ranks, me = dist.get_process_group_ranks(self.group), dist.get_rank()
-        share = _peer_shares(kind, self.args, ranks.index(me), len(ranks))
-        for rank, fraction in zip(ranks, share):
-            self.sent[kind, "intra" if rank // NODE == me // NODE else "inter"] += sent * fraction
-
-
-def _peer_shares(kind, args, me, size):
-    """Fraction of this rank's sent bytes that goes to each group member (0 to itself)."""
-    if kind == "all_to_all":  # alltoall_base_(output, input, group, output_splits, input_splits)
-        rows = list(args[4]) or [args[1].shape[0] // size] * size
-        rows[me] = 0
-        return [r / max(1, sum(rows)) for r in rows]
-    return [0.0 if i == me else 1 / max(1, size - 1) for i in range(size)]
-
-
 def _count(job, world):
     layout = job.layout(world)
     meshes = build_meshes(layout, "cpu")
     model = T.build_model(job, meshes, layout, torch.device("cpu"))
     loader = T.build_loader(job, meshes, layout)
-    counter = _ByKind()
-    with counter:
+    with record_collectives() as calls:
         T.forward_backward(model, loader.next_step(), job.data.tokens_per_step(), torch.device("cpu"),
                            job.training.grad_sync)
-    return dict(counter.sent), counter.counts.uncounted
+    sent = collections.Counter()  # bytes sent per kind, and per (kind, "intra" | "inter") by the peer's node
+    for call in calls:
+        if call.to_peer is not None:
+            sent[call.kind] += call.sent
+            for link, n in zip(("intra", "inter"), call.links(NODE)):
+                sent[call.kind, link] += n
+    return dict(sent), [call.op for call in calls if call.to_peer is None]
 
 
 def _run_all(rank, world):
@@ -116,7 +77,7 @@ def _predicted(name, link=None) -> dict:
     """Projected bytes per kind: intra + inter node, or only `link` ("intra" | "inter")."""
     job = load_config(_argv(name))
     device = device_model("h200")
-    row = project_layout(job, job.layout(8), device, compute_rates(device, None), parse_args(["--config", "-"]),
+    row = project_layout(job, job.layout(8), device, compute_rates(device, None), Options(),
                          optimizer=False)
     links = ("intra", "inter") if link is None else (link,)
     gb = lambda d: sum(d[f"{k}_gb"] for k in links) * 1e9  # noqa: E731
@@ -150,7 +111,7 @@ def test_projected_bytes_match_counted_bytes(counted, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_projected_bytes_per_link_match_counted_bytes(counted, name, monkeypatch):
     """The same bytes split into intra- and inter-node for nodes of NODE ranks."""
-    for module in (step_projection, fsdp_traffic):  # the EP placement and the FSDP network model
+    for module in (dual_mesh, fsdp_traffic):  # the EP placement and the FSDP network model
         monkeypatch.setattr(module, "GPUS_PER_NODE", NODE)
     for link in ("intra", "inter"):
         want = _predicted(name, link)
@@ -203,7 +164,7 @@ def _debug_row(checkpointing="none", rates=None, **knobs):
     device = device_model("h200")
     layout = dataclasses.replace(job.layout(8), **knobs)
     return job, project_layout(job, layout, device, rates or compute_rates(device, None),
-                               parse_args(["--config", "-"]), optimizer=False)
+                               Options(), optimizer=False)
 
 
 def test_checkpointing_adds_the_recomputed_forward_to_the_compute():
@@ -234,7 +195,7 @@ def test_checkpointing_adds_the_recomputed_forward_to_the_compute():
 
 
 def test_blocks_forward_is_a_third_of_the_model_flops_without_the_head():
-    from benchmarks.lib.block_flops import block_parts
+    from planning.flops import block_parts
     from models.presets import PRESETS
     from runtime.metrics import flops_per_token
 
@@ -250,7 +211,7 @@ def test_dispatch_variants_are_the_runtime_s_combinations():
     also with ep_recompute = "keep"; each variant sets exactly the knobs its name says."""
     import dataclasses
 
-    from benchmarks.lib.ep_projection import degrees_only, dispatch_knobs, dispatch_variants
+    from planning.ep_traffic import degrees_only, dispatch_knobs, dispatch_variants
 
     layout = dataclasses.replace(load_config(ARGS).layout(8), ep=8, edp_shard=1)
     base = ["direct", "fp8", "overlap2", "overlap2_fp8", "dedup", "dedup_overlap2", "dedup_fp8", "dedup_overlap2_fp8",
@@ -268,11 +229,12 @@ def test_dispatch_variants_are_the_runtime_s_combinations():
     assert dispatch_variants(dataclasses.replace(layout, ep=1, edp_shard=8), "full") == {}
 
 
-def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch, capsys):
-    """--memory-estimate walks the rows in order of step time through launch/estimate_memory.py and stops at
-    the first that fits: with the two fastest refused, the third is recommended and no fourth is estimated."""
-    import launch.estimate_memory as estimate_memory
+def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch):
+    """--memory-estimate walks the rows in order of step time through the memory estimate
+    (planning/memory/pretrain.py) and stops at the first that fits: with the two fastest refused, the third is
+    recommended and no fourth is estimated."""
     from benchmarks.step_projection import main
+    from planning.memory import pretrain
 
     estimated = []
 
@@ -280,13 +242,57 @@ def test_memory_estimate_recommends_the_fastest_row_that_fits_by_it(monkeypatch,
         estimated.append(job.layout)
         return {"total_gib": 150.0 - len(estimated), "fits": len(estimated) > 2}
 
-    monkeypatch.setattr(estimate_memory, "estimate", fake_estimate)
+    monkeypatch.setattr(pretrain, "estimate", fake_estimate)
     rows = main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate"])["rows"]
     by_time = sorted(rows, key=lambda r: r["time_s"]["step"])
     assert len(estimated) == 3 and [r.get("estimate_fits") for r in by_time[:4]] == [False, False, True, None]
     assert [r.get("recommended", False) for r in by_time[:3]] == [False, False, True]
     assert sum(1 for r in rows if r.get("recommended")) == 1
+
+
+def test_no_row_is_recommended_when_none_fits(capsys):
+    """When every row fails to fit (here the debug job against 1 KiB of memory), none is marked recommended and the
+    line says so (a row that does not fit was recommended before)."""
+    from benchmarks.step_projection import main
+
+    rows = main(["--config", "configs/debug.toml", "--world", "8", "--memory-gib", str(2**-20)])["rows"]
+    assert rows and not any(r["fits"] or r.get("recommended") for r in rows)
+    assert "recommended at 8 GPUs: none: no row fits" in capsys.readouterr().out
+
+
+# (arguments, the phrase of the one line): each named the wrong thing, raised, or was accepted before
+FLAG_MISTAKES = {
+    "world_zero": (["--config", "configs/debug.toml", "--world", "0"], "--world 0: must be >= 1"),
+    "compare_on_an_inferred_layout": (["--config", "configs/debug.toml", "--compare", "16"],
+                                      "--compare: the config infers a degree"),
+    "compare_not_numbers": (["--config", "configs/debug.toml", "--world", "8", "--compare", "0,abc"],
+                            "--compare 0,abc: expected comma-separated world sizes"),
+    "compare_negative": (["--config", "configs/debug.toml", "--world", "8", "--compare", "-256"],
+                         "--compare -256: world sizes must be >= 1 (got -256)"),
+    "compare_beyond_any_layout": (["--config", "configs/kimi_k2_256gpu.toml", "--compare", "1048576"],
+                                  "--compare 1048576: no candidate layout at 1048576 GPUs"),
+    "compare_without_candidates": (["--config", "configs/debug.toml", "--world", "2", "--compare", "4"],
+                                   "--compare 4: no candidate layout at 4 GPUs"),
+    "memory_negative": (["--config", "configs/debug.toml", "--world", "8", "--memory-gib", "-5"],
+                        "--memory-gib -5.0: must be a finite number of GiB > 0"),
+    "memory_nan": (["--config", "configs/debug.toml", "--world", "8", "--memory-gib", "nan"],
+                   "--memory-gib nan: must be a finite number of GiB > 0"),
+    "calibration_not_json": (["--config", "configs/debug.toml", "--world", "8", "--calibration", "{tmp}/garbage.json"],
+                             "not JSON"),
+    "calibration_without_the_keys": (["--config", "configs/debug.toml", "--world", "8", "--calibration",
+                                      "{tmp}/empty.json"], "the calibration benchmarks/gpu_check.py writes"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAG_MISTAKES))
+def test_step_projection_mistakes_are_one_line_exit_2_naming_the_flag(case, tmp_path, capsys):
+    from benchmarks.step_projection import main
+
+    (tmp_path / "garbage.json").write_text("not json at all")
+    (tmp_path / "empty.json").write_text("{}")
+    argv, phrase = FLAG_MISTAKES[case]
     with pytest.raises(SystemExit) as stop:
-        main(["--config", "configs/debug.toml", "--world", "8", "--memory-estimate", "--device", "b200"])
-    assert stop.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("launch/estimate_memory.py knows h100 and h200, not --device b200")
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert phrase in err, err

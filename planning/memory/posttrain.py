@@ -1,5 +1,6 @@
 """Per-rank peak memory of a post-training job (`data.source = "rollouts"`, launch/posttrain.py) before
-launch: the terms launch/estimate_memory.py adds for the teacher and the feedback losses.
+launch: the terms post-training adds to planning/memory/pretrain.py's for the teacher and the feedback losses
+(launch/estimate_memory.py is the command line; it chooses this estimate for a post-training config).
 
     python launch/estimate_memory.py --config configs/posttrain_example.toml --world 2 \\
         [--rollout-tokens L] [--feedback-items K] [--hint-tokens H] [--turn-tokens T] [--assistant-fraction A]
@@ -19,7 +20,7 @@ From it, per micro-batch on one rank (runtime/posttrain/rollout_batch.py's layou
                   the prefix taken as the whole trajectory) fills a KV cache, then item rows of H + T
                   tokens attend to it; item k of the slot runs whole on cp rank k % cp, so a rank holds
                   ceil(rows K / cp) items and their T targets each on the teacher side
-What is counted, on top of launch/estimate_memory.py's terms for the student at t tokens per row:
+What is counted, on top of planning/memory/pretrain.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
   logits          the student's head and losses, run in chunks of posttrain.head_chunk rows with the logits
@@ -30,7 +31,7 @@ What is counted, on top of launch/estimate_memory.py's terms for the student at 
                   logits term)
   teacher_data    the teacher's data of the local targets, kept through the student's pass: full
                   [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
-  teacher_pass    the teacher's forward (no grad; launch/teacher_memory.py): a block of its prefix pass or
+  teacher_pass    the teacher's forward (no grad; planning/memory/teacher.py): a block of its prefix pass or
                   its item pass (working set, dispatch, the KV cache of the whole prefix row, gathered
                   under cp) or its head at the targets of its items (their logits [items x T, V], the
                   targets' teacher data and entropy, the all-gather of that data over cp: every rank
@@ -44,22 +45,20 @@ student's forward/backward peak with teacher_data alive, or the optimizer step (
 gradient shards count in each moment that has them (with grad_accum = 1 not before the head's backward).
 """
 
-import argparse
 import dataclasses
 import math
 
 import torch
 from torch import nn
 
-from launch import estimate_memory as E
-from launch import teacher_memory as TM
+from planning.memory import pretrain as E
+from planning.memory import teacher as TM
 from models.output_head import OutputHead
 from runtime.posttrain import feedback
 from runtime.posttrain.objective import FeedbackObjective, teacher_data
 from runtime.posttrain.rollout_batch import RolloutMicroBatch, RolloutStep
 
 PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
-SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,42 +81,6 @@ class RolloutShape:
         return self.rollout_tokens + self.teacher_tokens()
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The rollout-shape flags (read for post-training configs only)."""
-    g = ap.add_argument_group("post-training (data.source = 'rollouts'): the rollouts' shape")
-    g.add_argument("--rollout-tokens", type=int, default=None, help="longest trajectory (default model.max_seq_len)")
-    g.add_argument("--feedback-items", type=int, default=None, help="feedback items per trajectory (default 10)")
-    g.add_argument("--hint-tokens", type=int, default=None, help="tokens per hint (default 256)")
-    g.add_argument("--turn-tokens", type=int, default=None, help="tokens per flagged turn (default 2048, at most L/K)")
-    g.add_argument("--assistant-fraction", type=float, default=None,
-                   help="trained (assistant) share of a trajectory's tokens (default 1: the upper bound)")
-
-
-def rollout_shape(args, config) -> RolloutShape | None:
-    """The shape of a post-training config's rollouts (None for pretraining); ValueError naming the flag."""
-    given = {k: getattr(args, k, None) for k in SHAPE_FLAGS}
-    if config.data.source != "rollouts":
-        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
-        if flags:
-            raise ValueError(f"{flags[0]}: only for post-training configs (data.source='rollouts'), but data.source="
-                             f"{config.data.source!r}")
-        return None
-    L = config.model.max_seq_len if given["rollout_tokens"] is None else given["rollout_tokens"]
-    K = 10 if given["feedback_items"] is None else given["feedback_items"]
-    H = 256 if given["hint_tokens"] is None else given["hint_tokens"]
-    T = min(2048, L // max(K, 1)) if given["turn_tokens"] is None else given["turn_tokens"]
-    A = 1.0 if given["assistant_fraction"] is None else given["assistant_fraction"]
-    checks = [("--rollout-tokens", L, 1 <= L <= config.model.max_seq_len, f"in [1, model.max_seq_len="
-               f"{config.model.max_seq_len}] (the loader refuses longer trajectories)"),
-              ("--feedback-items", K, K >= 0, ">= 0"), ("--hint-tokens", H, H >= 1, ">= 1"),
-              ("--turn-tokens", T, 1 <= T and K * T <= L, f"in [1, rollout tokens / feedback items = {L}/{K}]"),
-              ("--assistant-fraction", A, 0 <= A <= 1, "in [0, 1]")]
-    for flag, value, ok, expected in checks:
-        if not ok:
-            raise ValueError(f"{flag} {value}: must be {expected}")
-    return RolloutShape(L, K, H, T, A)
-
-
 # ---- the micro-batch one rank holds -------------------------------------------------------------
 
 def rows_per_micro_batch(job, shape: RolloutShape) -> int:
@@ -133,7 +96,7 @@ def _round_up(n: int, multiple: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class RowsJob(E.Job):
     """A Job whose micro-batch is `rows` rows of `length` tokens (padded to 2 cp), split over cp:
-    launch/estimate_memory.py's terms then read the post-training micro-batch."""
+    planning/memory/pretrain.py's terms then read the post-training micro-batch."""
     rows: int = 1
     length: int = 1
     split: bool = True  # False: each row whole on this rank (the teacher's item rows)
@@ -291,7 +254,7 @@ def forward_buffers(job) -> list[int]:
 
 
 def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
-    """Bytes at the largest moment of the prefix-shared teacher's forward (no grad; launch/teacher_memory.py):
+    """Bytes at the largest moment of the prefix-shared teacher's forward (no grad; planning/memory/teacher.py):
     a block of its prefix pass or of its item pass (the block's FSDP units, its input, working set and
     dispatch, with the KV cache) or its head, which runs on the item rows only (its unit, their logits with
     the targets' data and entropy, the all-gather of that data over cp: every rank receives cp x the
@@ -318,7 +281,7 @@ def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
 
 def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
     """The largest moment of the student's forward/backward, the teacher data alive throughout (the
-    moments of launch/estimate_memory.step_peak without paired micro-batches or recompute ahead, which
+    moments of planning/memory/pretrain.step_peak without paired micro-batches or recompute ahead, which
     post-training refuses, and with the post-training losses). The head runs in chunks of
     posttrain.head_chunk rows (models/output_head.py), so no moment holds the row's logits:
       losses   the head's backward, a chunk at a time: every block's activations, the head's unit unsharded
@@ -329,7 +292,7 @@ def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
                reduce-scatter input); the fp32 accumulator is alive while it is cast to the gradient and
                freed before the reduce-scatter input exists, so it counts only beyond that input
       block l  blocks 0..l saved, block l's recompute, FSDP buffers and dispatch, the embedding's output (the
-               final norm's fp32 copy and output, which launch/estimate_memory.step_peak still counts there, are
+               final norm's fp32 copy and output, which planning/memory/pretrain.step_peak still counts there, are
                freed by the head's backward)"""
     student = as_rows(job, n["rows"], shape.rollout_tokens)
     cfg, c = job.config.model, job.c
@@ -354,7 +317,7 @@ def student_peak(job, shape: RolloutShape, n: dict) -> tuple[str, dict]:
 
 
 def estimate(job, shape: RolloutShape) -> dict:
-    """launch/estimate_memory.estimate's result for a post-training job, with its parts and counts. The
+    """planning/memory/pretrain.estimate's result for a post-training job, with its parts and counts. The
     gradient shards are a part of each moment: with training.grad_accum = 1 none exist yet while the
     teacher runs and until the head's backward has reduce-scattered (each step starts with them freed)."""
     n = counts(job, shape)
@@ -370,9 +333,9 @@ def estimate(job, shape: RolloutShape) -> dict:
     moments["optimizer step"] = {"grads": state["grads"], "muon_step": E.muon_step(job)}
     at = max(moments, key=lambda k: sum(moments[k].values()))
     parts = {"params": state["params"], "optimizer": state["optimizer"], "teacher_copy": copy,
-             "runtime": E.RUNTIME_GIB[job.device] * E.GIB, **moments[at]}
+             "runtime": E.runtime_gib(job.device) * E.GIB, **moments[at]}
     total = sum(parts.values())
-    device_gib = E.DEVICES[job.device]
+    device_gib = E.device_gib(job.device)
     fits = device_gib is None or total / E.GIB <= device_gib
     return {"per_rank_gib": {k: v / E.GIB for k, v in parts.items()}, "total_gib": total / E.GIB,
             "device_gib": device_gib, "fits": fits, "suggestions": [] if fits else suggestions(job, shape, parts, total),
@@ -383,7 +346,7 @@ def estimate(job, shape: RolloutShape) -> dict:
 
 
 def suggestions(job, shape: RolloutShape, parts: dict, total: int) -> list[str]:
-    p, out = job.config.posttrain, [f"needs {total / E.GIB - E.DEVICES[job.device]:.1f} GiB less per rank"]
+    p, out = job.config.posttrain, [f"needs {total / E.GIB - E.device_gib(job.device):.1f} GiB less per rank"]
     if parts.get("logits", 0) + parts.get("teacher_pass", 0) > 0.25 * total:
         out.append(f"a larger parallel.cp (the losses over the logits hold {parts.get('logits', 0) / E.GIB:.1f} GiB, "
                    f"the teacher's pass {parts.get('teacher_pass', 0) / E.GIB:.1f}; both fall as 1/cp)")

@@ -1,6 +1,6 @@
 """The prefix-shared teacher's forwards (runtime/posttrain/objective.py prefix_shared_teacher), per rank, for
-launch/posttrain_memory.py: what its KV cache holds and one block's working set in each of its passes,
-measured on the CPU at the real widths like launch/estimate_memory.py's activations.
+planning/memory/posttrain.py: what its KV cache holds and one block's working set in each of its passes,
+measured on the CPU at the real widths like planning/memory/probe.py's activations.
 
 The teacher runs without grad, in two passes:
   prefix  the slot's trajectories packed into one row, split over cp like the student's: each layer
@@ -13,7 +13,7 @@ The teacher runs without grad, in two passes:
 The cache lives through both passes. A block's working set (what its forward creates, its input and
 the cache excluded) is fitted per sequence of S queries over P cached positions as
     a S + b S (S + P) + k P (+ e S E)
-a, b, e as launch/estimate_memory.block_fits (two lengths, two expert counts, no cache), k per cached
+a, b, e as planning/memory/probe.block_fits (two lengths, two expert counts, no cache), k per cached
 position from two cache lengths at the shorter query length (its S P part, b, removed). b S (S + P),
 the attention probabilities of the CPU's kernels, counts on the CPU only.
 """
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from launch import estimate_memory as E
+from planning.memory.probe import PROBE_SEQ, build_block
 from models.document_attention import Documents
 from models.kv_cache import CachedRows, LayerCache
 
@@ -70,12 +70,12 @@ def _item(block, seq: int, cached: int, dtype: torch.dtype) -> int:
 def block_fit(model_config, layer_id: int, dtype: torch.dtype, moe: bool) -> tuple[float, float, float, float]:
     """(a, b, e, k) of the module docstring's fit for block `layer_id`."""
     e1 = model_config.n_activated_experts if moe else model_config.n_routed_experts
-    s1, s2 = E.PROBE_SEQ
-    block = E._build_block(model_config, layer_id, e1, dtype)
+    s1, s2 = PROBE_SEQ
+    block = build_block(model_config, layer_id, e1, dtype)
     w1, w2 = _plain(block, s1, dtype), _plain(block, s2, dtype)
     e = 0.0
     if moe:
-        e = (_plain(E._build_block(model_config, layer_id, 2 * e1, dtype), s1, dtype) - w1) / (s1 * e1)
+        e = (_plain(build_block(model_config, layer_id, 2 * e1, dtype), s1, dtype) - w1) / (s1 * e1)
     w1, w2 = w1 - e * s1 * e1, w2 - e * s2 * e1
     b = (w2 / s2 - w1 / s1) / (s2 - s1)
     k = (_item(block, s1, s2, dtype) - _item(block, s1, s1, dtype)) / (s2 - s1) - b * s1

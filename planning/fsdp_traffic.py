@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.lib.wire_bytes import wire_bytes
+from planning.wire import wire_bytes
 
 GPUS_PER_NODE = 8
 
@@ -40,7 +40,7 @@ def peers(size: int, stride: int, gpus_per_node: int | None = None) -> tuple[int
 
 def on_wire(kind: str, passed_bytes: float, size: int, stride: int) -> Link:
     """Bytes rank 0 sends for one collective of `kind` in its group of `size` ranks `stride` apart,
-    passing `passed_bytes` in: benchmarks/lib/wire_bytes.py, the conversion the dry run applies to the
+    passing `passed_bytes` in: planning/wire.py, the conversion the dry run applies to the
     collectives it counts (launch/dry_run.py)."""
     return Link(*wire_bytes(kind, passed_bytes, [i * stride for i in range(size)], 0, GPUS_PER_NODE))
 

@@ -1,5 +1,5 @@
 """Forward FLOPs per token of each transformer block, by part: what activation checkpointing reruns
-(parallel/activation_checkpoint.py), for benchmarks/step_projection.py and benchmarks/lib/layout_step.py.
+(parallel/activation_checkpoint.py), for planning/dual_mesh.py and planning/step.py.
 
 The convention of runtime.metrics.flops_per_token (6 per active matmul parameter, causal attention
 3 S (qk + v) per layer and head), split forward 1/3 : backward 2/3: a forward is 2 per active
@@ -20,10 +20,7 @@ import functools
 
 import torch
 
-# Compute rates as fractions of the bf16 peak, until gpu_check measures them (assumptions):
-# large GEMMs reach ~70%, grouped expert GEMMs with a few hundred rows per expert ~55%,
-# causal attention with unequal q/k and v head dims (no flash kernel) ~35%.
-DEFAULT_EFFICIENCY = {"matmul_bf16": 0.70, "grouped_mm_bf16": 0.55, "attention_bf16": 0.35}
+# the compute rate (kernel class) of each part: planning/parameters.py fits one efficiency per class
 RATE = {"norms": "matmul_bf16", "attention": "matmul_bf16", "sdpa": "attention_bf16", "router": "matmul_bf16",
         "routed": "grouped_mm_bf16", "shared": "matmul_bf16", "ffn": "matmul_bf16"}  # compute rate of each part
 # what each mode reruns in backward (parallel/activation_checkpoint.checkpoint_regions): full, every block;
