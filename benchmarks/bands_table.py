@@ -2,7 +2,7 @@
 
     python benchmarks/bands_table.py
 
-Prints two markdown tables; docs/performance.md holds them verbatim (tests/test_calibrate.py checks it, so
+Prints two markdown tables; docs/performance.md holds them verbatim (tests/unit/test_calibrate.py checks it, so
 the docs cannot drift from the results):
   calibration  each published run of benchmarks/calibration/ (held-out ones marked): measured and projected
                tokens/s/GPU and their ratio (benchmarks/calibrate.py)

@@ -7,7 +7,7 @@ error and goes on), and returns the figures it compared.
                     forward and backward in bf16, MLA (q/k 192, v 128) and GQA (128) shapes, against an
                     fp32 SDPA of the whole sequence. Yardstick: one plain bf16 SDPA call of the whole
                     sequence against the same fp32 reference; the chunked pieces may be at most
-                    CP_TOLERANCE x that (tests/test_attention.py measured <= 1.7x on the CPU kernels).
+                    CP_TOLERANCE x that (tests/ranks/test_attention.py measured <= 1.7x on the CPU kernels).
   grouped_mm_empty  grouped matmuls (models/experts.py, `torch._grouped_mm`) with some expert groups empty
                     and with all of them empty (x of 0 rows): the output has the right shape, empty
                     experts' weight gradients are exactly 0, and the other experts' output and gradients
@@ -22,7 +22,7 @@ Relative errors are Frobenius norms: ||got - ref|| / ||ref||.
 import torch
 import torch.nn.functional as F
 
-CP_TOLERANCE = 2.5  # x the single bf16 SDPA call's error (tests/test_attention.py: measured <= 1.7x)
+CP_TOLERANCE = 2.5  # x the single bf16 SDPA call's error (tests/ranks/test_attention.py: measured <= 1.7x)
 GROUPED_TOLERANCE = 2.0  # x the bf16 loop's error: two bf16 roundings of one result
 
 

@@ -4,7 +4,7 @@ here, before they import torch, the models and the parallel code (seconds on a l
 Run as a script, each entry point that reads a config calls one function of this module above its heavy
 imports; its `main` then runs the same checks again (load_config, and for a training job the layout)
 with the same messages, so a caller of `main` sees no difference. Nothing here imports torch: the config
-tree (runtime/config.py and what it imports) is torch-free, and tests/test_precheck.py keeps it so.
+tree (runtime/config.py and what it imports) is torch-free, and tests/entry/test_precheck.py keeps it so.
 
   training_job(argv, path_source)  launch/pretrain.py, posttrain.py: the config and its layout for
                                    WORLD_SIZE; `config error: ...` from rank 0 (`stop`), exit 2

@@ -40,7 +40,7 @@ LATENCY_S = 50e-6
 COMM_SM_SHARE = 0.15
 DISPATCHERS = ("nccl", "deepep")
 # projected / measured tokens/s/GPU of the committed published runs (benchmarks/calibrate.py on
-# benchmarks/calibration/*.toml; tests/test_calibrate.py keeps these equal to what it computes): the spread
+# benchmarks/calibration/*.toml; tests/unit/test_calibrate.py keeps these equal to what it computes): the spread
 # that projections quote as their band.
 CALIBRATION_RATIOS = (0.868, 1.075, 1.119)
 

@@ -198,7 +198,7 @@ def host_syncs_per_layer(layout) -> int:
     """Host readbacks of split sizes per MoE layer forward under EP: the direct dispatch 1 (its count
     exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), dedup in
     n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep/pieces.py), fixed
-    capacity 0 (tests/test_ep_dispatch.py and tests/test_host_syncs.py count them)."""
+    capacity 0 (tests/ranks/test_ep_dispatch.py and tests/ranks/test_host_syncs.py count them)."""
     if layout.ep_capacity_factor > 0:
         return 0
     if layout.ep_dedup:
