@@ -1,4 +1,4 @@
-"""Export in the layout of the source (`save_pretrained(..., like=SRC)`, `export_hf.py --like SRC`): a Kimi
+"""Export in the layout of the source (`save_like(model, out, SRC)`, `export_hf.py --like SRC`): a Kimi
 K2.5-layout directory comes back with its nesting, config and vision/projector bytes, its routed experts
 re-quantized to INT4 (checked with compressed-tensors' `unpack_from_int32`), and loads again in twinmesh
 and, through its dequantization, in `transformers`."""
@@ -15,6 +15,7 @@ pytest.importorskip("compressed_tensors")
 from hf_reference import hf_config, hf_logits, random_hf_model  # noqa: E402
 from int4_reference import VISION, int4_copy  # noqa: E402
 from models.hf.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from models.hf.like import save_like  # noqa: E402
 from models.hf.files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from hf_cases import ARGS, REL_TOL, _rel_err, _tokens  # noqa: E402
@@ -94,7 +95,7 @@ def _check_int4_export(model: torch.nn.Module, out: str):
 
 def test_save_like_keeps_the_layout_and_requantizes_the_experts(k25, tmp_path):
     model, out = _trained(k25["k25"]), str(tmp_path / "out")
-    save_pretrained(model, out, like=k25["k25"], shard_bytes=60_000)
+    save_like(model, out, k25["k25"], shard_bytes=60_000)
     assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1
     src, got = _raw(k25["k25"]), _raw(out)
     assert set(got) == set(src)  # the same keys: prefix, INT4 triples, vision tower, projector
@@ -115,7 +116,7 @@ def test_like_export_loads_into_transformers(k25, tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
     out, plain = str(tmp_path / "out"), str(tmp_path / "plain")
-    save_pretrained(_trained(k25["k25"]), out, like=k25["k25"])
+    save_like(_trained(k25["k25"]), out, k25["k25"])
     ours = load_pretrained(out)
     save_pretrained(ours, plain)  # the dequantized weights, as a DeepseekV3ForCausalLM directory
     hf = DeepseekV3ForCausalLM.from_pretrained(plain).eval()
@@ -125,7 +126,7 @@ def test_like_export_loads_into_transformers(k25, tmp_path):
 
 def test_bf16_experts_export_is_exact_in_bf16(k25, tmp_path):
     model, out = _trained(k25["k25"]), str(tmp_path / "out")
-    save_pretrained(model, out, like=k25["k25"], dtype=torch.bfloat16, experts_dtype="bfloat16")
+    save_like(model, out, k25["k25"], dtype=torch.bfloat16, experts_dtype="bfloat16")
     config = _config(out)
     assert "quantization_config" not in config and "quantization_config" not in config["text_config"]
     assert config["vision_config"] == _config(k25["k25"])["vision_config"]
@@ -142,7 +143,7 @@ def test_like_a_plain_directory_in_bf16_says_bfloat16(k25, tmp_path):
     named = {k: v for k, v in _config(src).items() if k in ("torch_dtype", "dtype") and v is not None}
     assert set(named.values()) == {"float32"}
     out = str(tmp_path / "out")
-    save_pretrained(load_pretrained(src), out, like=src, dtype=torch.bfloat16)
+    save_like(load_pretrained(src), out, src, dtype=torch.bfloat16)
     assert {k: _config(out)[k] for k in named} == {k: "bfloat16" for k in named}
     assert CheckpointFiles.scan(out, "").dtype_code("model.layers.1.mlp.experts.0.gate_proj.weight") == "BF16"
 
@@ -151,7 +152,7 @@ def test_like_a_different_model_is_refused(k25, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"its text model differs from the exported model: n_routed_experts=4 there, "
                                          r"8 here"):
-        save_pretrained(load_pretrained(k25["k25"]), str(out), like=k25["e4"])
+        save_like(load_pretrained(k25["k25"]), str(out), k25["e4"])
     assert not out.exists()
 
 

@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from hf_cases import _DEEPSEEK_V3, _KIMI_K2, BLOCK, REL_TOL, _fp8_copy, _rel_err, _tokens  # noqa: E402
 from hf_reference import CASES, hf_config, hf_logits, random_hf_model  # noqa: E402
-from models.hf.checkpoint import check_checkpoint, load_pretrained, load_state, save_pretrained  # noqa: E402
+from models.hf.check import check_checkpoint  # noqa: E402
+from models.hf.checkpoint import load_pretrained, load_state, save_pretrained  # noqa: E402
 from models.hf.config import read_hf_config  # noqa: E402
 from models.hf.files import CheckpointFiles  # noqa: E402
 from models.model import Transformer  # noqa: E402
