@@ -149,7 +149,7 @@ def section_train_variants(ctx) -> dict:
 
     import torch.distributed as dist
 
-    from benchmarks.gpu_check import _train_steps, train_argv
+    from benchmarks.gpu_check_train import train_argv, train_steps
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
@@ -163,7 +163,7 @@ def section_train_variants(ctx) -> dict:
                 "qk_clip": ["--optim.qk_clip_tau=0.01"]}
     out, problems = {}, []
     for name, extra in variants.items():
-        result = _train_steps(ctx, base + extra, steps=1)
+        result = train_steps(ctx, base + extra, steps=1)
         result.pop("_config")
         out[name] = result
         if not all(math.isfinite(x) for x in result["losses"]):

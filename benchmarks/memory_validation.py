@@ -37,7 +37,7 @@ from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 
 COMMON = ["--data.source=synthetic", "--training.warmup_steps=1", "--checkpoint.interval=0"]

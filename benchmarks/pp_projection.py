@@ -68,7 +68,7 @@ def row(run: layout_step.Run, memory_gib: float) -> dict:
 def main(argv=None) -> dict:
     from benchmarks.lib.device_model import device_model
     from benchmarks.step_projection import config_world
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)

@@ -524,7 +524,7 @@ def config_world(job) -> int:
 @user_errors
 def main(argv=None) -> dict:
     from benchmarks.lib.device_model import device_model
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     args = parse_args(argv)
     if args.memory_estimate and args.device not in ("h100", "h200"):

@@ -72,7 +72,7 @@ from parallel.activation_checkpoint import apply_activation_checkpoint, checkpoi
 from parallel.gradients import LOSS_CHUNK_BYTES  # noqa: E402
 from parallel.layout import EXPERT_AXES  # noqa: E402
 from parallel.meshes import rank_mesh  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 

@@ -85,7 +85,7 @@ def _check_expert_inner(value) -> None:
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
             "ep_combine_grad_dtype")
 # EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
-# a config that still sets one fails naming it (runtime/config.py), with what to use instead
+# a config that still sets one fails naming it (runtime/config_parser.py), with what to use instead
 REMOVED_EP_KNOBS = {
     "ep_interleave": "removed (two halves per MoE block); to overlap the all-to-alls with the experts use "
                      "parallel.ep_overlap_chunks = 2",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from launch.pretrain import main
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.errors import Diverged
 from runtime.guards import DivergenceGuard
 from runtime.posttrain.rollouts import read_rollouts

@@ -11,7 +11,8 @@ import pytest
 from entry_point import run_ok
 from launch import posttrain
 from launch.pretrain import main
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError
+from runtime.config_parser import load_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 ROLLOUTS = os.path.join(REPO, "examples", "rollouts.jsonl")

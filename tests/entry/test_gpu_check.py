@@ -1,12 +1,14 @@
 """`benchmarks/gpu_check.py --device cpu --small` runs every section of the GPU check on the CPU,
-so the one command a GPU user runs cannot rot; its calibration is what the projections read."""
+so the one command a GPU user runs cannot rot; its calibration is what the projections read. Its sections'
+modules: benchmarks/gpu_check_train.py (the step's settings and model), benchmarks/gpu_check_paths.py."""
 
 import json
 import math
 
 import torch
 
-from benchmarks.gpu_check import main, parse_args, run, train_argv
+from benchmarks.gpu_check import main, parse_args, run
+from benchmarks.gpu_check_train import train_argv
 from benchmarks.lib.device_model import DEVICES, calibrate
 from multirank import run_ranks
 
@@ -58,9 +60,9 @@ def test_the_default_device_cuda_gets_an_index(monkeypatch, tmp_path):
 
 
 def _logits_dtype(rank, world_size, argv):
-    from benchmarks.gpu_check import build_model_quick
+    from benchmarks.gpu_check_train import build_model_quick
     from parallel.meshes import build_meshes
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     config = load_config(argv)
     layout = config.layout(1)

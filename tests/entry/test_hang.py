@@ -84,7 +84,7 @@ def _timeouts(rank, world_size, run_dir):
     from parallel.meshes import build_meshes
     from runtime.comm import CommWatch, checkpoint_group
     from runtime.comm_config import CommConfig
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     meshes = build_meshes(load_config([]).layout(world_size), "cpu")
     config = CommConfig(init_timeout_s=700, train_timeout_s=7, checkpoint_timeout_s=77)

@@ -8,7 +8,7 @@ import pytest
 
 from entry_point import run_ok, run_pretrain
 from launch import posttrain
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 ROLLOUTS = ["--data.source=rollouts", f"--data.path={os.path.join(REPO, 'examples', 'rollouts.jsonl')}",

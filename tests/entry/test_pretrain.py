@@ -15,7 +15,7 @@ from launch import posttrain
 from launch.pretrain import check_environment, main
 from entry_point import run_ok, run_pretrain
 from runtime.checkpoint.checkpoint import MARKER
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # Small and fast: 4 steps of 8 sequences x 32 tokens on the debug model, Muon, the bundled corpus.

@@ -211,7 +211,8 @@ def test_loader_marks_documents_restarts_positions_and_skips_crossing_labels(tmp
 
 
 def test_document_mask_refuses_files_without_documents(tmp_path):
-    from runtime.config import ConfigError, load_config
+    from runtime.config import ConfigError
+    from runtime.config_parser import load_config
     from launch.pretrain import check_environment
 
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "flat.bin")

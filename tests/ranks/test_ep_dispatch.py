@@ -113,7 +113,8 @@ def test_gateway_is_self_on_own_node_and_one_per_node():
      "parallel.ep_dedup: parallel.ranks_per_node=3 does not divide the world size 8"),
 ])
 def test_bad_dispatch_knobs_fail_in_one_line(argv, world, message):
-    from runtime.config import ConfigError, load_config
+    from runtime.config import ConfigError
+    from runtime.config_parser import load_config
 
     with pytest.raises(ConfigError) as error:
         load_config(argv).layout(world)

@@ -9,7 +9,7 @@ from models import Transformer, preset
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime import train as T
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.generate import SamplingConfig, generate, sample, sampling_probs
 
 

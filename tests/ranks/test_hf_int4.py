@@ -103,7 +103,7 @@ def _loaded(rank, world_size, cases, run_dir):
     """Per case: the full parameters on rank 0 after --model.init_from (no step)."""
     from parallel.meshes import build_meshes
     from runtime import train as T
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     out = {}
     for name, (path, parallel) in cases.items():
@@ -128,7 +128,7 @@ def _bytes_read(rank, world_size, path, run_dir):
     """(INT4 expert bytes, all tensor bytes) this rank reads for --model.init_from on dp_shard=4, ep=4."""
     from parallel.meshes import build_meshes
     from runtime import train as T
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     config = load_config(ARGS + [f"--model.init_from={path}", f"--run.dir={run_dir}", "--parallel.dp_shard=4",
                                  "--parallel.cp=1", "--parallel.ep=4", "--parallel.edp_shard=1"])
@@ -287,7 +287,7 @@ def test_k25_config_maps_to_the_kimi_k2_preset_and_the_256gpu_config_loads(tmp_p
 
     from int4_reference import k25_config
     from models import preset
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
     from hf_cases import _KIMI_K2
 
     (tmp_path / "config.json").write_text(json.dumps(k25_config({k: v for k, v in _KIMI_K2.items()

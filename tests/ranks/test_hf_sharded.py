@@ -18,7 +18,7 @@ from models.hf.files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 
 # Losses: the same fp32 step in a different reduction order (tests/ranks/test_parallel_parity.py measures
 # <= 5e-7 relative); 1e-5 leaves 20x room for that and none for a real bug. Weights: copied bytes, so equal exactly.

@@ -11,7 +11,7 @@ from benchmarks.memory_validation import _argv, _measure
 from launch.estimate_memory import Job, estimate, main
 from multirank import run_ranks
 from parallel.gradients import IGNORE_INDEX, loss_fn
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,7 +12,8 @@ import torch
 
 from entry_point import run_ok, run_pretrain
 from launch.pretrain import check_environment
-from runtime.config import ConfigError, load_config
+from runtime.config import ConfigError
+from runtime.config_parser import load_config
 from runtime.data.loader import Loader
 from runtime.data.indexed import IndexedWriter
 from runtime.data.mixture import Allocation, Mixture

@@ -19,7 +19,7 @@ from multirank import run_ranks
 from parallel.meshes import build_meshes
 from parallel.overlap import fsdp_units_in_forward_order
 from runtime import train as T
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 ARGS = ["--data.seq_len=32", "--data.batch_size=8", "--checkpoint.interval=0", "--training.grad_accum=2",
         "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.cp=1", "--parallel.ep=2",

@@ -24,7 +24,7 @@ import torch
 from launch.posttrain import build_objective
 from multirank import run_ranks
 from parallel.meshes import build_meshes
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.posttrain.rollouts import read_rollouts
 from runtime.schedule import build_scheduler
 from runtime.train import build_loader, build_model, build_optimizer, train_step

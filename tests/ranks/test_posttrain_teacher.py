@@ -14,7 +14,7 @@ from models import Transformer, preset
 from entry_point import run_ok
 from multirank import run_ranks
 from parallel.meshes import build_meshes
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.posttrain.objective import FeedbackObjective, copy_weights
 from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader

@@ -199,7 +199,8 @@ def test_metrics_max_logit_records_it_without_qk_clip(tmp_path):
 
 
 def test_metrics_max_logit_with_qk_clip_on_is_refused():
-    from runtime.config import ConfigError, load_config
+    from runtime.config import ConfigError
+    from runtime.config_parser import load_config
 
     with pytest.raises(ConfigError, match=r"^metrics.max_logit=true has no effect with optim.qk_clip_tau=100.0: "):
         load_config(["--optim.qk_clip_tau=100", "--metrics.max_logit=true"])

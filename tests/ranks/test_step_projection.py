@@ -28,7 +28,7 @@ from benchmarks.step_projection import compute_rates, parse_args, peers, project
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime import train as T
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 ARGS = ["--data.seq_len=32", "--data.batch_size=8", "--checkpoint.interval=0"]
 CASES = {  # dp_replicate, dp_shard, cp | edp_replicate, edp_shard, ep, and other overrides

@@ -11,7 +11,7 @@ from launch.pretrain import main
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime import train as T
-from runtime.config import load_config
+from runtime.config_parser import load_config
 
 ARGS = ["--training.steps=3", "--training.warmup_steps=1", "--data.seq_len=32", "--data.batch_size=8",
         "--checkpoint.interval=0"]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from models import preset
-from runtime.config import (ConfigError, JobConfig, default_layout, field_help, fill_layout, help_text,
-                            load_config)
 from optim.config import OptimConfig
 from parallel.layout import ParallelConfig
 
+from runtime.config import ConfigError, JobConfig, default_layout, fill_layout
+from runtime.config_parser import field_help, help_text, load_config
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONFIGS = os.path.join(REPO, "configs")
 

@@ -11,7 +11,7 @@ import pytest
 from benchmarks.memory_validation import POSTTRAIN_ROWS, POSTTRAIN_SHAPE, posttrain_argv, posttrain_row, write_rollouts
 from launch.estimate_memory import Job, main
 from launch.posttrain_memory import counts, estimate
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.posttrain.rollout_batch import RolloutLoader
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
