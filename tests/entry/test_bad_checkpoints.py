@@ -10,11 +10,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from launch.pretrain import main
-from models import Transformer, preset
-from models.hf.checkpoint import check_checkpoint, save_pretrained
+from models.hf.check import check_checkpoint
+from models.hf.checkpoint import save_pretrained
 from models.hf.config import read_hf_config
 from multirank import run_ranks
 from runtime.checkpoint.run_lock import LOCK_NAME, _try_lock
+from seeded_models import seeded_model
 
 ARGS = ["--data.source=synthetic", "--data.seq_len=16", "--data.batch_size=4", "--training.steps=1",
         "--training.warmup_steps=1", "--checkpoint.interval=0", "--parallel.dp_replicate=1", "--parallel.cp=1",
@@ -25,8 +26,7 @@ SHARD = "model.safetensors"
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("hf"))
-    model = Transformer(preset("debug"))
-    model.init_weights(seed=0)
+    model = seeded_model("debug")
     save_pretrained(model, path, shard_bytes=1 << 40)  # one file: model-00001-of-00001
     os.rename(os.path.join(path, "model-00001-of-00001.safetensors"), os.path.join(path, SHARD))
     os.remove(os.path.join(path, "model.safetensors.index.json"))

@@ -27,6 +27,7 @@ from parallel.gradients import clip_grad_norm_, global_loss, loss_fn
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
 from runtime.syncs import count_syncs
+from seeded_models import seeded_model
 
 WORLD, BATCH, SEQ, RPN = 8, 8, 32, 4
 MODEL = preset("debug", n_layers=2, n_dense_layers=0)  # two MoE blocks (module docstring)
@@ -36,10 +37,7 @@ FOLDED = dict(dp_replicate=2, dp_shard=2, cp=2, edp_shard=2, ep=4, expert_inner=
 
 
 def build_model(config=MODEL) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights()
-    return model
+    return seeded_model(config, init="default")
 
 
 def batch(vocab_size):

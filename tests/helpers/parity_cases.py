@@ -15,6 +15,7 @@ from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import load_balanced_positions
 from parallel.gradients import loss_fn
 from parallel.layout import ParallelConfig
+from seeded_models import seeded_model
 
 WORLD, BATCH, SEQ = 8, 8, 32
 AC_RTOL = 1e-6  # activation checkpointing reruns the same ops: observed bitwise
@@ -51,9 +52,7 @@ CASES = {  # name: (model preset, overrides, layout, force routing to experts 0 
 
 def _model(name: str) -> Transformer:
     preset_name, overrides, _, skew = CASES[name]
-    torch.manual_seed(0)
-    model = Transformer(preset(preset_name, **overrides))
-    model.init_weights()
+    model = seeded_model(preset_name, init="default", **overrides)
     if skew:
         for router in model.routers():
             router.expert_bias[:2] = 10.0  # sigmoid scores are < 1: experts 0 and 1 always win top-2

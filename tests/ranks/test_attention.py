@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models import Transformer, preset
 from models.block_attention import lower_right_mask, prefix_causal_attention
 from multirank import run_ranks
 from parallel.context_parallel import apply_context_parallel, balanced_chunk_attention, load_balanced_positions
 from parallel.gradients import loss_fn
+from seeded_models import seeded_model
 
 FLASH, MATH = "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._safe_softmax.default"
 LOSS_RTOL = 1e-6
@@ -134,13 +134,6 @@ def test_balanced_chunks_of_every_rank_equal_the_plain_loop(cp):
         torch.testing.assert_close(out.double(), reference[:, :, positions], rtol=0, atol=2e-6)
 
 
-def _debug_model(name):
-    torch.manual_seed(0)
-    model = Transformer(preset(name))
-    model.init_weights()
-    return model
-
-
 def _tokens(vocab):
     tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
     return tokens[:, :-1], tokens[:, 1:]
@@ -154,7 +147,7 @@ def _loss_and_grads(model, inputs, labels, positions=None):
 
 def _plain_reference(name):
     """Loss and gradients of the debug model with every `sdpa` replaced by the plain loop."""
-    model = _debug_model(name)
+    model = seeded_model(name, init="default")
     for block in model.layers:
         block.attention.sdpa = PlainAttention()
     return _loss_and_grads(model, *_tokens(model.config.vocab_size))
@@ -166,7 +159,7 @@ def _grad_errors(grads, reference):
 
 @pytest.mark.parametrize("name", ["debug", "debug_gqa"])
 def test_model_attention_runs_flash_and_equals_the_plain_loop(name):
-    model = _debug_model(name)
+    model = seeded_model(name, init="default")
     with OpNames() as ops:
         loss, grads = _loss_and_grads(model, *_tokens(model.config.vocab_size))
     assert FLASH in ops.names and MATH not in ops.names
@@ -179,7 +172,7 @@ def _cp_rank(rank, world, names):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out = {}
     for name in names:
-        model = _debug_model(name)
+        model = seeded_model(name, init="default")
         apply_context_parallel(model, mesh)
         inputs, labels = _tokens(model.config.vocab_size)
         positions = load_balanced_positions(SEQ, world, rank)

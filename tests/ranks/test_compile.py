@@ -30,14 +30,14 @@ from parallel.gradients import global_loss, loss_fn
 from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
+from seeded_models import seeded_model
 
 BATCH, SEQ = 2, 32
 GRAD_RTOL = 2e-5  # tests/ranks/test_parallel_parity.py: multi-rank vs one process, fp32
 
 
 def _model(name: str, dtype: torch.dtype, aux: float) -> Transformer:
-    model = Transformer(preset(name, aux_loss_alpha=aux))
-    model.init_weights(seed=0)
+    model = seeded_model(name, aux_loss_alpha=aux)
     model.to(dtype)
     for router in model.routers():  # fp32 as under FSDP's router policy: counts stay exact
         router.float()
@@ -320,9 +320,7 @@ def test_document_mask_on_the_cpu_block_path_equals_eager_and_never_recompiles(m
 
 
 def _dense_model(name: str) -> Transformer:
-    model = Transformer(preset(name, n_dense_layers=preset(name).n_layers))
-    model.init_weights(seed=0)
-    return model
+    return seeded_model(name, n_dense_layers=preset(name).n_layers)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])

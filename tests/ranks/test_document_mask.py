@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import Transformer, preset
+from models import preset
 from models.document_attention import Documents, document_attention
 from multirank import run_ranks
 from parallel.context_parallel import apply_context_parallel, load_balanced_positions
 from parallel.gradients import IGNORE_INDEX, loss_fn
+from seeded_models import seeded_model
 from torch.distributed.device_mesh import init_device_mesh
 
 L = 48
@@ -28,10 +29,7 @@ LENGTHS = [[5, 17, 1, 25], [48], [13, 11, 24]]  # cp=4 chunks of 6: documents st
 
 
 def _model(name):
-    torch.manual_seed(0)
-    model = Transformer(preset(name, n_dense_layers=preset(name).n_layers))
-    model.init_weights()
-    return model
+    return seeded_model(name, init="default", n_dense_layers=preset(name).n_layers)
 
 
 def _packed(lengths_B, seed=1, vocab=256):

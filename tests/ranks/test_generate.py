@@ -5,18 +5,12 @@ against 1 process."""
 import pytest
 import torch
 
-from models import Transformer, preset
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.config_parser import load_config
 from runtime.generate import SamplingConfig, generate, sample, sampling_probs
-
-
-def _model(name):
-    model = Transformer(preset(name))
-    model.init_weights(seed=0)
-    return model
+from seeded_models import seeded_model
 
 
 def _prompts(B, P, seed=1):
@@ -25,7 +19,7 @@ def _prompts(B, P, seed=1):
 
 @pytest.mark.parametrize("name", ["debug", "debug_gqa"])
 def test_cached_greedy_decoding_equals_full_forwards(name):
-    model = _model(name)
+    model = seeded_model(name)
     prompts = _prompts(3, 7)
     out = generate(model, prompts, SamplingConfig(temperature=0, max_new_tokens=12))
     sequence = torch.cat([prompts, out.tokens_BN], dim=1)
@@ -67,7 +61,7 @@ def test_sampling_follows_the_plain_definition():
 
 
 def test_a_sequence_samples_the_same_alone_or_in_a_batch_and_stops():
-    model = _model("debug")
+    model = seeded_model("debug")
     prompts = _prompts(3, 5)
     config = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=8)
     batch = generate(model, prompts, config, seed=7)

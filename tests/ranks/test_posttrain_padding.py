@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import Transformer, preset
+from models import Transformer
 from models.document_attention import max_document_logits
 from multirank import run_ranks
 from optim.qk_clip import enable_recording, reset_recording, step_max_logits
@@ -23,6 +23,7 @@ from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import trajectory_from_record
 from runtime.syncs import count_syncs
+from seeded_models import seeded_model
 
 LENGTHS = (50, 23, 37)  # one micro-batch of 3 rows padded to a multiple of 2*cp (50, or 52 with cp=2)
 # fp32 both sides; the same tokens in another batch composition (one row vs three) only reorder the
@@ -40,9 +41,7 @@ def _records() -> list[dict]:
 
 
 def _model(activation_checkpoint: str = "none") -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = seeded_model("debug", init="generator")
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

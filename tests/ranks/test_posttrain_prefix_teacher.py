@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import Transformer, preset
+from models import Transformer
 from multirank import run_ranks
 from parallel.context_parallel import apply_context_parallel
 from posttrain_cases import many_feedback_record
 from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import deal, trajectory_from_record
+from seeded_models import seeded_model
 
 VOCAB, MAX_LEN = 256, 256
 LENGTHS = (57, 23, 41, 30)  # several rows, several flagged turns each, one turn starting at token 0
@@ -35,17 +36,10 @@ def _loader(cp: int = 1, cp_rank: int = 0) -> RolloutLoader:
                          trajectories=trajs)
 
 
-def _model(seed: int, name: str) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(preset(name))
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model
-
-
 def _models(mode: str, name: str) -> tuple[Transformer, Transformer | None, FeedbackObjective]:
     """(student, teacher or None for live, objective in `sampled` mode: its teacher data is the log-prob)."""
-    student = _model(0, name)
-    teacher = None if mode == "live" else _model(1, name)
+    student = seeded_model(name, 0, init="generator")
+    teacher = None if mode == "live" else seeded_model(name, 1, init="generator")
     objective = FeedbackObjective(PosttrainConfig(mode="sampled", teacher=mode), teacher=teacher)
     if mode == "ema":
         objective.after_step(student)  # the EMA moves: neither the student's weights nor its start
@@ -103,7 +97,7 @@ def test_teacher_logprobs_equal_per_item_rows(mode, name):
 
 def test_an_item_sees_only_its_own_hint():
     """The check above can fail: the reference with another item's hint in front differs by > 1e-2."""
-    student = _model(0, "debug")
+    student = seeded_model("debug", 0, init="generator")
     want = _reference(student)
     t = _trajs()[0]
     a, b = t.feedback[0], t.feedback[1]
@@ -128,7 +122,8 @@ def test_teacher_tokens_count_what_is_forwarded():
                                                                        == 1).sum())
     per_item = sum(t.turns[f.turn].end + len(f.hint) for t in _trajs() for f in t.feedback)
     assert step.teacher_tokens == forwarded < per_item
-    metrics = FeedbackObjective(PosttrainConfig()).forward_backward(_model(0, "debug"), step, torch.device("cpu"))[2]
+    model = seeded_model("debug", 0, init="generator")
+    metrics = FeedbackObjective(PosttrainConfig()).forward_backward(model, step, torch.device("cpu"))[2]
     assert metrics["teacher_tokens"] == step.teacher_tokens
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launch.posttrain import build_objective, main
-from models import Transformer, preset
+from models import Transformer
 from entry_point import run_ok
 from multirank import run_ranks
 from parallel.meshes import build_meshes
@@ -20,15 +20,13 @@ from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.train import build_model
 from posttrain_cases import Data, records
+from seeded_models import seeded_model
 
-EXAMPLE = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")), "examples", "rollouts.jsonl")
+EXAMPLE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rollouts.jsonl"))
 
 
 def _model(seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(preset("debug"))
-    model.init_weights()
-    return model
+    return seeded_model("debug", seed, init="default")
 
 
 @pytest.fixture

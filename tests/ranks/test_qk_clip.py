@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from entry_point import run_ok
-from models import Transformer, preset
 from models.attention import CausalAttention, max_logits
 from optim.qk_clip import clip_metrics, enable_recording, gqa_row_scales, qk_clip_, reset_recording, step_max_logits
+from seeded_models import seeded_model
 
 
 def plain_max_logits(q_BHSE, k_BHSE, q_pos_S, kv_pos_S, scale):
@@ -38,9 +38,7 @@ def test_blockwise_max_logits_equal_the_plain_loop():
 
 
 def _model(name, **overrides):
-    torch.manual_seed(0)
-    model = Transformer(preset(name, **overrides))
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = seeded_model(name, init="generator", **overrides)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

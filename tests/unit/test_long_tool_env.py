@@ -6,14 +6,13 @@ batched play against each episode played alone."""
 import random
 
 import pytest
-import torch
 
 from experiments.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, RESTATE, SLACK, WIDTH, new_episode,
-                                    play, step, transcript)
+                                       play, step, transcript)
 from experiments.tool_env import GOALS, HEADER, rollout_record
-from models import Transformer, preset
 from runtime.generate import SamplingConfig
 from runtime.posttrain.rollouts import trajectory_from_record
+from seeded_models import seeded_model
 
 
 def _right(episode) -> dict[str, str]:
@@ -186,9 +185,7 @@ def test_batched_play_equals_each_episode_played_alone():
     """Episodes are batched by context length; each one's lines and log-probs must be those it gets
     when played alone (its own sampling stream: first_id names it). Lines of at most 2 tokens (an
     untrained model rarely ends a line) keep the 30 rounds short."""
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights(seed=0)
+    model = seeded_model("debug")
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=2)
     rng = random.Random(8)
     episodes = [new_episode(rng, n_goals=3) for _ in range(2)]

@@ -23,14 +23,9 @@ from models import (
 from models.experts import _grouped_mm_ok, grouped_linear, looped_linear
 from models.moe import sequence_balance_loss
 from models.splits import muon_splits
+from seeded_models import seeded_model
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def build(name="debug", seed=0, **overrides) -> Transformer:
-    model = Transformer(preset(name, **overrides))
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model
 
 
 def tokens(B=2, S=16, seed=1) -> torch.Tensor:
@@ -47,7 +42,7 @@ def lm_loss(model, toks):
 
 @pytest.mark.parametrize("name", ["debug", "debug_gqa"])
 def test_forward_backward_every_param_gets_grad(name):
-    model = build(name)
+    model = seeded_model(name, init="generator")
     toks = tokens()
     assert model(toks).shape == (2, 16, 256)
     # Expert 0 of every MoE layer can never be selected: its weights must still get a zero grad.
@@ -77,7 +72,7 @@ def test_no_grad_experts_get_zero_grads_with_no_tokens_at_all():
 
 
 def test_causal_future_tokens_do_not_change_past_logits():
-    model = build()
+    model = seeded_model(init="generator")
     toks = tokens(B=1, S=24)
     changed = toks.clone()
     changed[0, 12:] = (changed[0, 12:] + 7) % 256
@@ -92,7 +87,7 @@ def test_causal_future_tokens_do_not_change_past_logits():
 
 @pytest.mark.parametrize("name", ["debug", "debug_gqa"])
 def test_explicit_positions(name):
-    model = build(name).eval()
+    model = seeded_model(name, init="generator").eval()
     toks = tokens()
     with torch.no_grad():
         default = model(toks)
@@ -231,7 +226,7 @@ def test_aux_loss_gradient_is_injected():
 
 @pytest.mark.parametrize("name,overrides", [("debug", {}), ("debug", {"q_lora_rank": 0}), ("debug_gqa", {})])
 def test_muon_splits_cover_matrices(name, overrides):
-    model = build(name, **overrides)
+    model = seeded_model(name, init="generator", **overrides)
     splits = muon_splits(model)
     params = dict(model.named_parameters())
     expected = {n for n, p in params.items() if p.ndim >= 2} - {"tok_embeddings.weight", "output.weight"}

@@ -7,19 +7,17 @@ import json
 import pytest
 import torch
 
-from models import Transformer, preset
 from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, records
+from seeded_models import seeded_model
 
 @pytest.fixture
 def setup(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records()))
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights()
+    model = seeded_model("debug", init="default")
     step = RolloutLoader(Data(str(path)), seed=0, vocab_size=256, max_seq_len=256).batch(0)
     return model, step
 

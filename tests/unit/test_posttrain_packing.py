@@ -5,11 +5,11 @@ replaced): the same losses, metrics and gradients; `padding_fraction` on mixed l
 import pytest
 import torch
 
-from models import Transformer, preset
 from posttrain_cases import many_feedback_record
 from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import trajectory_from_record
+from seeded_models import seeded_model
 
 VOCAB, MAX_LEN = 256, 256
 LENGTHS = (200, 31, 97, 12, 150, 64)  # mixed: one row per trajectory pads ~45% of the student positions
@@ -32,9 +32,7 @@ def _step(pack: bool, grad_accum: int = 1):
 
 
 def _run(step, mode: str):
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = seeded_model("debug", init="generator")
     objective = FeedbackObjective(PosttrainConfig(mode=mode, sft_coef=0.5))
     loss, _, metrics = objective.forward_backward(model, step, torch.device("cpu"))
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from examples.make_rollouts import trajectory
-from models import Transformer, preset
 from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import read_rollouts
+from seeded_models import seeded_model
 
 
 class _Data:
@@ -36,9 +36,7 @@ def setup(tmp_path):
     step = loader.batch(0)
     ids = loader.plan.step(0)
     assert sorted(ids) == list(range(6))  # the plain loop sees the same trajectories
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights()
+    model = seeded_model("debug", init="default")
     return model, step, records
 
 

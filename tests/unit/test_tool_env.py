@@ -7,9 +7,9 @@ import random
 import pytest
 
 from experiments.tool_env import GOALS, HEADER, new_episode, play, rollout_record, step, transcript
-from models import Transformer, preset
 from runtime.generate import SamplingConfig
 from runtime.posttrain.rollouts import trajectory_from_record
+from seeded_models import seeded_model
 
 
 def _episode():
@@ -77,8 +77,7 @@ def test_rollout_record_has_the_hint_on_invalid_turns():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_model_plays_episodes_to_the_end(temperature):
-    model = Transformer(preset("debug"))
-    model.init_weights(seed=0)
+    model = seeded_model("debug")
     rng = random.Random(1)
     episodes = [new_episode(rng) for _ in range(3)]
     logprobs = play(model, episodes, SamplingConfig(temperature=temperature, max_new_tokens=16), seed=0)
