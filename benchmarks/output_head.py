@@ -38,8 +38,9 @@ MIB = 2**20
 
 
 def whole_logits_student(model, mb, data, step, c: PosttrainConfig) -> torch.Tensor:
-    """The student before chunking: every position's logits [B, S, V], then the losses over them; backward
-    run, the loss returned (tests/unit/test_output_head.py holds the chunked head to it too)."""
+    """The student before chunking, the baseline: every position's logits [B, S, V], then the losses over them;
+    backward run, the loss returned (tests/unit/test_output_head.py holds the chunked head to the same
+    computation)."""
     logits_TV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents).flatten(0, 1)
     logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
     old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())

@@ -2,7 +2,8 @@
 (pretraining through launch/pretrain.py, play, score, records, one optimizer step of the posttrain
 objective, measurement) for every arm; and one feedback step on a turn that called an unavailable tool
 moves the student's probability of that tool's name the way the hint moves the teacher's (down, when
-the hint makes the name less likely)."""
+the hint makes the name less likely). Episodes come from the experiment's environments
+(experiments/tool_env.py, experiments/long_tool_env.py)."""
 
 import json
 import random
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.feedback_experiment import (ARMS, MINIATURE, ExperimentConfig, Learner, arm_config, kl_untargeted,
-                                            main, merge, precheck, pretrain_base, run, run_arm, summarize)
+                                             main, merge, precheck, pretrain_base, run, run_arm, summarize)
 from experiments.tool_env import GOALS, new_episode, rollout_record, step
 
 

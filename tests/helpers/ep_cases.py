@@ -1,6 +1,6 @@
 """Shared fixtures of the EP tests (tests/ranks/test_ep_dispatch.py, tests/ranks/test_ep_grid.py): the debug model without
 its dense block on 8 gloo ranks in two simulated nodes (`ranks_per_node` = 4), its single-process step, one
-parallelized step per case with every all-to-all byte counted (benchmarks/lib/ep_traffic.py), the plan's
+parallelized step per case with every all-to-all byte counted (tests/helpers/ep_traffic.py), the plan's
 bytes for the run's own routing, and the single-process step with FP8 rows (`fp8_reference`).
 
 Tolerances as in tests/ranks/test_parallel_parity.py (fp32, different summation orders: observed <= 1e-6
@@ -15,7 +15,7 @@ the process groups are not what is tested here.
 import torch
 import torch.distributed as dist
 
-from benchmarks.lib.ep_traffic import count_all_to_all, split_by_node
+from ep_traffic import count_all_to_all, split_by_node
 from models import Transformer, preset
 from models.experts import swiglu_experts
 from models.moe import LocalDispatcher, MoE

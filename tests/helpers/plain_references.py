@@ -32,7 +32,7 @@ def naive_muon_step(p, grad, buf, kind, parts, config, lr):
     return p * (1 - lr * config.weight_decay) - lr * update, buf
 
 
-def _stream_reference(full_shape, std, seed, name) -> torch.Tensor:
+def stream_reference(full_shape, std, seed, name) -> torch.Tensor:
     """The documented stream, written plainly: rows in blocks of R, block b's n values the first n of
     ceil(n / 16) * 16 normals from generator (seed, name, b)."""
     row_len = full_shape[-1]

@@ -2,7 +2,7 @@
 cases beyond tests/ranks/test_ep_grid.py's grid (no checkpointing, selective checkpointing, the folded HSDP layout,
 dropping capacity, FP8 dispatch and FP8 combine gradient each alone) on 8 gloo ranks in two simulated nodes
 (parallel.ranks_per_node=4) against the single-process step, with every all-to-all byte counted
-(benchmarks/lib/ep_traffic.py) and compared with the plan. Shared fixtures and tolerances: tests/helpers/ep_cases.py.
+(tests/helpers/ep_traffic.py) and compared with the plan. Shared fixtures and tolerances: tests/helpers/ep_cases.py.
 """
 
 import itertools

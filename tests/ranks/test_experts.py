@@ -13,6 +13,9 @@
 - On 6 ranks with an FSDP shard across w13's w1/w3 boundary (Shard(1), edp_shard=3), the seeded init
   and the Hugging Face loader fill exactly the single-process rows.
 - A checkpoint from before the fusion fails to resume with one line, and exports as the same weights.
+- benchmarks/expert_block.py's launch proxy counts 2 grouped matmuls forward and 4 backward for the fused
+  block (3 and 6 before), and the benchmark runs; its `separate_swiglu` (the pre-fusion code) is the
+  reference of the whole-model comparison above.
 """
 
 import json
@@ -30,7 +33,8 @@ from models.splits import PER_EXPERT, muon_splits
 from optim.config import OptimConfig
 from optim.muon_reference import ReferenceMuon
 from parallel.gradients import loss_fn
-from plain_references import _stream_reference, naive_muon_step
+from plain_references import stream_reference, naive_muon_step
+from seeded_models import seeded_model
 
 COUNTS = torch.tensor([5, 0, 9, 3, 0, 7])  # experts 1 and 4 get no tokens
 
@@ -119,9 +123,7 @@ class SeparateExperts(nn.Module):
 
 
 def test_model_loss_and_grads_equal_the_pre_fusion_experts():
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights(seed=0)
+    model = seeded_model("debug")
     before = Transformer(preset("debug"))
     before.load_state_dict(model.state_dict())
     for layer in before.layers[before.config.n_dense_layers:]:
@@ -150,8 +152,8 @@ def test_seeded_w13_holds_the_w1_and_w3_streams():
     experts = model.layers[1].feed_forward.experts
     shape = (c.n_routed_experts, c.moe_inter_dim, c.dim)
     for half, name in zip(experts.w13.detach().chunk(2, dim=1), ("w1", "w3")):
-        assert torch.equal(half, _stream_reference(shape, c.init_std, 3, f"layers.1.feed_forward.experts.{name}"))
-    assert torch.equal(experts.w2.detach(), _stream_reference(tuple(experts.w2.shape), c.init_std, 3,
+        assert torch.equal(half, stream_reference(shape, c.init_std, 3, f"layers.1.feed_forward.experts.{name}"))
+    assert torch.equal(experts.w2.detach(), stream_reference(tuple(experts.w2.shape), c.init_std, 3,
                                                               "layers.1.feed_forward.experts.w2"))
 
 
@@ -212,10 +214,8 @@ def test_a_shard_across_the_w1_w3_boundary_gets_its_seeded_and_loaded_rows(tmp_p
     from models.hf.checkpoint import save_pretrained
     from multirank import run_ranks
 
-    seeded_full = Transformer(preset("debug", **ODD))
-    seeded_full.init_weights(seed=3)
-    other = Transformer(preset("debug", **ODD))
-    other.init_weights(seed=4)
+    seeded_full = seeded_model("debug", 3, **ODD)
+    other = seeded_model("debug", 4, **ODD)
     save_pretrained(other, str(tmp_path / "hf"))
     straddles = 0
     for seeded, loaded in run_ranks(_odd_layout_weights, 6, str(tmp_path / "hf"), timeout=120):

@@ -1,5 +1,6 @@
 """Bounded memory: chunked cross-entropy equals the plain one; the pre-launch memory estimate agrees
-with the measured peak of real CPU steps and writes the documented JSON."""
+with the measured peak of real CPU steps (one row of benchmarks/memory_validation.py's table, measured by
+its public `pretrain_argv` and `pretrain_peak`) and writes the documented JSON."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.memory_validation import _argv, _measure
+from benchmarks.memory_validation import pretrain_argv, pretrain_peak
 from launch.estimate_memory import Job, estimate, main
 from multirank import run_ranks
 from parallel.gradients import IGNORE_INDEX, loss_fn
@@ -35,10 +36,10 @@ def test_estimate_within_20_percent_of_measured_peak(tmp_path):
     """debug preset, 2 ranks, full checkpointing (its estimate probes both none and full), one real
     training step under torch's MemTracker (benchmarks/memory_validation.py runs the whole table:
     ratios 0.99-1.13); observed here 1.13."""
-    argv = _argv("debug", "full", str(tmp_path))
+    argv = pretrain_argv("debug", "full", str(tmp_path))
     config = load_config(argv)
     estimated = estimate(Job(config, config.layout(2), 0, "cpu"))["total_gib"] * 2**30
-    measured = run_ranks(_measure, 2, argv, timeout=300)[0]
+    measured = run_ranks(pretrain_peak, 2, argv, timeout=300)[0]
     assert 0.8 <= estimated / measured <= 1.2, (estimated, measured)
 
 

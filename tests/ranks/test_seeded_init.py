@@ -11,7 +11,7 @@ from parallel.layout import ParallelConfig
 from parallel.meshes import build_meshes
 from parallel.parallelize import parallelize
 from parity_cases import CASES, _shard_like
-from plain_references import _stream_reference
+from plain_references import stream_reference
 
 LAYOUTS_4 = {
     "fsdp4": ("debug", {}, ParallelConfig(dp_shard=4, ep=1)),
@@ -36,7 +36,7 @@ LAYOUTS_8 = _distinct(CASES)
 
 @pytest.mark.parametrize("full_shape", [(5, 300, 700), (1000, 64), (3, 20000), (70000,), (7, 9, 5), (33, 3)])
 def test_boxes_follow_the_documented_stream(full_shape):
-    full = _stream_reference(full_shape, 0.5, 7, "w")
+    full = stream_reference(full_shape, 0.5, 7, "w")
     box_shape = tuple(max(1, s // 3) for s in full_shape)
     offset = tuple(s // 2 for s in full_shape)
     box = normal_box(full_shape, box_shape, offset, 0.5, 7, "w")

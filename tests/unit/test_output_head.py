@@ -1,6 +1,6 @@
 """The output head's chunked losses (models/output_head.py) against plain autograd over whole logits: the
 head alone, and the post-training objective, whose student used to compute every position's logits and the
-losses over them in one piece (written out as benchmarks/output_head.whole_logits_student, the reference)."""
+losses over them in one piece (written out below as `whole_logits_student`, the reference)."""
 
 import json
 
@@ -8,13 +8,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.output_head import whole_logits_student
-from models import Transformer, preset
 from models.output_head import LossPart, OutputHead
-from runtime.posttrain.objective import FeedbackObjective
+from runtime.posttrain import feedback
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
 from runtime.posttrain.config import PosttrainConfig
 from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, many_feedback_record, records
+from seeded_models import seeded_model
+
+
+def whole_logits_student(model, mb, data, step, c: PosttrainConfig) -> torch.Tensor:
+    """The student before chunking: every position's logits [B, S, V], then the losses over them; backward
+    run, the loss returned (benchmarks/output_head.py measures the same computation as its baseline)."""
+    logits_TV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents).flatten(0, 1)
+    logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
+    old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())
+    rl_sum, _ = feedback.ppo_loss(logp_n, old_n, mb.advantages_n, c.clip_eps)
+    kl_sum = feedback_kl(logits_TV[mb.target_flat_m], mb.target_labels_m, data, c).sum() if data else 0.0
+    n_feedback = step.target_tokens if c.feedback_norm == "targets" else step.trained_tokens
+    loss = (c.sft_coef * -logp_n.sum() + c.rl_coef * rl_sum) / step.trained_tokens + c.feedback_coef * kl_sum / n_feedback
+    loss.backward()
+    return loss.detach()
 
 
 def _parts(g: torch.Generator, T: int, V: int) -> list[tuple[torch.Tensor, callable]]:
@@ -79,9 +93,7 @@ def test_objective_with_chunked_head_equals_whole_logits(tmp_path, mode):
     path = tmp_path / "r.jsonl"
     rows = records() + [many_feedback_record(i, 40 + 9 * i, 256) for i in range(3)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    torch.manual_seed(0)
-    model = Transformer(preset("debug"))
-    model.init_weights()
+    model = seeded_model("debug", init="default")
     data = Data(str(path))
     data.batch_tokens = 10_000
     step = RolloutLoader(data, seed=0, vocab_size=256, max_seq_len=256, grad_accum=2).batch(0)

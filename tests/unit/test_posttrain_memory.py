@@ -1,7 +1,8 @@
 """The memory estimate of post-training jobs (launch/posttrain_memory.py through launch/estimate_memory.py):
 its token counts against the runtime's own batching, its peak against measured peaks of real CPU
 post-training steps (the 0.99-1.13 band of the pretraining estimate), the Kimi K2.5 post-training config
-fitting an H200 by it, and one-line refusals of a bad rollout shape."""
+fitting an H200 by it, and one-line refusals of a bad rollout shape. The measured rows are
+benchmarks/memory_validation.py's (its public posttrain_argv, posttrain_row)."""
 
 import json
 import os
