@@ -1,10 +1,12 @@
-"""The docs stay true: every command in README.md and docs/**.md names a file that exists, every `--flag`
-given to a launch/ or benchmarks/ script is one its `--help` lists, every repository path in backticks
-exists, and every relative link (and its #anchor) resolves.
+"""The docs stay true: every command in README.md, tests/README.md and docs/**.md names a file that exists, every
+`--flag` given to a launch/, benchmarks/ or experiments/ script is one its `--help` lists, every repository path in
+backticks exists, and every relative link (and its #anchor) resolves. Every repository path named in a
+docstring of the code or the tests exists.
 
 Commands are read from code blocks and from inline code that starts with `python` or `torchrun`; the
 helps come from one subprocess that calls each script's `main(["--help"])` (one torch import, ~4 s)."""
 
+import ast
 import glob
 import json
 import os
@@ -27,9 +29,9 @@ def _read(path: str) -> str:
 
 
 def doc_files() -> list[str]:
-    """README.md and every docs/**.md, relative to the repository root."""
+    """README.md, tests/README.md and every docs/**.md, relative to the repository root."""
     docs = glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True)
-    return ["README.md"] + sorted(os.path.relpath(p, REPO) for p in docs)
+    return ["README.md", os.path.join("tests", "README.md")] + sorted(os.path.relpath(p, REPO) for p in docs)
 
 
 def _split_code(text: str) -> tuple[list[str], list[str], str]:
@@ -209,6 +211,35 @@ def reference_problems(doc: str, text: str, root: str = REPO) -> list[str]:
     return problems
 
 
+def _named_paths(text: str) -> list[str]:
+    """Repository files a text names: a top-level folder of the repo, then a name with one of FILE_EXT;
+    placeholders (`<...>`, an all-capital name such as `launch/X.py` or `CASE.toml`) are left out."""
+    found = []
+    for word in re.findall(r"[\w.{},*/\-]+", text):
+        word = word.split("::")[0].rstrip(".,")
+        stem = os.path.splitext(os.path.basename(word))[0]
+        if word.split("/")[0] in TOP and "/" in word and word.endswith(FILE_EXT) and not re.fullmatch(r"[A-Z_]+", stem):
+            found.append(word)
+    return found
+
+
+def docstring_problems(root: str = REPO) -> list[str]:
+    """'file:line: no file PATH' for every repository path named in a docstring (module, class or function) of
+    a .py file under root's code and test folders that does not exist."""
+    problems = []
+    for top in TOP:
+        for path in sorted(glob.glob(os.path.join(root, top, "**", "*.py"), recursive=True)):
+            tree = ast.parse(_read(path), path)
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                doc = ast.get_docstring(node, clean=False)
+                line = node.body[0].lineno if doc else 0
+                problems += [f"{os.path.relpath(path, root)}:{line}: no file {p}" for p in _named_paths(doc or "")
+                             if not _exists(p, root)]
+    return problems
+
+
 def test_every_command_flag_path_and_link_in_the_docs_exists():
     problems = []
     for doc in doc_files():
@@ -216,6 +247,24 @@ def test_every_command_flag_path_and_link_in_the_docs_exists():
             text = f.read()
         problems += reference_problems(doc, text) + link_problems(doc, text)
     assert problems == [], "\n".join(problems)
+
+
+def test_every_path_named_in_a_docstring_exists():
+    assert docstring_problems() == []
+
+
+def test_a_docstring_naming_a_missing_file_is_reported(tmp_path):
+    """A moved file named by its old path fails, wherever the docstring is; a placeholder and a glob do not."""
+    (tmp_path / "runtime" / "data").mkdir(parents=True)
+    (tmp_path / "runtime" / "data" / "loader.py").write_text('''"""Reads runtime/data/loader.py's sources."""\n''')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        '''"""Tests of runtime/data/*.py and launch/X.py."""\n\n\nclass Case:\n    """As in runtime/data.py."""\n\n\n'''
+        '''def test_y():\n    """See benchmarks/counters.py."""\n''')
+    assert docstring_problems(str(tmp_path)) == [
+        os.path.join("tests", "test_x.py") + ":5: no file runtime/data.py",
+        os.path.join("tests", "test_x.py") + ":9: no file benchmarks/counters.py",
+    ]
 
 
 def test_the_benchmarks_reference_lists_every_script_with_flags_its_help_lists():

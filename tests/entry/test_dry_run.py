@@ -69,7 +69,7 @@ def test_counted_bytes_on_the_wire_equal_the_projections_terms(ranks_0_and_63):
 
 
 def test_wire_bytes_follow_the_counters_convention():
-    """benchmarks/lib/wire_bytes.py against benchmarks/counters.py's independent per-kind formulas (bytes sent,
+    """benchmarks/lib/wire_bytes.py against benchmarks/lib/counters.py's independent per-kind formulas (bytes sent,
     self excluded), on a 4-rank group split over two nodes of 2."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Shared fixtures of the Hugging Face tests (tests/test_hf*.py): how logits are compared with transformers'
+"""Shared fixtures of the Hugging Face tests (tests/*/test_hf*.py): how logits are compared with transformers'
 (REL_TOL, `_rel_err`, `_tokens`), an FP8 block-quantized copy of a checkpoint with its exact dequantization
 (`_fp8_copy`), the layouts the sharded loads run on (command-line overrides), and the published DeepSeek-V3
 and Kimi K2 config.json files."""
