@@ -4,7 +4,7 @@ Numbers (per GPU; sources and assumptions):
   peak_tflops       dense bf16 tensor-core peak, NVIDIA H100 SXM5 and H200 SXM datasheets: 989 TFLOP/s
                     for both (same GH100 compute; "1,979" in the datasheets is with 2:4 sparsity).
   sustained_tflops  what batched NS matmuls (2048 x 7168 blocks, bf16) sustain: 600, ~60% of peak, the
-                    figure DESIGN.md uses (large cuBLAS bf16 GEMMs reach 650-750 on H100 SXM; NS
+                    design's working figure (large cuBLAS bf16 GEMMs reach 650-750 on H100 SXM; NS
                     also runs the smaller s x s products). Same for H200: NS is compute-bound, the
                     H200's extra HBM bandwidth does not speed it up. `--calibration` replaces it by
                     a measured rate on the real Kimi K2 block shapes.
