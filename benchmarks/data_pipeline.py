@@ -32,8 +32,8 @@ from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.cli import user_errors
 from runtime.config_parser import load_config
-from runtime.data.loader import Loader
 from runtime.data.indexed import IndexedWriter
+from runtime.data.loader import Loader
 from runtime.paths import check_outputs
 
 

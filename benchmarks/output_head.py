@@ -26,11 +26,11 @@ import torch
 from benchmarks.lib.memory_peak import track_peak
 from benchmarks.lib.synthetic_rollout import synthetic_record
 from models import Transformer, preset
-from runtime.posttrain import feedback
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain.objective import FeedbackObjective, feedback_kl
+from runtime.posttrain import feedback
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import trajectory_from_record
 

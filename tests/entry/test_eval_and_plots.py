@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from entry_point import run_ok
-from runtime.data.loader import Loader, split_tokens
 from runtime.data.config import DataConfig
+from runtime.data.loader import Loader, split_tokens
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # lr 1e-30 (0 is refused) and no expert-bias update: the weights stay the initial ones bitwise (every update,

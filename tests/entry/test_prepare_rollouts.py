@@ -17,9 +17,9 @@ from chat_tokenizers import (CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKI
                              conversations, make_tokenizer_dir)
 from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
 from runtime.posttrain import transcripts
-from runtime.posttrain.transcripts import parse_conversation, render_conversation
 from runtime.posttrain.rollout_batch import build_micro_batch
 from runtime.posttrain.rollouts import read_rollouts
+from runtime.posttrain.transcripts import parse_conversation, render_conversation
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from torch.distributed.fsdp import fully_shard
 from multirank import run_ranks
 from runtime.checkpoint.checkpoint import (MARKER, CheckpointConfig, ModelOptimState, RNGState, checkpoint_step,
                                            complete_checkpoints, latest_checkpoint, load, save)
-from runtime.data.loader import Loader
 from runtime.data.config import DataConfig
+from runtime.data.loader import Loader
 from runtime.errors import RunError
 
 

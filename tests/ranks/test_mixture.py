@@ -14,8 +14,8 @@ from entry_point import run_ok, run_pretrain
 from launch.pretrain import check_environment
 from runtime.config import ConfigError
 from runtime.config_parser import load_config
-from runtime.data.loader import Loader
 from runtime.data.indexed import IndexedWriter
+from runtime.data.loader import Loader
 from runtime.data.mixture import Allocation, Mixture
 
 HEADLINE = ["--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=8", "--parallel.edp_shard=1"]

@@ -15,8 +15,8 @@ from entry_point import run_ok
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime.config_parser import load_config
-from runtime.posttrain.objective import FeedbackObjective, copy_weights
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective, copy_weights
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.train import build_model
 from posttrain_cases import Data, records

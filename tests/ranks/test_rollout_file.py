@@ -15,8 +15,8 @@ import pytest
 
 from multirank import run_ranks
 from posttrain_cases import many_feedback_record
-from runtime.posttrain import rollout_file
 from runtime.errors import RunError
+from runtime.posttrain import rollout_file
 from runtime.posttrain.rollout_batch import RolloutLoader, RolloutStep, build_micro_batch
 from runtime.posttrain.rollout_file import RolloutFile, index_path, line_offsets
 from runtime.posttrain.rollouts import deal, read_rollouts

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.data import corpus
 from parallel.context_parallel import load_balanced_positions
-from runtime.data.loader import Loader, window_starts
+from runtime.data import corpus
 from runtime.data.config import DataConfig
+from runtime.data.loader import Loader, window_starts
 from word_tokenizer import _tiny_tokenizer
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from models.output_head import LossPart, OutputHead
 from runtime.posttrain import feedback
-from runtime.posttrain.objective import FeedbackObjective, feedback_kl
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
 from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, many_feedback_record, records
 from seeded_models import seeded_model

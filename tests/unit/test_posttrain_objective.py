@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, records
 from seeded_models import seeded_model

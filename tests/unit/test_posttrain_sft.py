@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from examples.make_rollouts import trajectory
-from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import read_rollouts
 from seeded_models import seeded_model
