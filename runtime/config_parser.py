@@ -24,7 +24,8 @@ except ModuleNotFoundError:  # Python < 3.11
 from models import PRESETS, ModelConfig, preset
 from models.hf.config import read_hf_config
 from optim.config import OptimConfig
-from parallel.layout import REMOVED_EP_KNOBS, ParallelConfig
+from parallel.ep.config import REMOVED_EP_KNOBS
+from parallel.layout import ParallelConfig
 from runtime.checkpoint.dirs import CheckpointConfig
 from runtime.comm_config import CommConfig
 from runtime.config import ConfigError, JobConfig, ProfileConfig, RunConfig, TrainingConfig

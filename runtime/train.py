@@ -35,7 +35,6 @@ from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
-from parallel.compile_refusal import compile_refusal
 from parallel.parallelize import parallelize
 from runtime import comm
 from runtime.checkpoint import checkpoint
@@ -66,11 +65,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     random weights drawn on the device)."""
     with torch.device("meta"):
         model = Transformer(config.model)
-    t = config.training
-    compilable = compile_refusal(layout) is None and config.data.source != "rollouts"  # post-training: eager
+    t = config.training  # the layout carries checkpointing and compile (JobConfig.layout)
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint,
-                compile_backend=t.compile_backend_used(compilable),
                 document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
