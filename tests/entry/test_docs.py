@@ -21,6 +21,7 @@ TOP = ("benchmarks", "configs", "docs", "examples", "experiments", "launch", "mo
        "tests")
 FILE_EXT = (".py", ".toml", ".md", ".json", ".jsonl", ".png")
 CHECKED_FLAGS = ("launch/", "benchmarks/", "experiments/")
+PYTEST_VALUED = ("-p", "-m", "-k", "-c", "-o")  # pytest options whose value is the next word
 
 
 def _read(path: str) -> str:
@@ -73,8 +74,10 @@ def parse_command(command: str):
     if not words or words[0] not in ("python", "python3", "torchrun"):
         return None
     if words[0].startswith("python") and len(words) > 2 and words[1] == "-m":
-        if words[2] == "pytest":
-            return [w.split("::")[0] for w in words[3:] if not w.startswith("-")], []
+        if words[2] == "pytest":  # its paths: neither an option nor the value of one (`-p no:cacheprovider`)
+            args = words[3:]
+            return [w.split("::")[0] for i, w in enumerate(args)
+                    if not w.startswith("-") and (i == 0 or args[i - 1] not in PYTEST_VALUED)], []
         return [words[2].replace(".", "/") + ".py"], []
     rest = words[1:]
     if words[0] == "torchrun" or (rest and rest[0] == "launch/torchrun.py"):
@@ -335,6 +338,7 @@ def test_commands_are_parsed_as_a_shell_would_split_them():
     assert parse_command("python launch/torchrun.py --nproc_per_node 8 launch/pretrain.py --config c.toml") == \
         (["launch/pretrain.py"], ["--config"])
     assert parse_command("python -m pytest tests/test_a.py::test_b -q") == (["tests/test_a.py"], [])
+    assert parse_command("python -m pytest -q -p no:cacheprovider -m inductor tests/") == (["tests/"], [])
     assert parse_command("echo $?") is None
     assert slug("Projection: Kimi K2 on 64..4096 GPUs") == "projection-kimi-k2-on-644096-gpus"
     assert slug("What stands between K2 and 35% (projected)") == "what-stands-between-k2-and-35-projected"

@@ -279,7 +279,7 @@ def test_imports_run_one_way():
     assert "models.boxes" in found["models.hf.checkpoint"] and "models.boxes" in found["optim.planner.plan"]
     assert "optim.planner.plan" in found["optim.sharded.muon"] and "benchmarks.lib.harness" in found["benchmarks.optimizer_step"]
     assert "runtime.data.documents" in found["runtime.posttrain.rollout_batch"]
-    assert "runtime.posttrain.objective" in found["experiments.feedback_experiment"]
+    assert "runtime.posttrain.objective" in found["experiments.teacher_tokens"]
     assert len(found) > 150  # 166 modules when written
     assert violations() == []
 
