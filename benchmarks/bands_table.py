@@ -2,7 +2,7 @@
 
     python benchmarks/bands_table.py
 
-Prints two markdown tables; docs/performance.md holds them verbatim (tests/test_calibrate.py checks it, so the docs
+Prints two markdown tables; docs/performance.md holds them verbatim (tests/unit/test_calibrate.py checks it, so the docs
 cannot drift from the results):
   cross-validation  each published run of planning/calibration/cases/: measured tokens/s/GPU, the projection with
                     the parameters fitted on all the other runs (leave-one-out) and its ratio, and the ratio under the

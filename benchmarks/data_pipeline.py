@@ -31,9 +31,9 @@ import torch.distributed as dist
 from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.cli import user_errors
-from runtime.config import load_config
-from runtime.data.loader import Loader
+from runtime.config_parser import load_config
 from runtime.data.indexed import IndexedWriter
+from runtime.data.loader import Loader
 from runtime.paths import check_outputs
 
 

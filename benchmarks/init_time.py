@@ -23,7 +23,7 @@ from models import Transformer  # noqa: E402
 from models.layers import RMSNorm  # noqa: E402
 from models.seeded_init import normal_box  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 
 
 def drawn_boxes(config, layout, rank: int):

@@ -37,7 +37,7 @@ from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 
 COMMON = ["--data.source=synthetic", "--training.warmup_steps=1", "--checkpoint.interval=0"]
@@ -51,7 +51,7 @@ PRESETS = {
 }
 
 
-def _argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "float32") -> list[str]:
+def pretrain_argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "float32") -> list[str]:
     return COMMON + PRESETS[preset] + [f"--training.activation_checkpoint={checkpointing}", f"--run.dir={run_dir}",
                                        f"--training.param_dtype={param_dtype}"]
 
@@ -66,7 +66,8 @@ def _job(world_size: int, argv: list[str]):
     return config, layout, meshes, device, model, T.build_optimizer(model, config), T.build_loader(config, meshes, layout)
 
 
-def _measure(rank, world_size, argv):
+def pretrain_peak(rank, world_size, argv):
+    """One rank's peak bytes over one real training step of `argv` (run on ranks by multirank.run_ranks)."""
     config, _, _, device, model, optimizer, loader = _job(world_size, argv)
     with track_peak(model, optimizers=(optimizer,)) as peak:
         T.forward_backward(model, loader.next_step(), config.data.tokens_per_step(), device)
@@ -207,10 +208,10 @@ def main(argv=None) -> list[dict]:
     for preset in () if args.objective == "posttrain" else ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):
             for checkpointing in ("none", "full"):
-                argv_case = _argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)
+                argv_case = pretrain_argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)
                 config = load_config(argv_case)
                 est = estimate(Job(config, config.layout(world), 0, "cpu"))["total_gib"] * 2**30
-                measured = run_ranks(_measure, world, argv_case, timeout=600)[0]
+                measured = run_ranks(pretrain_peak, world, argv_case, timeout=600)[0]
                 rows.append({"preset": preset, "world": world, "activation_checkpoint": checkpointing,
                              "param_dtype": args.param_dtype,
                              "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured})

@@ -24,7 +24,7 @@ from runtime.paths import check_outputs, config_inputs
 def main(argv=None) -> dict:
     from benchmarks.step_projection import config_world, worlds_of
     from planning.devices import device_model
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)

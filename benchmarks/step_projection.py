@@ -182,7 +182,7 @@ def check_flags(args) -> None:
 @user_errors
 def main(argv=None) -> dict:
     from planning.devices import device_model
-    from runtime.config import load_config
+    from runtime.config_parser import load_config
 
     args = parse_args(argv)
     check_flags(args)

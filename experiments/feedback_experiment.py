@@ -57,7 +57,7 @@ from experiments.tool_env import HEADER, rollout_record  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.generate import SamplingConfig  # noqa: E402
 from runtime.posttrain.rollout_batch import RolloutLoader  # noqa: E402
 from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402

@@ -84,7 +84,7 @@ from planning.memory import pretrain as memory_estimate  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime import comm  # noqa: E402
 from runtime.checkpoint import checkpoint  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 from runtime import train  # noqa: E402

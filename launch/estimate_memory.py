@@ -41,7 +41,7 @@ import json  # noqa: E402
 
 from planning.memory import posttrain, pretrain  # noqa: E402
 from runtime.cli import fail  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 
 SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")

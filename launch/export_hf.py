@@ -32,7 +32,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import tokenizer_files  # noqa: E402
 from launch.precheck import ToolParser  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.hf.checkpoint import SHARD_BYTES, write_hf  # noqa: E402
+from models.hf.checkpoint import write_hf  # noqa: E402
+from models.hf.files import SHARD_BYTES  # noqa: E402
 from models.hf.like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
 from runtime.paths import check_not_input  # noqa: E402
 from runtime.checkpoint import checkpoint  # noqa: E402

@@ -25,7 +25,7 @@ from launch import pretrain  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.checkpoint import pretrained  # noqa: E402
 from runtime.posttrain import init_source  # noqa: E402
-from runtime.config import help_text  # noqa: E402
+from runtime.config_parser import help_text  # noqa: E402
 from runtime.posttrain.objective import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
 from runtime.posttrain.rollout_file import line_offsets  # noqa: E402
 from runtime.train import build_model  # noqa: E402

@@ -4,7 +4,7 @@ here, before they import torch, the models and the parallel code (seconds on a l
 Run as a script, each entry point that reads a config calls one function of this module above its heavy
 imports; its `main` then runs the same checks again (load_config, and for a training job the layout)
 with the same messages, so a caller of `main` sees no difference. Nothing here imports torch: the config
-tree (runtime/config.py and what it imports) is torch-free, and tests/test_precheck.py keeps it so.
+tree (runtime/config_parser.py and what it imports) is torch-free, and tests/entry/test_precheck.py keeps it so.
 
   training_job(argv, path_source)  launch/pretrain.py, posttrain.py: the config and its layout for
                                    WORLD_SIZE; `config error: ...` from rank 0 (`stop`), exit 2
@@ -27,7 +27,8 @@ import time
 
 from parallel.layout import Layout
 from runtime.cli import EXIT_USER_ERROR, fail, one_line
-from runtime.config import JobConfig, load_config
+from runtime.config import JobConfig
+from runtime.config_parser import load_config
 
 
 def world() -> tuple[int, int]:

@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import EXIT_USER_ERROR  # noqa: E402
 from runtime.comm import init_process_group  # noqa: E402
-from runtime.config import help_text  # noqa: E402
+from runtime.config_parser import help_text  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.data.loader import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -112,7 +112,7 @@ def set_allocator_defaults(environ=os.environ) -> None:
 
 def main(argv: list[str], *, check=check_environment, build_objective=None, path_source: str = "bin") -> int:
     """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py;
-    `path_source`: what a data.path given without data.source is (runtime/config.py load_config)."""
+    `path_source`: what a data.path given without data.source is (runtime/config_parser.py load_config)."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0

@@ -1,5 +1,5 @@
 """The planner: what a training job costs before it runs (time per step, bytes per link, memory per rank), with
-public names for launch/ and benchmarks/ to use. It imports neither (tests/test_import_layers.py).
+public names for launch/ and benchmarks/ to use. It imports neither (tests/entry/test_import_layers.py).
 
   devices.py         the one device table (datasheet peaks, memory as torch reports it, link line rates)
   network.py         seconds of one collective: NCCL all-to-all by message size, DeepEP-class dispatch from its

@@ -35,7 +35,7 @@ token loads are assumed uniform):
               planner + device model)
   host_syncs  1 per step + (ep > 1) x MoE layers x micro-batches x the dispatch's readbacks per layer
               (parallel/ep/plan.host_syncs_per_layer; runtime/syncs.py,
-              measured by benchmarks/host_syncs.py, tests/test_host_syncs.py and tests/test_ep_dispatch.py)
+              measured by benchmarks/host_syncs.py, tests/ranks/test_host_syncs.py and tests/ranks/test_ep_dispatch.py)
 Bytes follow benchmarks/lib/counters.py's convention (what leaves a rank, self excluded: all-gather
 shard x (g - 1), reduce-scatter input x (g - 1)/g, all-reduce 2 (g - 1)/g, all-to-all rows to
 peers); a peer on the same node (GPUS_PER_NODE consecutive ranks) is intra-node (NVLink), else inter.
@@ -310,9 +310,9 @@ def step_times(c, layout, device, opts, compute: float, ep_stages: dict, fsdp_to
 def cpu_paths(layout) -> list[str]:
     """The CPU-tested runtime paths a row's figure depends on (their tests count its bytes and syncs)."""
     knobs = dispatch_knobs(layout)
-    paths = ["parallel/fsdp.py (tests/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
+    paths = ["parallel/fsdp.py (tests/ranks/test_step_projection.py: FSDP bytes)", "optim/sharded (the Muon step)"]
     if layout.ep > 1:
-        paths.append("parallel/ep/plan.py (tests/test_ep_dispatch.py: EP bytes)")
+        paths.append("parallel/ep/plan.py (tests/ranks/test_ep_dispatch.py: EP bytes)")
     paths += ["parallel/ep/dedup.py"] * knobs["ep_dedup"]
     paths += ["parallel/ep/pieces.py"] * (knobs["ep_overlap_chunks"] > 1)
     paths += ["parallel/ep/direct.py (FP8 rows)"] * (knobs["ep_dispatch_dtype"] != "compute")

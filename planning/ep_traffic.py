@@ -3,7 +3,7 @@
 benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch combination
 (`dispatch_variants`): the stages of parallel/ep/plan.layer_traffic, the code the runtime dispatches
 with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
-byte is one the runtime would send for that routing (tests/test_ep_dispatch.py checks it to the byte
+byte is one the runtime would send for that routing (tests/ranks/test_ep_dispatch.py checks it to the byte
 on real 8-rank runs); the host syncs come from parallel/ep/plan.host_syncs_per_layer; the overlap is
 modelled as the runtime does it (`exposed_ep_s`).
 """
@@ -133,7 +133,7 @@ def expert_call_stages(ep_config) -> tuple:
     reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
     pieces also the count exchange (parallel/ep/pieces.py), and with dedup in pieces the whole node hop
     (parallel/ep/pieces.py; an upper bound there: torch's checkpoint stops the recompute after the
-    last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
+    last piece's fan-out, so that piece's node combine is not sent again, tests/ranks/test_ep_dispatch.py)."""
     if ep_config.ep_overlap_chunks > 1 and ep_config.ep_dedup:
         return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
     return EXPERT_STAGES + (("counts",) if ep_config.ep_overlap_chunks > 1 else ())

@@ -26,7 +26,7 @@ Where each comes from:
                         destination node, its own node included; only the other nodes cross the NIC (2.72 of 3.62
                         at EP 32, 3.49 of 3.99 at EP 64 under that routing, `deepep_nic_share`): 43.5 and 44.6 GB/s
                         on the NIC, 0.88 of line. The EP 16 row (43 GB/s, 2 nodes) is NVLink-bound on H800's
-                        200 GB/s NVLink and not used; tests/test_calibrate.py checks the model reproduces it.
+                        200 GB/s NVLink and not used; tests/unit/test_calibrate.py checks the model reproduces it.
   DEEPEP_NVLINK 0.77    its intranode EP 8 row: 153 GB/s dispatch on H800's 200 GB/s NVLink line.
   RING_EFFICIENCY 0.80  nccl-tests all-reduce busbw on 400 Gb/s NDR: 40-45 GB/s per GPU at large sizes.
   NVLINK_EFFICIENCY 0.80  nccl-tests all-reduce busbw inside an H100 node: ~360 of 450 GB/s per direction.
@@ -61,7 +61,7 @@ def nccl_efficiency(bytes_per_peer: float) -> float:
 def deepep_nic_share(ep: int, gpus_per_node: int = 8, experts: int = 256, topk: int = 8, tokens: int = 4096) -> float:
     """Of the destination nodes DeepEP's benchmark counts per token (its own node included), the share that crosses
     the NIC, under that benchmark's routing: random scores, one group per node, the tokens' top min(nodes, 4)
-    groups, their top `topk` experts (DeepEP tests/test_internode.py)."""
+    groups, their top `topk` experts (DeepEP's internode test, test_internode.py)."""
     g = torch.Generator().manual_seed(0)
     nodes = ep // gpus_per_node
     scores = torch.randn(tokens, experts, generator=g).abs() + 1

@@ -27,7 +27,7 @@ import torch
 # Per element: momentum mul + add (8 + 12), weight decay (8), the Nesterov direction written in bf16
 # into the send buffer (4 + 4 + 2), block assembly (2 + 2), tall blocks batched with wide ones (cat
 # and copy back: 8 on mixed groups), the return gather (2 + 2), the update (4 + 2 + 4).
-# tests/test_benchmarks.py re-measures it. A fused kernel would need about 24 (read grad, momentum
+# tests/entry/test_benchmarks.py re-measures it. A fused kernel would need about 24 (read grad, momentum
 # and weight once, write momentum and weight once, the direction once in bf16, read the result).
 # Pieces moved by index maps instead of runs (optim/sharded/index.py) cost 32 more: 9% of Kimi K2's
 # elements at W = 256 (narrow), about +3 bytes not counted here.

@@ -1,6 +1,6 @@
 """The step model's fitted parameters and the error they were measured to carry, read from
 planning/calibration/fitted.json (written by `python benchmarks/calibrate.py --cross-validate --write`, checked
-by tests/test_calibrate.py to be the fit of the committed cases, never edited by hand).
+by tests/unit/test_calibrate.py to be the fit of the committed cases, never edited by hand).
 
 `Efficiency` is the only thing fitted, jointly on every committed published run (planning/calibration/fit.py):
   gemm         dense GEMMs' achieved share of the bf16 tensor-core peak (projections, shared experts, dense FFN,

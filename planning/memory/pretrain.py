@@ -310,7 +310,7 @@ def logits(job: Job) -> int:
 # bucket k's blocks and Newton-Schulz working set, bucket k-1's results returning; without, one
 # bucket at a time. Measured (benchmarks/lib/counters.py, peak extra memory of one step / largest bucket,
 # 2 ranks, debug and kimi_slice, fp32 and bf16, 1 and 4 MiB buckets): at most 6.57 and 4.77;
-# tests/test_memory.py re-measures it. The update direction is never materialized whole.
+# tests/ranks/test_memory.py re-measures it. The update direction is never materialized whole.
 STEP_BUCKETS = {True: 6.6, False: 4.8}
 
 
