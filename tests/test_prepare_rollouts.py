@@ -205,6 +205,12 @@ BAD = {  # name: (mutation of the third conversation, words the one-line error m
     "no_reward": (lambda c: c.pop("reward"), ["line 3", "neither 'advantage' nor 'reward'"]),
     "empty_final_answer": (lambda c: c["messages"].append({"role": "assistant", "content": ""}),
                            ["line 3", "the final assistant message is empty", "end-of-turn-only turn"]),
+    "blank_hint": (lambda c: c.update(feedback=[{"message": 2, "hint": "  \t "}]),
+                   ["line 3", "feedback[0].hint: expected a string with text (not only white space)"]),
+    "flagged_empty_middle_answer": (lambda c: (c["messages"][2].update(content="", tool_calls=None),
+                                               c.update(feedback=[{"message": 2, "hint": "check the tools"}])),
+                                    ["line 3", "feedback[0].message=2 is an empty assistant message",
+                                     "only target would be the end-of-turn token"]),
 }
 
 
