@@ -81,7 +81,8 @@ from models.experts import GroupedExperts  # noqa: E402
 from parallel.fake_backend import register_fake_backend  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
-from runtime import checkpoint, comm  # noqa: E402
+from runtime import comm  # noqa: E402
+from runtime.checkpoint import checkpoint  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402

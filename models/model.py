@@ -68,7 +68,7 @@ class Transformer(nn.Module):
         cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
         documents: packed documents (data.document_mask; models/document_attention.Documents): attention
         stays within each document and RoPE positions restart at each. With a cache too (post-training's
-        teacher, runtime/posttrain.py): `doc_BL` covers cached + new tokens, so each row sees its own
+        teacher, runtime/posttrain/objective.py): `doc_BL` covers cached + new tokens, so each row sees its own
         cached keys, and `rope_BS` gives each row's RoPE positions.
         head=False: the last block's hidden states [B, S, D] instead of logits (a pass that only fills a cache).
         """

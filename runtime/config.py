@@ -1,14 +1,14 @@
 """The job configuration: a frozen dataclass tree read from TOML, overridden by `--section.key=value`.
 
 Sections and where each one's dataclass lives (next to the component it configures):
-  [run]       RunConfig       here                    [data]       DataConfig       runtime/data_config.py
+  [run]       RunConfig       here                    [data]       DataConfig       runtime/data/config.py
   [model]     preset + any ModelConfig field          [training]   TrainingConfig   here
-  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint_dirs.py
+  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint/dirs.py
   [optim]     OptimConfig     optim/config.py         [profile]    ProfileConfig    here
   [eval]      EvalConfig      runtime/eval_config.py  [metrics]    MetricsConfig    runtime/metrics_config.py
-  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain_config.py
+  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain/config.py
 None of these modules imports torch (the model's config reads only models/config.py, presets.py and
-hf_config.py): entry points check a config before torch loads (launch/precheck.py).
+models/hf/config.py): entry points check a config before torch loads (launch/precheck.py).
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -33,19 +33,19 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from models import PRESETS, ModelConfig, preset
-from models.hf_config import read_hf_config
+from models.hf.config import read_hf_config
 from optim.config import OptimConfig
 from parallel.ep import refusals as ep_refusals
 from parallel.compile_refusal import check_compile
 from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
-from runtime import init_source
-from runtime.checkpoint_dirs import CheckpointConfig
+from runtime.posttrain import init_source
+from runtime.checkpoint.dirs import CheckpointConfig
 from runtime.comm_config import CommConfig
-from runtime.data_config import DataConfig, check_split
-from runtime.data_keys import unused_keys
+from runtime.data.config import DataConfig, check_split
+from runtime.data.keys import unused_keys
 from runtime.eval_config import EvalConfig
 from runtime.metrics_config import MetricsConfig
-from runtime.posttrain_config import PosttrainConfig
+from runtime.posttrain.config import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
 NO_PRESET = "none"  # model.preset=none: no preset, the shape comes from posttrain.init_from / model.init_from
@@ -417,7 +417,7 @@ def _model_config(name: str, init_from: str, overrides: dict) -> ModelConfig:
 
 
 def _posttrain_model(path: str, model_init_from: str, given_preset, overrides: dict) -> tuple[ModelConfig, str]:
-    """(model config, model.init_from) when posttrain.init_from is given (runtime/init_source.py)."""
+    """(model config, model.init_from) when posttrain.init_from is given (runtime/posttrain/init_source.py)."""
     if model_init_from:
         raise ConfigError(f"model.init_from={model_init_from} and posttrain.init_from={path}: give one (both name "
                           f"the starting weights)")

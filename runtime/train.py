@@ -10,7 +10,7 @@ divided by the GLOBAL token count of the step, and FSDP reductions sum, so gradi
 norms equal the single-process ones whatever the layout. A step whose loss or gradient norm is not
 finite is skipped on every rank (both are global values, so all ranks agree).
 
-Faults (runtime/guards.py, runtime/checkpoint.py): resume falls back from a checkpoint that does not
+Faults (runtime/guards.py, runtime/checkpoint/checkpoint.py): resume falls back from a checkpoint that does not
 load to the newest older one that does; too many consecutive non-finite steps stop the run (exit 3);
 SIGTERM saves a checkpoint after the current step and stops (exit 143); a checkpoint is never written
 from a non-finite state.
@@ -39,20 +39,21 @@ from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.compile import compile_regions, eager_modules, region_boundaries
 from parallel.compile_refusal import compile_refusal
 from parallel.parallelize import parallelize
-from runtime import checkpoint, comm
-from runtime.checkpointer import Checkpointer
+from runtime import comm
+from runtime.checkpoint import checkpoint
+from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.config import JobConfig
-from runtime.data import Loader, startup_line
-from runtime.mixture import mixture_eval_loss
+from runtime.data.loader import Loader, startup_line
+from runtime.data.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
 from runtime.eval_config import recorded_settings, settings_change
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
 from runtime.paths import job_kind, record_run_kind
-from runtime.pretrained import init_from_pretrained
+from runtime.checkpoint.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 from runtime.staging import to_device
 
@@ -143,7 +144,7 @@ def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) 
     """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
     The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
     inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch[:3])
-    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/documents.py)
+    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/data/documents.py)
     if documents is None:
         logits_BSV = model(inputs_BS, positions_S)
     else:
@@ -171,7 +172,7 @@ class NextToken:
     """The pretraining objective: mean next-token cross-entropy over the step's tokens. An objective is
     `forward_backward(model, step data, device) -> (this rank's loss share, global tokens, metrics)`,
     `after_step(model)` (after each applied optimizer step) and `state()` (extra checkpoint entries);
-    post-training's is runtime/posttrain.py."""
+    post-training's is runtime/posttrain/objective.py."""
 
     def __init__(self, config: JobConfig):
         self.global_tokens = config.data.tokens_per_step()
@@ -330,7 +331,7 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
 def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsLogger,
                     checkpointer: Checkpointer) -> None:
     """Save `step_<step>` unless the model or optimizer state is not finite (then older checkpoints stay);
-    async mode returns once the state is staged (runtime/checkpointer.py)."""
+    async mode returns once the state is staged (runtime/checkpoint/checkpointer.py)."""
     train_state = app_state["train"]
     if not checkpoint.all_finite(train_state.model, train_state.optimizers):
         log.info(f"step {step}: the model or optimizer state is not finite; checkpoint step_{step} not written")

@@ -409,7 +409,7 @@ def test_pretrain_with_document_mask_compiled_equals_eager(tmp_path):
     import numpy as np
 
     from entry_point import run_ok
-    from runtime.indexed import IndexedWriter
+    from runtime.data.indexed import IndexedWriter
 
     rng = np.random.default_rng(0)
     writer = IndexedWriter(str(tmp_path / "docs"), np.uint16)

@@ -1,7 +1,7 @@
 """The rollouts a post-training run reads: the file validated once and read through the descriptor
 opened for that validation, its line index, each trajectory's numbers, the step plan, and each step's
-trajectories for this rank (runtime/rollouts.py has the format, the checks of a line and the plan).
-The batcher (runtime/rollout_batch.py) asks `Rollouts.step` once a step; this file reads and parses.
+trajectories for this rank (runtime/posttrain/rollouts.py has the format, the checks of a line and the plan).
+The batcher (runtime/posttrain/rollout_batch.py) asks `Rollouts.step` once a step; this file reads and parses.
 
   index       `<file>.index.npz` beside the file: the byte offset where every line starts (and the
               file's size at the end), with the file's name, size, mtime and a SHA-256 of its first
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from runtime.errors import RunError
 from runtime.syncs import host_side
-from runtime.rollouts import StepPlan, Trajectory, deal, parse_line
+from runtime.posttrain.rollouts import StepPlan, Trajectory, deal, parse_line
 
 HEAD_BYTES = 1 << 20  # the head hashed into the index's key
 SCAN_BYTES = 1 << 24  # bytes read at a time while scanning for line ends

@@ -1,6 +1,6 @@
 """This rank's tensors of each post-training step: student rows, teacher rows, and where every trained
 and target token lives. `RolloutLoader.batch` asks the rollouts once a step for the step's plan and this
-rank's trajectories (runtime/rollout_file.py), then builds each slot's tensors here.
+rank's trajectories (runtime/posttrain/rollout_file.py), then builds each slot's tensors here.
 
 A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   student row   [1, S]: the slot's trajectories packed end to end (document masking: attention stays in
@@ -45,9 +45,9 @@ import torch
 
 from models.document_attention import Documents
 from parallel.context_parallel import load_balanced_positions
-from runtime.documents import rope_positions
-from runtime.rollout_file import InMemoryRollouts, RolloutFile, Rollouts
-from runtime.rollouts import Feedback, Trajectory
+from runtime.data.documents import rope_positions
+from runtime.posttrain.rollout_file import InMemoryRollouts, RolloutFile, Rollouts
+from runtime.posttrain.rollouts import Feedback, Trajectory
 
 
 class RolloutMicroBatch(NamedTuple):
@@ -291,7 +291,7 @@ class RolloutLoader:
                  dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1,
                  trajectories: list[Trajectory] | None = None, rollouts: Rollouts | None = None, group=None,
                  pack: bool = True):
-        """Reads `rollouts` (runtime/rollout_file.py), else `trajectories` (in memory, e.g. fresh on-policy
+        """Reads `rollouts` (runtime/posttrain/rollout_file.py), else `trajectories` (in memory, e.g. fresh on-policy
         rollouts), else opens `data.path` (this rank validating its share; RunError naming the file and the
         line). `group`: where the ranks agree each step that the file is unchanged (gloo; None: no process
         group). `pack=False`: one trajectory (and teacher item) per row, padded (the layout packing
