@@ -16,7 +16,7 @@ written there would be lost with it.
 
 import os
 
-from runtime.checkpoint_dirs import MARKER
+from runtime.checkpoint.dirs import MARKER
 
 
 def check_output_file(flag: str, path: str, example: str, inputs=()) -> None:

@@ -126,7 +126,7 @@ def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str =
                  data=None, group=None) -> Loader:
     """This rank's rows (dense data-parallel rank) and CP chunks of every global batch of `split`
     ("train", or "eval" / "eval/<source>": the held-out batches of runtime/evaluate.py); post-training
-    rollouts train only: `data` the rollouts opened at launch (runtime/rollout_file.py; None opens
+    rollouts train only: `data` the rollouts opened at launch (runtime/posttrain/rollout_file.py; None opens
     data.path), `group` where the ranks agree each step that the file is unchanged. `say(line)`: where a
     mixture notes a source that wraps around."""
     if config.data.source == "rollouts" and split == "train":

@@ -19,7 +19,7 @@ from hf_reference import hf_config, random_hf_model  # noqa: E402
 from models import preset  # noqa: E402
 
 VOCAB, CONTEXT = 448, 32768
-SKIPPED = ("pip ", "python benchmarks/feedback_experiment.py")  # an install; an 8-minute experiment of its own
+SKIPPED = ("pip ", "python experiments/feedback_experiment.py")  # an install; an 8-minute experiment of its own
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def test_a_step_planned_from_the_numbers_equals_the_step_built_by_parsing(tmp_pa
 
 def _overwrite_lines_but(path: str, bounds: np.ndarray, keep: set[int]) -> None:
     """Every line of the file but those in `keep` becomes as many bytes of malformed JSON (the offsets stay),
-    and the file keeps its mtime: only the CRC of a line read can tell (runtime/rollout_file.py)."""
+    and the file keeps its mtime: only the CRC of a line read can tell (runtime/posttrain/rollout_file.py)."""
     stat = os.stat(path)
     with open(path, "r+b") as f:
         for line in sorted(set(range(len(bounds) - 1)) - keep):

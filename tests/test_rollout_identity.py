@@ -1,4 +1,4 @@
-"""Post-training reads the rollout file it validated (runtime/rollout_file.py): a file rewritten while the
+"""Post-training reads the rollout file it validated (runtime/posttrain/rollout_file.py): a file rewritten while the
 run reads it stops every rank with the same one line naming the file (before: a ValueError or an
 IndexError traceback on one rank and "a peer rank died" on the other, or bytes that happened to parse
 trained without validation); a file renamed over it changes nothing (the descriptor keeps the validated
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from multirank import run_ranks
 from runtime.errors import RunError
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.rollout_batch import RolloutLoader
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "rollouts.jsonl")
 VOCAB, MAX_LEN = 256, 256

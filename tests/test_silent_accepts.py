@@ -70,7 +70,7 @@ def test_posttrain_keys_the_run_would_not_read_are_refused(flags, words):
 
 
 def test_a_budget_below_the_costliest_trajectory_is_noted_at_start(tmp_path, capsys):
-    from runtime.rollouts import read_rollouts
+    from runtime.posttrain.rollouts import read_rollouts
 
     costs = [t.cost() for t in read_rollouts(EXAMPLE, 256, 256)]
     worst = max(costs)
@@ -89,7 +89,7 @@ def test_a_budget_below_the_costliest_trajectory_is_noted_at_start(tmp_path, cap
 
 def test_evaluate_names_a_rollout_file_given_as_token_data(tmp_path, capsys):
     from launch.evaluate import main as evaluate
-    from runtime.data import open_bin
+    from runtime.data.loader import open_bin
 
     run = tmp_path / "run"
     assert pretrain([*ONE_STEP, f"--run.dir={run}"]) == 0
