@@ -92,3 +92,28 @@ def test_model_preset_none_unsets_the_config_files_preset(clone, capsys):
     assert load_config([*argv, "--model.preset=none"]).model.vocab_size == VOCAB
     with pytest.raises(ConfigError, match="model.preset='none': the model's shape then comes from"):
         load_config(["--config", "with_preset.toml", "--model.preset=none"])
+
+
+def test_the_readmes_post_training_limitation_matches_the_code():
+    """The README's post-training limitation said "pads rows (no packing), and every rank reads the whole
+    rollout file", after packing and the ranks' shares of the file made both false. Checked against the code:
+    a step's student, prefix and item rows are one packed row each (so no claim of padded rows), the line
+    naming the limitations page is there, and what it says is on that page."""
+    from posttrain_cases import many_feedback_record
+    from runtime.posttrain.rollout_batch import RolloutLoader
+    from runtime.posttrain.rollouts import trajectory_from_record
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        limits = f.read().split("## Known limitations", 1)[1]
+    (bullet,) = [b for b in limits.split("\n- ") if "ost-training" in b]
+    trajs = [trajectory_from_record(many_feedback_record(i, n, 256), 256, 256) for i, n in enumerate((90, 40, 70))]
+    data = type("Data", (), {"batch_tokens": sum(t.cost() for t in trajs)})
+    (mb,) = RolloutLoader(data, seed=0, vocab_size=256, max_seq_len=256, trajectories=trajs).batch(0).micro_batches
+    assert mb.inputs_BS.shape[0] == mb.teacher_inputs_BS.shape[0] == mb.item_inputs_IS.shape[0] == 1
+    assert mb.padding <= 3  # the rows' tails (to a multiple of 2) and nothing else
+    assert "pads" not in bullet and "no packing" not in bullet and "whole rollout file" not in bullet, bullet
+    assert "docs/posttraining.md#limitations" in bullet
+    with open(os.path.join(REPO, "docs", "posttraining.md"), encoding="utf-8") as f:
+        page = f.read().split("## Limitations", 1)[1].split("\n## ", 1)[0]
+    for claim in ("runs eager", "gathers its trajectory's cached prefix K/V on its own", "rewriting it in place"):
+        assert claim in page, claim
