@@ -402,8 +402,9 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
     if rank == 0:
         print(describe_optimizer(optimizer, config), flush=True)
     scheduler = build_scheduler(optimizer, config.training)
+    agreement = comm.host_group() if config.data.source == "rollouts" else None  # the rollout file unchanged
     loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True), data=data,
-                          group=checkpointer.group)
+                          group=agreement)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
     watch.begin()  # every group exists now: comm.init_timeout_s until the first step is done
