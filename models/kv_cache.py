@@ -66,7 +66,9 @@ class CachedRows:
 
     def __init__(self, layer: LayerCache, index_RT: torch.Tensor, positions_T: torch.Tensor | None = None):
         self.layer, self.index_RT = layer, index_RT
-        self.positions_T = torch.arange(index_RT.shape[1], device=index_RT.device) if positions_T is None else positions_T
+        if positions_T is None:
+            positions_T = torch.arange(index_RT.shape[1], device=index_RT.device)
+        self.positions_T = positions_T
 
     def extend(self, *new: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(*tensors [R, T + S, ...] in row order, positions 0..T+S-1): the cached tokens at `positions_T`,

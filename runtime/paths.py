@@ -7,11 +7,11 @@ same resolved path) or an existing file inside an input directory: no tool write
 `check_not_input` is that one guard; for an output DIRECTORY (an export, a run's checkpoints) it refuses
 any overlap with an input: the output inside an input directory, or an input inside the output.
 
-No tool writes into a run directory (one that holds a run's `kind` file, or its `.lock` beside checkpoints/
-or metrics.jsonl) or a checkpoint (one that holds a `COMPLETE` marker) either: `check_not_in_run`, which `check_output_file` runs for every file
-output and `check_output_dir` for output directories (an export, a benchmark's scratch folder, a new
-run.dir). A run rewrites what is in its directory, and `checkpoint.keep` rotates a checkpoint out: a file
-written there would be lost with it.
+No tool writes into a run directory (one that holds a run's `kind` file, or its `.lock` beside
+checkpoints/ or metrics.jsonl) or a checkpoint (one that holds a `COMPLETE` marker) either:
+`check_not_in_run`, which `check_output_file` runs for every file output and `check_output_dir` for
+output directories (an export, a benchmark's scratch folder, a new run.dir). A run rewrites what is in
+its directory, and `checkpoint.keep` rotates a checkpoint out: a file written there would be lost with it.
 """
 
 import os
