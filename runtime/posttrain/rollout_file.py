@@ -383,8 +383,8 @@ class RolloutFile(Rollouts):
         old, new = saved.get("rollouts"), self.record()["rollouts"]
         if not isinstance(old, dict) or old.get("sha256") == new["sha256"]:
             return None
-        diffs = [f"{old[k]:,} -> {new[k]:,} {k.replace('_', ' ')}" for k in ("trajectories", "tokens", "feedback_items",
-                                                                            "bytes") if old.get(k) != new[k]]
+        diffs = [f"{old[k]:,} -> {new[k]:,} {k.replace('_', ' ')}"
+                 for k in ("trajectories", "tokens", "feedback_items", "bytes") if k in old and old[k] != new[k]]
         where = "" if old.get("path") == new["path"] else f" ({old.get('path')} -> {new['path']})"
         return (f"rollouts changed since the checkpoint{where}: {', '.join(diffs) or 'same counts, other content'}; "
                 f"the steps from here are planned over the file as it is now")
