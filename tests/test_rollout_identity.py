@@ -137,8 +137,9 @@ def test_posttrain_stops_in_one_line_when_its_rollouts_change(tmp_path):
 
 
 @pytest.mark.parametrize("how, change", [
-    ("append 4 lines", "32 -> 36 trajectories"),
-    ("negate an advantage", "same counts, other content"),
+    ("append 4 lines", "32 -> 36 trajectories, 3,119 -> 3,559 tokens, 40 -> 46 feedback items, 36,856 -> 42,100 bytes"),
+    ("negate an advantage", "36,856 -> 36,855 bytes"),  # -1.0 -> 1.0: the same counts, one byte less
+    ("double an advantage", "same counts, other content"),  # -1.0 -> -2.0: the same size
     ("cut to 8 lines", "32 -> 8 trajectories"),
 ])
 def test_a_resume_names_what_changed_in_the_rollouts(tmp_path, capsys, how, change):
@@ -156,7 +157,8 @@ def test_a_resume_names_what_changed_in_the_rollouts(tmp_path, capsys, how, chan
         lines = lines[:8]
     else:
         record = json.loads(lines[0])
-        record["advantage"] = -record["advantage"] if record.get("advantage") else 0.5
+        assert record["advantage"] == -1.0
+        record["advantage"] = 1.0 if how == "negate an advantage" else -2.0
         lines[0] = (json.dumps(record) + "\n").encode()
     with open(path, "wb") as f:
         f.write(b"".join(lines))

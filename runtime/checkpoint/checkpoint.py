@@ -105,7 +105,7 @@ def _publish(tmp: str, final: str, step: int, meta: dict) -> None:
     """Rank 0: mark `tmp` complete (the marker holds `meta` and the files the save wrote) and rename it to
     `final`."""
     marker = os.path.join(tmp, MARKER)
-    files = sorted(os.listdir(tmp)) + [MARKER]
+    files = sorted(os.listdir(tmp) + [MARKER])
     with open(marker, "w") as f:
         json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **meta,
                    "files": files}, f)
