@@ -35,9 +35,8 @@ except ModuleNotFoundError:  # Python < 3.11
 from models import PRESETS, ModelConfig, preset
 from models.hf.config import read_hf_config
 from optim.config import OptimConfig
-from parallel.ep import refusals as ep_refusals
-from parallel.compile_refusal import check_compile
-from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
+from parallel.ep.config import REMOVED_EP_KNOBS
+from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
 from runtime.posttrain import init_source
 from runtime.checkpoint.dirs import CheckpointConfig
 from runtime.comm_config import CommConfig
@@ -100,12 +99,6 @@ class TrainingConfig:
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")
-
-    def compile_backend_used(self, compilable: bool = True) -> str | None:
-        """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
-        (no EP variant knob: parallel/compile_refusal.py)."""
-        on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
-        return self.compile_backend if on else None
 
     def device_type(self) -> str:
         """"cuda" or "cpu" (resolves "auto")."""
@@ -177,25 +170,21 @@ class JobConfig:
         return splits
 
     def layout(self, world_size: int) -> Layout:
-        """The resolved layout for `world_size`, checked against model, batch and grad_accum (ConfigError)."""
+        """The resolved layout for `world_size` with the run's checkpointing and compile settings, checked
+        against model, batch and grad_accum, the EP refusals among them (ConfigError)."""
+        t = self.training
+        rollouts = self.data.source == "rollouts"
+        compile = "false" if rollouts and t.compile == "auto" else t.compile  # post-training runs eager
         try:
             n_experts = self.model.n_routed_experts if self.model.n_moe_layers > 0 else 0
-            layout = fill_layout(self.parallel, world_size, n_experts).resolve(world_size)
+            layout = fill_layout(self.parallel, world_size, n_experts).resolve(
+                world_size, activation_checkpoint=t.activation_checkpoint, compile=compile,
+                compile_backend=t.compile_backend)
             splits = self.token_splits()  # none: rollouts are packed by data.batch_tokens, data.seq_len is unused
             for data, *_ in splits.values():
-                check_split(data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
+                check_split(data, layout.dp, layout.cp, t.grad_accum)  # names the data.* keys
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
-            layout.validate(self.model, *shape)
-            check_recompute(layout, self.training.activation_checkpoint)
-            if self.training.compile == "true":  # "auto" compiles only what can be (runtime/train.py)
-                check_compile(layout)
-            for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
-                batch = {"batch_size": data.batch_size, "seq_len": data.seq_len,
-                         "n_activated_experts": self.model.n_activated_experts,
-                         "n_routed_experts": self.model.n_routed_experts} if data.source != "rollouts" else {}
-                ep_refusals.check(layout, activation_checkpoint=self.training.activation_checkpoint,
-                                  grad_accum=self.training.grad_accum, document_mask=data.document_mask, **batch)
-            ep_refusals.check(layout, grad_accum=self.training.grad_accum)
+            layout.validate(self.model, *shape, t.grad_accum)  # and the EP refusals, once (parallel/ep/refusals.py)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout

@@ -37,7 +37,6 @@ from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.compile import compile_regions, eager_modules, region_boundaries
-from parallel.compile_refusal import compile_refusal
 from parallel.parallelize import parallelize
 from runtime import comm
 from runtime.checkpoint import checkpoint
@@ -69,9 +68,8 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     random weights drawn on the device)."""
     with torch.device("meta"):
         model = Transformer(config.model)
-    t = config.training
+    t = config.training  # the layout carries checkpointing and compile (JobConfig.layout)
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint, compile_backend=compile_backend(config, layout),
                 document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
     model.to_empty(device=device)
@@ -87,10 +85,9 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
 
 
 def compile_backend(config: JobConfig, layout: Layout) -> str | None:
-    """The backend the blocks are compiled with, or None (eager): post-training runs eager, and "auto"
-    compiles on CUDA only when nothing refuses it (parallel/compile_refusal.py)."""
-    compilable = compile_refusal(layout) is None and config.data.source != "rollouts"
-    return config.training.compile_backend_used(compilable)
+    """The backend the blocks are compiled with, or None (eager): `Layout.compile_backend_used` on this
+    run's device (post-training's layout runs eager unless training.compile=true, which it refuses)."""
+    return layout.compile_backend_used(config.training.device_type())
 
 
 def describe_compile(config: JobConfig, layout: Layout) -> str:
@@ -99,7 +96,8 @@ def describe_compile(config: JobConfig, layout: Layout) -> str:
     if backend is None:
         why = ("post-training runs eager" if config.data.source == "rollouts" else
                "training.compile=false" if t.compile == "false" else
-               f"training.compile=auto: {compile_refusal(layout)}" if compile_refusal(layout) else
+               "training.compile=auto: only the direct EP path compiles, and an EP dispatch knob is on"
+               if layout.ep_config.on() else
                f"training.compile=auto compiles on cuda only, this is {t.device_type()}")
         return f"compile: off ({why})"
     with torch.device("meta"):
