@@ -24,9 +24,9 @@ the cache excluded), fitted per sequence or item:
                 4 items at (s1, s1) (the linear part grows by the item count, the block's pairs by its
                 square), k' from 2 items at (s1, s2)
 b and m count on the CPU only (CUDA runs FlexAttention: no mask, no probabilities kept). Against the
-forward of the runtime's own packed item rows (the debug model, 1-48 items of 48-576 queries over 0-512
-cached positions each, fp32 and bf16): 0.95-1.02 of the measured working set
-(tests/unit/test_posttrain_memory.py).
+forward of the runtime's own packed item rows (the debug model, 1-32 items of 48-576 queries over 0-512
+cached positions each, fp32 and bf16; tests/unit/test_posttrain_memory.py): 0.95-1.02 of the measured
+working set.
 """
 
 import functools

@@ -244,7 +244,7 @@ def test_the_item_pass_working_set_against_the_runtimes_packed_item_rows(param_d
     """planning/memory/teacher.working for the item pass against a block's forward (the debug model's dense and
     MoE blocks) of the item row the runtime packs: one item (the mask-free path), 8 and 32 items in one query block
     and over several (masked blocks spanning items), items of 576 queries (blocks inside one item). Measured
-    0.950-1.020 over these and 4 more layouts in fp32 and bf16; the band leaves 0.03 either side."""
+    0.950-1.020 over these and 5 more layouts in fp32 and bf16; the band leaves 0.03 either side."""
     from planning.memory import teacher as TM
 
     config = load_config(["--config", "configs/posttrain_example.toml", f"--training.param_dtype={param_dtype}"])
