@@ -10,20 +10,22 @@ gradients, optimizer state, FSDP buffers, activations, temporaries). Prints esti
 their ratio per case.
 
 Post-training cases (planning/memory/posttrain.py): the debug model on a rollout file of equal
-trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged), one step of
-launch/posttrain.py's objective (the prefix-shared teacher's two passes, student forward/backward over the
-packed row, clipping, optimizer step, EMA update) with the live and the ema teacher, each rank's slot
-holding POSTTRAIN_ROWS trajectories.
+trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged; TEACHER_SHAPE: the
+last four flagged), one step of launch/posttrain.py's objective (the prefix-shared teacher's two passes over
+its packed prefix row and its packed item row, student forward/backward over the packed row, clipping,
+optimizer step, EMA update) with the live and the ema teacher, each rank's slot holding POSTTRAIN_ROWS
+trajectories.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 if __package__ in (None, ""):  # `python benchmarks/memory_validation.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once before forking)
@@ -78,19 +80,26 @@ def pretrain_peak(rank, world_size, argv):
 
 POSTTRAIN_SHAPE = RolloutShape(rollout_tokens=192, feedback_items=1, hint_tokens=16, turn_tokens=32,
                                assistant_fraction=0.5)
+# four flagged turns a trajectory: 32 items packed in the teacher's item row, whose pass is then the peak
+# (the debug model's max_seq_len raised for the teacher's longest sequence, 256 + a hint)
+TEACHER_SHAPE = RolloutShape(rollout_tokens=256, feedback_items=4, hint_tokens=16, turn_tokens=32,
+                             assistant_fraction=0.75)
+TEACHER_EXTRA = ("--model.max_seq_len=512",)
 
 
 def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> None:
-    """n trajectories of shape.rollout_tokens random tokens in turns of turn_tokens, user and assistant in
-    turn (assistant_fraction 0.5), the last feedback_items assistant turns flagged with hints of hint_tokens."""
+    """n trajectories of shape.rollout_tokens random tokens in turns of turn_tokens: user and assistant in
+    turn, then feedback_items assistant turns, each flagged with a hint of hint_tokens (the
+    estimate's layout: the flagged turns end the trajectory)."""
     g = torch.Generator().manual_seed(0)
-    L, T = shape.rollout_tokens, shape.turn_tokens
-    assert L % (2 * T) == 0 and shape.assistant_fraction == 0.5, shape
-    turns = [{"role": ("user", "assistant")[i % 2], "start": i * T, "end": (i + 1) * T} for i in range(L // T)]
+    L, T, K = shape.rollout_tokens, shape.turn_tokens, shape.feedback_items
+    roles = [("user", "assistant")[i % 2] for i in range(L // T - K)] + ["assistant"] * K
+    assert L % T == 0 and roles.count("assistant") * T == shape.assistant_fraction * L, shape
+    turns = [{"role": role, "start": i * T, "end": (i + 1) * T} for i, role in enumerate(roles)]
     with open(path, "w") as f:
         for _ in range(n):
             hint = lambda: torch.randint(0, vocab_size, (shape.hint_tokens,), generator=g).tolist()  # noqa: E731
-            feedback = [{"turn": len(turns) - 1 - 2 * i, "hint": hint()} for i in range(shape.feedback_items)]
+            feedback = [{"turn": len(turns) - 1 - i, "hint": hint()} for i in range(K)]
             f.write(json.dumps({"tokens": torch.randint(0, vocab_size, (L,), generator=g).tolist(), "turns": turns,
                                 "advantage": 1.0, "feedback": feedback}) + "\n")
 
@@ -98,49 +107,57 @@ def write_rollouts(path: str, n: int, shape: RolloutShape, vocab_size: int) -> N
 POSTTRAIN_ROWS = 8  # trajectories per rank: activations, not the model's few MiB, decide the peak
 
 
-def posttrain_argv(run_dir: str, rollouts: str, dp: int, teacher: str, checkpointing: str, extra=()) -> list[str]:
-    """A post-training job whose every slot (dp of them) holds POSTTRAIN_ROWS trajectories of
-    POSTTRAIN_SHAPE: a file of POSTTRAIN_ROWS x dp of them, and a budget of as many trajectories at
-    the estimate's cost (above today's cost, one teacher row per item), so one step is the whole file."""
-    budget = dp * POSTTRAIN_ROWS * POSTTRAIN_SHAPE.cost()
+def posttrain_argv(run_dir: str, rollouts: str, dp: int, teacher: str, checkpointing: str, extra=(),
+                   shape: RolloutShape = POSTTRAIN_SHAPE) -> list[str]:
+    """A post-training job whose every slot (dp of them) holds POSTTRAIN_ROWS trajectories of `shape`: a
+    file of POSTTRAIN_ROWS x dp of them, and a budget of as many trajectories at their cost (the runtime's
+    Trajectory.cost, which the estimate's RolloutShape.cost equals), so one step is the whole file."""
+    budget = dp * POSTTRAIN_ROWS * shape.cost()
     return ["--data.source=rollouts", f"--data.path={rollouts}", f"--data.batch_tokens={budget}",
             "--training.warmup_steps=1", "--checkpoint.interval=0", f"--run.dir={run_dir}",
             f"--posttrain.teacher={teacher}", f"--training.activation_checkpoint={checkpointing}", *extra]
 
 
-# (teacher, activation checkpointing, world, extra arguments): the debug model as it is, with a vocabulary
-# of 4096 (the losses over the logits then weigh: 16-22 bytes per logit), and split over cp (the
-# teacher data's all-gather).
-POSTTRAIN_CASES = [(t, ck, w, ()) for w in (1, 2) for t in ("live", "ema") for ck in ("none", "full")] + [
-    ("live", "full", 1, ("--model.vocab_size=4096",)), ("ema", "full", 1, ("--model.vocab_size=4096",
-                                                                            "--posttrain.mode=topk")),
-    ("live", "full", 2, ("--model.vocab_size=4096", "--parallel.cp=2", "--parallel.dp_shard=1"))]
+# (teacher, activation checkpointing, world, extra arguments, shape): the debug model as it is, with a
+# vocabulary of 4096 (the losses over the logits then weigh: 16-22 bytes per logit), split over cp (the
+# teacher data's all-gather), and four flagged turns a trajectory (the teacher's item pass the peak, on 1
+# rank and under cp 2).
+CP2 = ("--parallel.cp=2", "--parallel.dp_shard=1")
+POSTTRAIN_CASES = [(t, ck, w, (), POSTTRAIN_SHAPE) for w in (1, 2) for t in ("live", "ema") for ck in ("none", "full")]
+POSTTRAIN_CASES += [("live", "full", 1, ("--model.vocab_size=4096",), POSTTRAIN_SHAPE),
+                    ("ema", "full", 1, ("--model.vocab_size=4096", "--posttrain.mode=topk"), POSTTRAIN_SHAPE),
+                    ("live", "full", 2, ("--model.vocab_size=4096", *CP2), POSTTRAIN_SHAPE),
+                    ("live", "full", 1, TEACHER_EXTRA, TEACHER_SHAPE),
+                    ("ema", "full", 2, (*TEACHER_EXTRA, *CP2), TEACHER_SHAPE)]
 
 
-def posttrain_estimate(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> tuple[list, dict]:
+def posttrain_estimate(run_dir: str, teacher: str, checkpointing: str, world: int, extra=(),
+                       shape: RolloutShape = POSTTRAIN_SHAPE) -> tuple[list, dict]:
     """(the job's argv, planning/memory/posttrain.py's estimate for rank 0) of one post-training case; writes its
     rollout file."""
     os.makedirs(run_dir, exist_ok=True)
     rollouts = os.path.join(run_dir, "rollouts.jsonl")
-    dp = load_config(posttrain_argv(run_dir, rollouts, 1, teacher, checkpointing, extra)).layout(world).dp
-    argv = posttrain_argv(run_dir, rollouts, dp, teacher, checkpointing, extra)
+    dp = load_config(posttrain_argv(run_dir, rollouts, 1, teacher, checkpointing, extra, shape)).layout(world).dp
+    argv = posttrain_argv(run_dir, rollouts, dp, teacher, checkpointing, extra, shape)
     config = load_config(argv)
-    write_rollouts(rollouts, POSTTRAIN_ROWS * dp, POSTTRAIN_SHAPE, config.model.vocab_size)
-    result = posttrain_estimate_of(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)
+    write_rollouts(rollouts, POSTTRAIN_ROWS * dp, shape, config.model.vocab_size)
+    result = posttrain_estimate_of(Job(config, config.layout(world), 0, "cpu"), shape)
     assert result["posttrain"]["rows"] == POSTTRAIN_ROWS, result["posttrain"]
     return argv, result
 
 
-def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> dict:
+def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=(),
+                  shape: RolloutShape = POSTTRAIN_SHAPE) -> dict:
     """Estimate vs measured peak of one post-training case (rank 0)."""
-    argv, result = posttrain_estimate(run_dir, teacher, checkpointing, world, extra)
+    argv, result = posttrain_estimate(run_dir, teacher, checkpointing, world, extra, shape)
     est = result["total_gib"] * 2**30
     measured = run_ranks(_measure_posttrain, world, argv, timeout=600)[0]
     param_dtype = load_config(argv).training.param_dtype
     return {"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
             "activation_checkpoint": checkpointing, "param_dtype": param_dtype,
-            "extra": " ".join(a for a in extra if "param_dtype" not in a), "peak_at": result["peak_at"],
-            "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured}
+            "extra": " ".join(a for a in extra if "param_dtype" not in a), "shape": dataclasses.asdict(shape),
+            "peak_at": result["peak_at"], "estimate_mib": est / 2**20, "measured_mib": measured / 2**20,
+            "ratio": est / measured}
 
 
 def _measure_posttrain(rank, world_size, argv):
@@ -183,10 +200,12 @@ def _measure_posttrain(rank, world_size, argv):
 
 def posttrain_rows(run_dir: str, param_dtype: str, quick: bool = False) -> list[dict]:
     rows = []
-    for teacher, checkpointing, world, extra in POSTTRAIN_CASES[:4] if quick else POSTTRAIN_CASES:
-        rows.append(posttrain_row(run_dir, teacher, checkpointing, world, (*extra, f"--training.param_dtype={param_dtype}")))
+    for teacher, checkpointing, world, extra, shape in POSTTRAIN_CASES[:4] if quick else POSTTRAIN_CASES:
+        rows.append(posttrain_row(run_dir, teacher, checkpointing, world,
+                                  (*extra, f"--training.param_dtype={param_dtype}"), shape))
         r = rows[-1]
         print(f"posttrain {r['teacher']:4s} world {r['world']} {r['activation_checkpoint']:5s} {r['extra']:40s} "
+              f"K {shape.feedback_items} "
               f"estimate {r['estimate_mib']:8.2f} MiB  measured {r['measured_mib']:8.2f} MiB  ratio {r['ratio']:.3f}"
               f"  (peak: {r['peak_at']})", flush=True)
     return rows

@@ -8,18 +8,25 @@ launch: the terms post-training adds to planning/memory/pretrain.py's for the te
 The rollouts' shape is an input (the config bounds it, the file is not read): L the longest trajectory
 (default model.max_seq_len, the loader's limit), K feedback items per trajectory, each a hint of H tokens
 before a flagged turn of T tokens, A the fraction of a row's tokens that are trained (assistant tokens).
-From it, per micro-batch on one rank (runtime/posttrain/rollout_batch.py's layout):
+From it, per micro-batch on one rank (runtime/posttrain/rollout_batch.py's layout); the trajectories are taken
+alike, each with its K flagged turns as its last K T tokens (the largest prefix and cached reads K turns of T
+can have):
   packing         a slot's trajectories packed end to end into one row with document masking (only its
                   tail is padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of
-                  them, cost = L + L + K (H + T): the longest ones, alike, the worst case for a budget
+                  them, cost = L + (L - T) + K (H + T) the runtime's (runtime/posttrain/rollouts.py
+                  Trajectory.cost: the student row, the teacher's prefix once and each item's hint + turn;
+                  L without items)
   student         the row split over cp (load-balanced chunks i and 2 cp - 1 - i): t = rows x L / cp
-                  tokens; A t trained (assistant turns run through a rollout); the targets of the whole
-                  trajectories in this rank's chunks and at most min(K T, the rest) more per chunk
-                  (`student_targets`: all of them with one trajectory a slot, 1/cp of them with many)
-  teacher         prefix-shared: one pass over the packed prefix row (split like the student's: t tokens,
-                  the prefix taken as the whole trajectory) fills a KV cache, then item rows of H + T
-                  tokens attend to it; item k of the slot runs whole on cp rank k % cp, so a rank holds
-                  ceil(rows K / cp) items and their T targets each on the teacher side
+                  tokens, counted as rows documents of L (attention stays in each); A t trained (assistant
+                  turns run through a rollout); the targets of the whole trajectories in this rank's chunks
+                  and at most min(K T, the rest) more per chunk (`student_targets`: all of them with one
+                  trajectory a slot, 1/cp of them with many)
+  teacher         prefix-shared: one pass over the packed prefix row (rows prefixes of L - T, split like
+                  the student's) fills a KV cache, then the items: item k of the slot runs whole on cp rank
+                  k % cp, so a rank holds I = ceil(rows K / cp) items, packed in one item row (not split,
+                  no padding): item after item, its cached prefix read back (item j from a trajectory's end
+                  reads L - j T positions; a rank's P: the I largest of them) and its H + T queries, with
+                  their T targets each on the teacher side
 What is counted, on top of planning/memory/pretrain.py's terms for the student at t tokens per row:
   teacher_copy    posttrain.teacher = initial / ema: a second model sharded like the student (fp32
                   master shards, no gradient, no optimizer state); live: none
@@ -32,10 +39,10 @@ What is counted, on top of planning/memory/pretrain.py's terms for the student a
   teacher_data    the teacher's data of the local targets, kept through the student's pass: full
                   [m, V] fp32, topk m (K ids + K log-probs + tail), sampled m fp32
   teacher_pass    the teacher's forward (no grad; planning/memory/teacher.py): a block of its prefix pass or
-                  its item pass (working set, dispatch, the KV cache of the whole prefix row, gathered
-                  under cp) or its head at the targets of its items (their logits [items x T, V], the
-                  targets' teacher data and entropy, the all-gather of that data over cp: every rank
-                  receives cp x the longest list)
+                  its item pass (working set over the item row's P cached positions and I (H + T) queries,
+                  dispatch, the KV cache of the whole prefix row, gathered under cp) or its head at the
+                  targets of its items (their logits [items x T, V], the targets' teacher data and
+                  entropy, the all-gather of that data over cp: every rank receives cp x the longest list)
 The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
 runtime's own functions (runtime/posttrain/feedback.py, runtime/posttrain/objective.py, models/output_head.py) run on small
 logits [256, 2048] under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled
@@ -69,15 +76,29 @@ class RolloutShape:
     turn_tokens: int  # T: tokens of one flagged turn
     assistant_fraction: float  # A: trained tokens / tokens
 
-    def teacher_tokens(self) -> int:
-        """Teacher positions of one trajectory: the trajectory once, then each item's hint + turn."""
-        return self.rollout_tokens + self.feedback_items * (self.hint_tokens + self.turn_tokens)
+    def prefix_tokens(self) -> int:
+        """The teacher's shared prefix of one trajectory: up to its latest item's `at`, the last turn's
+        start L - T with the flagged turns at the end (the most a prefix can be); 0 without items."""
+        return self.rollout_tokens - self.turn_tokens if self.feedback_items else 0
 
     def item_tokens(self) -> int:
-        """Positions of one item row: its hint and its flagged turn (the prefix comes from the cache)."""
+        """Queries of one item in the item row: its hint and its flagged turn (its prefix is read back)."""
         return self.hint_tokens + self.turn_tokens
 
+    def cached_tokens(self, items: int, rows: int) -> int:
+        """Cached positions `items` items of `rows` trajectories read back at most: item j from a
+        trajectory's end reads L - j T (the flagged turns its last K T tokens), the largest first."""
+        full, rest = divmod(items, rows)
+        L, T = self.rollout_tokens, self.turn_tokens
+        return sum(rows * (L - j * T) for j in range(1, full + 1)) + rest * (L - (full + 1) * T)
+
+    def teacher_tokens(self) -> int:
+        """Teacher positions of one trajectory (runtime/posttrain/rollouts.py Trajectory.teacher_cost): the
+        prefix once, then each item's hint + turn."""
+        return self.prefix_tokens() + self.feedback_items * self.item_tokens()
+
     def cost(self) -> int:
+        """Tokens forwarded for one trajectory, the step budget's unit (Trajectory.cost)."""
         return self.rollout_tokens + self.teacher_tokens()
 
 
@@ -95,11 +116,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RowsJob(E.Job):
-    """A Job whose micro-batch is `rows` rows of `length` tokens (padded to 2 cp), split over cp:
-    planning/memory/pretrain.py's terms then read the post-training micro-batch."""
+    """A Job whose micro-batch is `rows` documents of `length` tokens packed in one row (document masking:
+    attention stays in each), split over cp: planning/memory/pretrain.py's terms then read the post-training
+    micro-batch. Each document is rounded up to 2 cp tokens (the runtime pads only the row's tail: at most
+    2 cp - 1 tokens a document more here). `split=False`: one row of `length` whole on this rank."""
     rows: int = 1
     length: int = 1
-    split: bool = True  # False: each row whole on this rank (the teacher's item rows)
+    split: bool = True  # False: whole on this rank (the teacher's item row)
 
     @property
     def tokens(self) -> tuple[int, int]:
@@ -113,14 +136,17 @@ def as_rows(job, rows: int, length: int) -> RowsJob:
 
 
 def counts(job, shape: RolloutShape) -> dict:
-    """Per rank and micro-batch: rows, student tokens t, trained n, targets m on the student side, item
-    rows and targets on the teacher side, teacher tokens (the prefix row's and the item rows')."""
+    """Per rank and micro-batch: rows, student tokens t, trained n, targets m on the student side; on the
+    teacher side its prefix tokens, its items (packed in one row: their queries and cached positions)
+    and their targets, and the tokens it forwards (prefix and item queries)."""
     rows, cp = rows_per_micro_batch(job, shape), job.layout.cp
     t = math.prod(as_rows(job, rows, shape.rollout_tokens).tokens)
     items = -(-rows * shape.feedback_items // cp)  # item k of the slot is forwarded whole by cp rank k % cp
-    return {"rows": rows, "student_tokens": t, "teacher_tokens": t + items * shape.item_tokens(),
+    prefix = math.prod(as_rows(job, rows, shape.prefix_tokens()).tokens)
+    return {"rows": rows, "student_tokens": t, "teacher_tokens": prefix + items * shape.item_tokens(),
             "trained_tokens": int(shape.assistant_fraction * t), "target_tokens": student_targets(job, shape, rows, t),
-            "items": items, "teacher_targets": items * shape.turn_tokens}
+            "prefix_tokens": prefix, "items": items, "item_queries": items * shape.item_tokens(),
+            "item_cached": shape.cached_tokens(items, rows), "teacher_targets": items * shape.turn_tokens}
 
 
 def student_targets(job, shape: RolloutShape, rows: int, t: int) -> int:
@@ -255,27 +281,30 @@ def forward_buffers(job) -> list[int]:
 
 def teacher_pass(job, shape: RolloutShape, n: dict) -> dict:
     """Bytes at the largest moment of the prefix-shared teacher's forward (no grad; planning/memory/teacher.py):
-    a block of its prefix pass or of its item pass (the block's FSDP units, its input, working set and
-    dispatch, with the KV cache) or its head, which runs on the item rows only (its unit, their logits with
-    the targets' data and entropy, the all-gather of that data over cp: every rank receives cp x the
+    a block of its prefix pass (the prefix row split over cp) or of its item pass (the one item row: P
+    cached positions read back, I (H + T) queries) with the block's FSDP units, input, working set and
+    dispatch and the KV cache; or its head, which runs on the item row only (its unit, the targets' logits
+    with their data and entropy, the all-gather of that data over cp: every rank receives cp x the
     longest list). `teacher_pass` holds the teacher's own tensors: the cache, or the head's."""
     cfg, c, cp = job.config.model, job.c, job.layout.cp
-    prefix = as_rows(job, n["rows"], shape.rollout_tokens)
-    items = dataclasses.replace(as_rows(job, n["items"], shape.item_tokens()), split=False)
-    cache = TM.kv_cache_bytes(job, _round_up(n["rows"] * shape.rollout_tokens, 2 * cp))  # whole rows, cp too
+    prefix = as_rows(job, n["rows"], shape.prefix_tokens())
+    item_row = dataclasses.replace(as_rows(job, 1, n["item_queries"]), split=False)
+    cache = TM.kv_cache_bytes(job, _round_up(n["rows"] * shape.prefix_tokens(), 2 * cp))  # whole rows, cp too
     buffers = forward_buffers(job)  # embedding, blocks, head
 
-    def block(rows: RowsJob, cached: int) -> dict:
-        n_seq, s_local = rows.tokens
-        return {"fsdp_buffers": max(buffers[1:-1]), "activations": n_seq * s_local * cfg.dim * c,
-                "recompute": TM.working(job, n_seq, s_local, cached), "dispatch": E.dispatch(rows),
-                "teacher_pass": cache}
+    def block(rows: RowsJob, working: float) -> dict:
+        return {"fsdp_buffers": max(buffers[1:-1]), "activations": math.prod(rows.tokens) * cfg.dim * c,
+                "recompute": working, "dispatch": E.dispatch(rows), "teacher_pass": cache}
 
+    items = max(n["items"], 1)
     m = n["teacher_targets"]
     head = teacher_head_bytes(job) * m * cfg.vocab_size
     gather = (cp + 1) * teacher_data_bytes(job, m) if cp > 1 else 0  # received + padded
     head = {"fsdp_buffers": buffers[-1], "activations": 0, "recompute": 0, "dispatch": 0, "teacher_pass": head + gather}
-    moment = max((block(prefix, 0), block(items, shape.rollout_tokens), head), key=lambda d: sum(d.values()))
+    per_item = n["item_cached"] / items  # cached positions an item reads back, on average
+    moment = max((block(prefix, TM.working(job, *prefix.tokens, 0)),
+                  block(item_row, TM.working(job, items, shape.item_tokens(), per_item)), head),
+                 key=lambda d: sum(d.values()))
     return {**moment, "ep_kept": 0, "logits": 0, "teacher_data": 0}
 
 
