@@ -139,6 +139,9 @@ def check_run(r: Run) -> None:
                          f"x step.micro_batch = {r.micro_batch}")
     if r.pipeline_layout not in (None, "balanced"):
         rank_loads(r.pipeline_layout, r.pp, r.virtual_stages, c.n_layers, r.mtp_layers, False)
+    if r.pp_schedule == "dualpipe" and r.virtual_stages != 1:  # planning/stages.py: stages i and pp - 1 - i a rank
+        raise ValueError(f"layout.pp_schedule = \"dualpipe\" runs two stages on each rank by itself: "
+                         f"layout.virtual_stages must be 1 (got {r.virtual_stages})")
     if r.pp_schedule == "dualpipe" and (r.pp % 2 or r.micro_batches < r.pp):
         raise ValueError(f"layout.pp_schedule = \"dualpipe\" needs an even pp (got {r.pp}) and at least pp "
                          f"micro-batches per replica (got {r.micro_batches})")

@@ -343,6 +343,9 @@ BAD = {
     "layout missing layers": (lambda t: t.replace("pp = 1\n", 'pp = 2\npipeline_layout = "Et*30|t*30L"\n'),
                               "layout.pipeline_layout holds 60 layers, 0 multi-token-prediction modules, 1 embedding "
                               "and 1 loss; the model has 61 layers"),
+    "dualpipe with virtual stages": (
+        lambda t: t.replace("pp = 1\n", 'pp = 2\nvirtual_stages = 2\npp_schedule = "dualpipe"\n'),
+        "layout.virtual_stages must be 1 (got 2)"),
     "layout symbol": (lambda t: t.replace("pp = 1\n", 'pp = 2\npipeline_layout = "Et*30|t*31X"\n'),
                       "unknown symbol(s) ['X']"),
 }
