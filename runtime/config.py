@@ -30,6 +30,7 @@ from runtime.metrics_config import MetricsConfig
 from runtime.posttrain.config import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
+NO_PRESET = "none"  # model.preset=none: no preset, the shape comes from posttrain.init_from / model.init_from
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
 
 
@@ -134,6 +135,8 @@ class JobConfig:
                               f"{self.training.steps}: the last step is {self.training.steps - 1} (0-based)")
         if unused := unused_keys(self.data, self.eval):
             raise ConfigError("; ".join(unused))
+        if self.data.source == "rollouts" and (unread := self.posttrain.unread(self.model.vocab_size)):
+            raise ConfigError("; ".join(unread))
         if self.metrics.max_logit and self.optim.qk_clip_tau > 0:
             raise ConfigError(f"metrics.max_logit=true has no effect with optim.qk_clip_tau={self.optim.qk_clip_tau}: "
                               f"QK-clip records max_logit already")

@@ -28,7 +28,7 @@ from parallel.ep.config import REMOVED_EP_KNOBS
 from parallel.layout import ParallelConfig
 from runtime.checkpoint.dirs import CheckpointConfig
 from runtime.comm_config import CommConfig
-from runtime.config import ConfigError, JobConfig, ProfileConfig, RunConfig, TrainingConfig
+from runtime.config import NO_PRESET, ConfigError, JobConfig, ProfileConfig, RunConfig, TrainingConfig
 from runtime.data.config import DataConfig
 from runtime.eval_config import EvalConfig
 from runtime.metrics_config import MetricsConfig
@@ -187,10 +187,16 @@ def _build(values: dict[str, dict]) -> JobConfig:
     given_preset = overrides.get("preset")
     name = overrides.pop("preset", defaults.model_preset)
     init_from = overrides.pop("init_from", "")
-    if name not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)})")
+    if name not in PRESETS and name != NO_PRESET:
+        raise ConfigError(f"model.preset: unknown preset {name!r} (valid: {', '.join(PRESETS)}, or {NO_PRESET!r} "
+                          f"when posttrain.init_from or model.init_from gives the shape)")
     for section, section_values in values.items():
         built[section] = _construct(section, lambda: dataclasses.replace(getattr(defaults, section), **section_values))
+    if name == NO_PRESET:  # unsets a preset of the --config file: the shape comes from the starting weights
+        if not (init_from or built["posttrain"].init_from and built["data"].source == "rollouts"):
+            raise ConfigError(f"model.preset={NO_PRESET!r}: the model's shape then comes from posttrain.init_from "
+                              f"(post-training) or model.init_from; give one of them, or a preset")
+        given_preset = None
     if built["posttrain"].init_from and built["data"].source == "rollouts":  # post-training: the model's shape
         # (and, for a Hugging Face dir, the weights) come from there; launch/pretrain.py refuses the key
         built["model"], init_from = _posttrain_model(built["posttrain"].init_from, init_from, given_preset, overrides)
@@ -306,7 +312,8 @@ def help_text(entry: str = "launch/pretrain.py") -> str:
         rows = [(name, getattr(default_obj, name), helps[name]) for name in helps]
         if section == "model":
             rows.insert(0, ("preset", defaults.model_preset, "named model shape; the keys below override "
-                            "its fields (defaults shown: the debug preset)"))
+                            "its fields (defaults shown: the debug preset); none: no preset, the shape of "
+                            "posttrain.init_from / model.init_from"))
             rows.insert(1, ("init_from", "", "a Hugging Face DeepSeek-V3 / Kimi K2 directory: its config.json "
                             "replaces the preset, its weights the init (ignored when run.dir has checkpoints)"))
         for name, default, meaning in rows:

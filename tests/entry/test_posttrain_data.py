@@ -134,7 +134,7 @@ def test_every_token_lands_once_whatever_the_layout(tmp_path, dp, cp, grad_accum
 
 def test_steps_follow_the_seed_and_the_budget(tmp_path):
     path = _mixed_file(tmp_path)
-    costs = lambda loader, t: [loader.trajs[i].cost() for i in loader.plan.step(t)]  # noqa: E731
+    costs = lambda loader, t: [loader.rollouts[i].cost() for i in loader.plan.step(t)]  # noqa: E731
     a = RolloutLoader(_Data(path, 400), seed=3, vocab_size=VOCAB, max_seq_len=MAX_LEN)
     b = RolloutLoader(_Data(path, 400), seed=4, vocab_size=VOCAB, max_seq_len=MAX_LEN)
     steps_a = [a.plan.step(t) for t in range(6)]
@@ -144,7 +144,7 @@ def test_steps_follow_the_seed_and_the_budget(tmp_path):
     for t in range(6):
         assert sum(costs(a, t)) <= 400 or len(costs(a, t)) == 1
     visited = [i for s in steps_a for i in s]
-    assert len(visited) >= len(a.trajs) and sorted(visited[:len(a.trajs)]) == list(range(len(a.trajs)))  # epochs
+    assert len(visited) >= len(a.rollouts) and sorted(visited[:len(a.rollouts)]) == list(range(len(a.rollouts)))  # epochs
 
 
 def test_cp_split_puts_student_and_teacher_positions_on_different_ranks(tmp_path):
@@ -159,7 +159,7 @@ def test_cp_split_puts_student_and_teacher_positions_on_different_ranks(tmp_path
 def test_the_start_up_line_names_trajectories_over_the_budget(tmp_path):
     path = _mixed_file(tmp_path)
     loader = RolloutLoader(_Data(path, 400), seed=3, vocab_size=VOCAB, max_seq_len=MAX_LEN)
-    costs = [loader.trajs[i].cost() for i in range(len(loader.trajs))]
+    costs = [loader.rollouts[i].cost() for i in range(len(loader.rollouts))]
     budget = sorted(costs)[len(costs) // 2]  # half the trajectories are over it
     over = [c for c in costs if c > budget]
     line = RolloutLoader(_Data(path, budget), seed=3, vocab_size=VOCAB, max_seq_len=MAX_LEN).describe()

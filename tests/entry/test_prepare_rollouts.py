@@ -130,8 +130,9 @@ def test_teacher_rows_equal_the_rendering_with_the_hint(tmp_path, dirs, template
             hinted = tokenizer.apply_chat_template(chat["messages"][:i] + [hint] + chat["messages"][i:],
                                                    tools=chat["tools"])["input_ids"]
             length = traj.turns[i].end + len(item.hint)
-            teacher = batch.teacher_inputs_BS[0, :item.at].tolist() + batch.item_inputs_IS[row, :length - item.at].tolist()
-            assert teacher == hinted[:length]  # the shared prefix, then the item row: hint + tokens[at:end]
+            own = batch.item_doc_IL[0, batch.item_positions_S] == row  # item `row`'s tokens in the packed item row
+            teacher = batch.teacher_inputs_BS[0, :item.at].tolist() + batch.item_inputs_IS[0, own][:length - item.at].tolist()
+            assert teacher == hinted[:length]  # the shared prefix, then the item's tokens: hint + tokens[at:end]
             assert len(hinted) == len(traj.tokens) + len(item.hint)
             checked += 1
     assert checked >= 5
@@ -205,6 +206,12 @@ BAD = {  # name: (mutation of the third conversation, words the one-line error m
     "no_reward": (lambda c: c.pop("reward"), ["line 3", "neither 'advantage' nor 'reward'"]),
     "empty_final_answer": (lambda c: c["messages"].append({"role": "assistant", "content": ""}),
                            ["line 3", "the final assistant message is empty", "end-of-turn-only turn"]),
+    "blank_hint": (lambda c: c.update(feedback=[{"message": 2, "hint": "  \t "}]),
+                   ["line 3", "feedback[0].hint: expected a string with text (not only white space)"]),
+    "flagged_empty_middle_answer": (lambda c: (c["messages"][2].update(content="", tool_calls=None),
+                                               c.update(feedback=[{"message": 2, "hint": "check the tools"}])),
+                                    ["line 3", "feedback[0].message=2 is an empty assistant message",
+                                     "only target would be the end-of-turn token"]),
 }
 
 

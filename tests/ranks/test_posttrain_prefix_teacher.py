@@ -53,7 +53,7 @@ def _reference(model: Transformer) -> dict[tuple[int, int], float]:
     (slot,) = deal(loader.plan.step(0), loader.plan.costs, 1)
     out = {}
     for row, i in enumerate(slot):
-        t = loader.trajs[i]
+        t = loader.rollouts[i]
         for item in t.feedback:
             logp = torch.log_softmax(model(torch.as_tensor(t.teacher_tokens(item))[None])[0].float(), -1)
             turn = t.turns[item.turn]
@@ -118,8 +118,10 @@ def test_teacher_tokens_count_what_is_forwarded():
     forwarded at + hint + (end - at) per item. Counted here from the tensors the teacher receives."""
     step = _loader().batch(0)
     (mb,) = step.micro_batches
-    forwarded = sum(int(t.prefix_length()) for t in _trajs()) + int((mb.item_doc_IL[:, -mb.item_inputs_IS.shape[1]:]
-                                                                       == 1).sum())
+    n_items = sum(len(t.feedback) for t in _trajs())
+    assert mb.item_inputs_IS.shape[0] == 1  # packed: item k is document k of the one item row, padding n_items
+    item_tokens = int((mb.item_doc_IL[:, mb.item_positions_S] < n_items).sum())
+    forwarded = sum(int(t.prefix_length()) for t in _trajs()) + item_tokens
     per_item = sum(t.turns[f.turn].end + len(f.hint) for t in _trajs() for f in t.feedback)
     assert step.teacher_tokens == forwarded < per_item
     model = seeded_model("debug", 0, init="generator")

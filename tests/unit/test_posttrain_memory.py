@@ -42,8 +42,9 @@ def test_counts_equal_the_runtime_batches(tmp_path, world, cp):
     # chunk holds two whole trajectories, so their targets (each last turn) too
     assert len(mb.trained_flat_n) == n["trained_tokens"] == 8 * 96 // cp
     assert n["target_tokens"] == len(mb.target_flat_m) == 8 * 32 // cp
-    # the teacher side: item k of the slot forwarded whole by cp rank k % cp, its turn's 32 targets with it
-    assert n["items"] == mb.item_inputs_IS.shape[0] == 8 // cp
+    # the teacher side: item k of the slot forwarded whole by cp rank k % cp (packed in its item row, one
+    # document each), its turn's 32 targets with it
+    assert n["items"] == len(mb.item_doc_IL[0, mb.item_positions_S].unique()) == 8 // cp
     assert n["teacher_targets"] == len(mb.teacher_flat_m) == 8 * 32 // cp
     # teacher positions: the prefix-shared teacher forwards tokens[:at] (160) and the item's hint + turn
     # (16 + 32) = L + H; the estimate takes the prefix as the whole trajectory (L + H + T, at most T more)
