@@ -8,7 +8,7 @@ docs/performance.md#calibration).
   --case            one case with the committed fitted parameters (planning/calibration/fitted.json): writes
                     projected_tokens_per_gpu_s, measured_tokens_per_gpu_s, ratio (projected / measured), the time
                     split (planning/step.py) and `warnings` (a layout the coarse memory model puts above the card)
-  --cross-validate  every committed case (planning/calibration/cases/*.toml): the five parameters fitted on all of
+  --cross-validate  every committed case (planning/calibration/cases/*.toml): the six parameters fitted on all of
                     them, and each case projected with the parameters fitted on all the others (leave-one-out):
                     per case measured, projected held-out, ratio, and the fitted ratio; the summary the tests hold
                     (median |ln ratio|, share within +-25%, lowest, highest). --write records it in

@@ -44,8 +44,11 @@ the expert mesh numbers `parallel.expert_inner` innermost, ep (the default: expe
 across nodes) or edp_shard (expert FSDP inside a node, ep across nodes); --compare projects both.
 
 Time (planning/devices.py links, planning/network.py efficiencies; compute rates the fitted shares of peak of
-planning/parameters.py, or measured with --calibration from benchmarks/gpu_check.py):
-    compute = model FLOPs / rates + recompute, recompute = the rerun FLOPs / rates (time_s["recompute"])
+planning/parameters.py times the fitted factor of a plain-PyTorch kernel stack, `eager`, the runtime's; or
+measured with --calibration from benchmarks/gpu_check.py):
+    compute = model FLOPs / rates + recompute + weights, recompute = the rerun FLOPs / rates
+              (time_s["recompute"]), weights = each micro-batch's HBM traffic of the weights the rank holds
+              (planning/step.weight_bytes, time_s["weights"])
     step = max(compute + ep + cp, all bytes over NVLink, all bytes over the network) + optimizer
            + host_syncs x sync_s (fitted)
 FSDP runs on its own streams and overlaps compute when prefetch keeps ahead (the max), sharing
@@ -78,6 +81,7 @@ from planning.fsdp_traffic import GPUS_PER_NODE, Link, all_gather, fsdp_traffic,
 from planning.memory.coarse import activation_bytes
 from planning.optimizer_step import optimizer_step_s
 from planning.parameters import fitted
+from planning.step import weight_bytes
 
 SKEW_LOW = 1.2  # a what-if beside the band: the busiest expert rank at 1.2x the mean (routing skew)
 FIT_FRACTION = 0.9
@@ -245,8 +249,9 @@ def project_layout(config_job, layout, device, rates: dict, opts: "Options", opt
     split = {k: v * tokens / layout.world_size for k, v in flops_split(c, seq).items()}
     recompute = {k: v * tokens / layout.world_size for k, v in recompute_flops(c, seq, checkpointing).items()}
     recompute_s = sum(v / rates[k] for k, v in recompute.items())  # on the critical path, in backward
+    weights_s = micro * weight_bytes(c, seq, 1, layout.ep, checkpointing) / (device.hbm_gbs * 1e9)
     compute = (split["dense"] / rates["matmul_bf16"] + split["experts"] / rates["grouped_mm_bf16"]
-               + split["attention"] / rates["attention_bf16"]) + recompute_s
+               + split["attention"] / rates["attention_bf16"]) + recompute_s + weights_s
     fsdp_total = sum((v for m in fsdp.values() for v in m.values()), Link())
     opt_s = optimizer_step_s(c, degrees_only(layout), device) if optimizer else 0.0
     syncs = sync_count(c, layout, micro, checkpointing)
@@ -255,7 +260,7 @@ def project_layout(config_job, layout, device, rates: dict, opts: "Options", opt
     times = {skew: step_times(c, layout, device, opts, compute, ep_stages, fsdp_total, cp, shapes, skew)
              for skew in (1.0, SKEW_LOW)}
     sync_s = syncs * fitted().sync_s
-    t = times[1.0] | {"recompute": recompute_s, "optimizer": opt_s, "syncs": sync_s}
+    t = times[1.0] | {"recompute": recompute_s, "weights": weights_s, "optimizer": opt_s, "syncs": sync_s}
     t["step"] += opt_s + sync_s
     step = t["step"]
     per_gpu = tokens / layout.world_size
@@ -350,10 +355,11 @@ def describe(layout) -> str:
 
 def compute_rates(device, calibration: str | None) -> dict:
     """FLOP/s per kind of compute: measured (gpu_check "rates_tflops") where given, else the fitted shares of the
-    bf16 peak (planning/parameters.py)."""
+    bf16 peak (planning/parameters.py) x the fitted plain-PyTorch stack's factor (`eager`): the runtime's kernels
+    are PyTorch's own (torch._grouped_mm, SDPA / FlexAttention, unfused norms), as torchtitan's are."""
     eff = fitted()
     shares = {"matmul_bf16": eff.gemm, "grouped_mm_bf16": eff.grouped, "attention_bf16": eff.attention}
-    rates = {k: f * device.peak_tflops * 1e12 for k, f in shares.items()}
+    rates = {k: f * eff.eager * device.peak_tflops * 1e12 for k, f in shares.items()}
     if calibration:
         measured = read_calibration(calibration).get("rates_tflops", {})
         rates.update({k: v * 1e12 for k, v in measured.items() if k in rates})

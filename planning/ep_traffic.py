@@ -5,7 +5,9 @@ benchmarks/step_projection.py calls `ep_bytes` for each layout and dispatch comb
 with, evaluated on the routing of the model's own Router (`sampled_routing`), so every projected EP
 byte is one the runtime would send for that routing (tests/ranks/test_ep_dispatch.py checks it to the byte
 on real 8-rank runs); the host syncs come from parallel/ep/plan.host_syncs_per_layer; the overlap is
-modelled as the runtime does it (`exposed_ep_s`).
+modelled as the runtime does it (`exposed_ep_s`). `routing_rows` gives the step model of published runs
+(planning/step.py) its rows per token: copies, destination ranks and nodes, under the model's routing or NeMo
+AutoModel's fake balanced gate.
 """
 
 import dataclasses
@@ -41,6 +43,40 @@ def sampled_routing(config, n_ranks: int, tokens: int = SAMPLE_TOKENS, seed: int
             router.gate.weight.uniform_(-bound, bound, generator=generator)
             out.append(router(torch.randn(1, tokens, config.dim, generator=generator))[1])
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def routing_rows(model, ep: int, gpus_per_node: int, routing: str = "sampled") -> dict:
+    """Per token and MoE layer, mean over the ep ranks: {"copies_intra", "copies_inter"}: token copies to other
+    GPUs of my node / to other nodes; {"ranks_intra", "ranks_inter"}: distinct other GPUs a token reaches on my
+    node / on other nodes; {"nodes_inter"}: distinct other nodes it reaches. "sampled": the model's own router on
+    random inputs (planning/ep_traffic.sampled_routing: group-limited where the config is); "aligned_blocks":
+    token t of every rank goes to experts K t .. K t + K - 1 (mod E), one aligned block of K experts (NeMo
+    AutoModel's fake balanced gate)."""
+    E, K = model.n_routed_experts, model.n_activated_experts
+    if routing == "aligned_blocks":
+        block_TK = (K * torch.arange(E // math.gcd(E, K))[:, None] + torch.arange(K)) % E  # one cycle of blocks
+        routed = [block_TK] * ep
+    else:
+        routed = sampled_routing(model, ep)
+    local = E // ep
+    node_of = torch.arange(ep) // gpus_per_node
+    out = dict.fromkeys(("copies_intra", "copies_inter", "ranks_intra", "ranks_inter", "nodes_inter"), 0.0)
+    for p, experts_TK in enumerate(routed):
+        rank_TK = experts_TK // local
+        remote_TK = node_of[rank_TK] != node_of[p]
+        out["copies_intra"] += ((~remote_TK) & (rank_TK != p)).float().sum(1).mean().item()
+        out["copies_inter"] += remote_TK.float().sum(1).mean().item()
+        ranks = torch.zeros(experts_TK.shape[0], ep, dtype=torch.bool).scatter_(1, rank_TK, True)
+        ranks[:, p] = False
+        mine = node_of == node_of[p]
+        out["ranks_intra"] += ranks[:, mine].float().sum(1).mean().item()
+        out["ranks_inter"] += ranks[:, ~mine].float().sum(1).mean().item()
+        nodes = torch.zeros(experts_TK.shape[0], int(node_of.max()) + 1, dtype=torch.bool)
+        nodes.scatter_(1, node_of[rank_TK], True)
+        nodes[:, node_of[p]] = False
+        out["nodes_inter"] += nodes.float().sum(1).mean().item()
+    return {k: v / ep for k, v in out.items()}
 
 
 def placement(config, size: int, stride: int, gpus_per_node: int):

@@ -11,8 +11,14 @@ by tests/unit/test_calibrate.py to be the fit of the committed cases, never edit
   fp8_speedup  an FP8 GEMM's rate over the same GEMM in bf16, end to end (quantization kernels and the
                fine-grained scaling's promotions included; the datasheet's 2x is the ceiling)
   sync_s       seconds the device idles per MoE layer forward pass: the dispatch's host sync (its split sizes)
-               and the kernel launches the host then owes before the GPU has work again; it is what makes
-               many small micro-batches slower than few large ones for the same tokens
+               and the kernel launches the host then owes before the GPU has work again; with each micro-batch's
+               weight traffic (planning/step.py WEIGHT_BYTES, no parameter) it is what makes many small
+               micro-batches slower than few large ones for the same tokens
+  eager        a plain-PyTorch kernel stack's compute rate over the fused one's (kernels "eager" in a case:
+               torch._grouped_mm, SDPA / FlexAttention, norms and activations as PyTorch ops; "fused":
+               Transformer Engine's linear layers, cuDNN attention, fused permutation and cross-entropy), end to
+               end; only runs on a plain-PyTorch stack determine it (torchtitan's), and the runtime's own
+               projections (planning/dual_mesh.py, planning/pipeline.py) use it: the runtime is such a stack
 `cross_validation` holds each case's projection with the parameters fitted on all the others (leave-one-out):
 the projected bands (planning/bands.py) rest on its spread, not on the fitted cases' own.
 """
@@ -32,6 +38,7 @@ class Efficiency:
     attention: float
     fp8_speedup: float
     sync_s: float
+    eager: float = 1.0  # 1: a fused stack's rate (what a case without kernels = "eager" runs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Efficiency":

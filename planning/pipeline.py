@@ -5,8 +5,9 @@ benchmarks/pp_projection.py is the command line.
 The model, sequence length, tokens per GPU per step (weak scaling from the config's world size) and activation
 checkpointing come from the config; each candidate is pp in PP_DEGREES x ep in EP_DEGREES (8: the all-to-alls
 stay on NVLink; 16: two nodes) x the three schedules, micro-batches of one sequence, torch's all_to_all_single
-("nccl": what the runtime would use), ZeRO-1. A row fits when its coarse memory (planning/step.memory_gib) is
-under FIT_FRACTION of the device's.
+("nccl": what the runtime would use), the runtime's plain-PyTorch kernels (kernels "eager"), ZeRO-1, the default
+layer split (planning/stages.py: the embedding on the first stage, the output head on the last). A row fits when
+its coarse memory (planning/step.memory_gib) is under FIT_FRACTION of the device's.
 """
 
 import dataclasses
@@ -29,8 +30,8 @@ def candidates(job, world: int, config_world: int, device) -> list[step.Run]:
                 run = step.Run(
                     model=job.model, device=device, gpus=world, gpus_per_node=device.gpus_per_node,
                     seq_len=job.data.seq_len, global_batch=sequences, micro_batch=1, gemm_precision="bf16",
-                    dispatcher="nccl", activation_checkpoint=job.training.activation_checkpoint, pp=pp,
-                    virtual_stages=virtual, pp_schedule=schedule, ep=ep, dp_sharding="zero1")
+                    dispatcher="nccl", kernels="eager", activation_checkpoint=job.training.activation_checkpoint,
+                    pp=pp, virtual_stages=virtual, pp_schedule=schedule, ep=ep, dp_sharding="zero1")
                 try:
                     step.check_run(run)
                 except ValueError:

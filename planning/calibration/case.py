@@ -12,9 +12,13 @@ planning/calibration/cases/, each with a comment saying what its source states a
                  ep_overlap "none"|"microbatch" ("dualpipe" implies microbatch),
                  routing "balanced" (the model's router on random inputs, as forced-balance benchmarks route),
                  "aligned_blocks" (token t to experts K t..K t+K-1: NeMo AutoModel's fake balanced gate) or a skew
-                 factor (float >= 1: balanced, the busiest expert rank at that multiple of the mean)
+                 factor (float >= 1: balanced, the busiest expert rank at that multiple of the mean),
+                 kernels "fused" (Transformer Engine / cuDNN / fused kernels: Megatron, NeMo AutoModel's TE backend,
+                 DeepSeek's; the default) | "eager" (PyTorch's own kernels: torchtitan, this runtime)
     [layout]     tp, pp, virtual_stages, pp_schedule "1f1b"|"interleaved"|"dualpipe", ep, etp, cp,
-                 dp_sharding "fsdp"|"zero1", fsdp_gather "default"|"per_step"|"per_microbatch"
+                 dp_sharding "fsdp"|"zero1", fsdp_gather "default"|"per_step"|"per_microbatch",
+                 pipeline_layout (planning/stages.py: Megatron's layout string, e.g. "Et|(tt|)*30mL", or
+                 "balanced"; absent: the layers as even as the stages allow, the embedding first, the head last)
                  (data-parallel degree = gpus / (tp x pp x cp))
 Nothing in a case file tunes the model: the device, network and fitted parameters are the same for every case.
 A bad case file is a ValueError naming the file and the dotted key.
@@ -45,15 +49,16 @@ KEYS = {
     "step": {"seq_len": (int, REQUIRED), "global_batch": (int, REQUIRED), "micro_batch": (int, REQUIRED),
              "gemm_precision": (str, "bf16"), "dispatch_precision": (str, None), "dispatcher": (str, "nccl"),
              "activation_checkpoint": (str, "none"), "ep_overlap": (str, "none"),
-             "routing": ((str, float), "balanced")},
+             "routing": ((str, float), "balanced"), "kernels": (str, "fused")},
     "layout": {"tp": (int, 1), "pp": (int, 1), "virtual_stages": (int, 1), "pp_schedule": (str, "1f1b"),
                "ep": (int, 1), "etp": (int, 1), "cp": (int, 1), "dp_sharding": (str, "fsdp"),
-               "fsdp_gather": (str, "default")},
+               "fsdp_gather": (str, "default"), "pipeline_layout": (str, None)},
 }
 CHOICES = {("step", "gemm_precision"): step.PRECISIONS, ("step", "dispatch_precision"): step.DISPATCH_PRECISIONS,
            ("step", "dispatcher"): network.DISPATCHERS, ("step", "activation_checkpoint"): step.CHECKPOINTING,
-           ("step", "ep_overlap"): step.EP_OVERLAPS, ("layout", "pp_schedule"): step.SCHEDULES,
-           ("layout", "dp_sharding"): ("fsdp", "zero1"), ("layout", "fsdp_gather"): step.FSDP_GATHERS}
+           ("step", "ep_overlap"): step.EP_OVERLAPS, ("step", "kernels"): step.KERNELS,
+           ("layout", "pp_schedule"): step.SCHEDULES, ("layout", "dp_sharding"): ("fsdp", "zero1"),
+           ("layout", "fsdp_gather"): step.FSDP_GATHERS}
 
 
 def read_case(path: str) -> dict:
@@ -134,7 +139,8 @@ def build_run(path: str, case: dict) -> step.Run:
         seq_len=keys["seq_len"], global_batch=keys["global_batch"], micro_batch=keys["micro_batch"],
         gemm_precision=keys["gemm_precision"], dispatch_precision=keys["dispatch_precision"],
         dispatcher=keys["dispatcher"], activation_checkpoint=keys["activation_checkpoint"],
-        ep_overlap=keys["ep_overlap"], routing=routing, skew=skew, mtp_layers=mtp, **layout)
+        ep_overlap=keys["ep_overlap"], routing=routing, skew=skew, kernels=keys["kernels"], mtp_layers=mtp,
+        **layout)
     try:
         step.check_run(run)
     except ValueError as e:

@@ -171,7 +171,8 @@ def test_checkpointing_adds_the_recomputed_forward_to_the_compute():
     """Hardware FLOPs: "full" reruns every block's forward in backward (2 per active parameter, the SDPA's
     S (qk + v) per head: 1/3 of 6N and of the attention term), not the embedding or output head;
     "selective" the attention (projections + SDPA) and the routed experts. Counted here from debug_gqa's
-    shapes, each kind at its own rate; MFU stays model FLOPs / (step x peak)."""
+    shapes, each kind at its own rate (beside each micro-batch's weight traffic, time_s["weights"], which the
+    rerun adds to); MFU stays model FLOPs / (step x peak)."""
     rates = {"matmul_bf16": 3e14, "grouped_mm_bf16": 2e14, "attention_bf16": 1e14}
     job, none = _debug_row("none", rates)
     c, S = job.model, job.data.seq_len
@@ -188,8 +189,10 @@ def test_checkpointing_adds_the_recomputed_forward_to_the_compute():
     assert none["time_s"]["recompute"] == 0
     for mode in ("selective", "full"):
         _, row = _debug_row(mode, rates)
-        assert row["time_s"]["compute"] - none["time_s"]["compute"] == pytest.approx(want[mode], rel=1e-12)
+        flops_s = {k: r["time_s"]["compute"] - r["time_s"]["weights"] for k, r in (("row", row), ("none", none))}
+        assert flops_s["row"] - flops_s["none"] == pytest.approx(want[mode], rel=1e-12)
         assert row["time_s"]["recompute"] == pytest.approx(want[mode], rel=1e-12)
+        assert row["time_s"]["weights"] > none["time_s"]["weights"]  # the rerun reads its weights again
         assert row["model_tflop_per_gpu"] == none["model_tflop_per_gpu"] < row["hardware_tflop_per_gpu"]
         assert row["mfu"] == pytest.approx(row["model_tflop_per_gpu"] * 1e12 / (row["time_s"]["step"] * 989e12))
 

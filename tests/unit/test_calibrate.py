@@ -1,7 +1,7 @@
 """The step model against published runs (benchmarks/calibrate.py, planning/calibration/): leave-one-out
 cross-validation is the test (each case projected with the parameters fitted on all the others), the committed fit
-is the fit of the committed cases, the network model reproduces the published figures it rests on, and a bad case
-file is one line, exit 2.
+is the fit of the committed cases, the network model reproduces the published figures it rests on, each pipeline
+rank is charged its own stages (planning/stages.py), and a bad case file is one line, exit 2.
 
 Where the model does not reach the bar the issue set (the leave-one-out median |ln ratio| <= 0.15, each case
 within +-15% of its own fit), the test is a strict xfail naming the measured figure: it fails the day a change
@@ -15,7 +15,7 @@ import os
 import pytest
 
 from benchmarks import calibrate
-from planning import network, step
+from planning import ep_traffic, network, step
 from planning.calibration.case import case_files
 from planning.devices import DEVICES
 
@@ -28,12 +28,12 @@ REQUIRED = {"modelzoo_qwen3_235b_h100_fsdp_tp2_ep8.toml", "modelzoo_qwen3_235b_h
             "bridge_qwen3_30b_h100_fp8_ep16.toml", "bridge_qwen3_30b_b200_mxfp8_ep8.toml",
             "automodel_dsv3_h100_pp4_ep64.toml", "automodel_qwen3_30b_h100_ep8.toml",
             "torchtitan_dsv3_b200_nccl.toml", "torchtitan_dsv3_b200_deepep.toml",
-            "torchtitan_dsv3_b200_deepep_mxfp8.toml", "deepseek_v3_h800_fp8.toml"}
+            "torchtitan_dsv3_b200_deepep_mxfp8.toml", "deepseek_v3_h800_fp8.toml",
+            # Megatron on B200 beside torchtitan's runs: DeepSeek-V3 at 256 GPUs on both stacks
+            "bridge_dsv3_b200_mxfp8_pp8_ep32.toml", "bridge_dsv3_b200_mxfp8_pp16_ep8.toml",
+            "bridge_qwen3_235b_b200_mxfp8_pp8_ep8.toml"}
 # fitted ratios measured outside +-15% when written (the model's limits, docs/performance.md#cross-validation)
-OUTSIDE_15 = {"automodel_qwen3_30b_h100_ep8.toml": 0.84, "bridge_dsv3_h100_fp8_tp2_pp8_ep64.toml": 0.84,
-              "modelzoo_qwen3_235b_h100_fsdp_tp2_ep8.toml": 0.80, "modelzoo_qwen3_235b_h100_tp2_pp32_ep8_nccl.toml": 1.20,
-              "modelzoo_qwen3_235b_h100_tp2_pp8_ep32.toml": 0.81, "torchtitan_dsv3_b200_deepep.toml": 1.39,
-              "torchtitan_dsv3_b200_deepep_mxfp8.toml": 1.37, "torchtitan_dsv3_b200_nccl.toml": 1.31}
+OUTSIDE_15 = {"modelzoo_qwen3_235b_h100_tp2_pp8_ep32.toml": 0.84}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def cross_validation(tmp_path_factory):
 
 
 def test_the_published_runs_are_committed():
-    assert REQUIRED <= set(NAMES) and len(NAMES) >= 17
+    assert REQUIRED <= set(NAMES) and len(NAMES) >= 20
 
 
 def test_the_committed_fit_is_the_fit_of_the_committed_cases(cross_validation):
@@ -59,9 +59,6 @@ def test_the_committed_fit_is_the_fit_of_the_committed_cases(cross_validation):
     assert set(held) == set(NAMES)
 
 
-@pytest.mark.xfail(strict=True, reason="leave-one-out median |ln ratio| 0.165 when written, above the 0.15 asked: "
-                   "torchtitan's three B200 runs (1.32-1.42) and the ModelZoo table's contradicting rows "
-                   "(docs/performance.md#cross-validation)")
 def test_leave_one_out_median_error_is_at_most_15_percent(cross_validation):
     assert cross_validation["leave_one_out"]["median_abs_log"] <= 0.15
 
@@ -76,10 +73,11 @@ def test_leave_one_out_puts_80_percent_within_25_percent_and_none_outside_two_th
 
 def test_the_fitted_parameters_are_physical(cross_validation):
     """Shares of the bf16 peak between 15% and 80% per kernel class, FP8 between no gain and the datasheet's 2x,
-    a host gap per MoE layer pass under 10 ms; every fold within 25% of the whole fit (a stable fit)."""
+    a host gap per MoE layer pass under 10 ms, a plain-PyTorch stack slower than the fused one but not by more than
+    5x; every fold within 25% of the whole fit (a stable fit)."""
     e = cross_validation["efficiency"]
     assert all(0.15 <= e[k] <= 0.8 for k in ("gemm", "grouped", "attention")), e
-    assert 1.0 <= e["fp8_speedup"] <= 2.0 and 0 < e["sync_s"] < 0.01, e
+    assert 1.0 <= e["fp8_speedup"] <= 2.0 and 0 < e["sync_s"] < 0.01 and 0.2 < e["eager"] < 1.0, e
     for fold in cross_validation["folds"].values():
         assert all(abs(math.log(fold[k] / e[k])) < math.log(1.25) for k in e), (fold, e)
 
@@ -162,7 +160,7 @@ def test_group_limited_routing_reaches_at_most_four_of_eight_nodes():
     from models.presets import preset
 
     config = preset("deepseek_v3_671b", n_expert_groups=8, n_limited_groups=4)
-    rows = step.routing_rows(config, 64, 8)
+    rows = ep_traffic.routing_rows(config, 64, 8)
     assert rows["copies_inter"] == pytest.approx(7.0, abs=0.2)  # sampling: 128 tokens x 64 ranks
     assert rows["copies_intra"] == pytest.approx(8 * 7 / 64, abs=0.2)
     assert rows["nodes_inter"] == pytest.approx(3.5, abs=0.1)
@@ -173,11 +171,11 @@ def test_aligned_blocks_route_a_token_to_one_node():
     2 GPUs of one node, 7 times in 8 another node; Qwen3-30B on EP 8 (16 experts a GPU) to one GPU."""
     from models.presets import preset
 
-    rows = step.routing_rows(preset("deepseek_v3_671b"), 64, 8, "aligned_blocks")
+    rows = ep_traffic.routing_rows(preset("deepseek_v3_671b"), 64, 8, "aligned_blocks")
     assert rows["nodes_inter"] == pytest.approx(7 / 8) and rows["copies_inter"] == pytest.approx(7)
     assert rows["ranks_inter"] + rows["ranks_intra"] == pytest.approx(2 - 2 / 64)  # itself 1 time in 32
     qwen = preset("debug_gqa", n_routed_experts=128, n_activated_experts=8, n_layers=2, n_dense_layers=0)
-    rows = step.routing_rows(qwen, 8, 8, "aligned_blocks")
+    rows = ep_traffic.routing_rows(qwen, 8, 8, "aligned_blocks")
     assert rows["ranks_intra"] == pytest.approx(7 / 8) and rows["nodes_inter"] == 0
 
 
@@ -216,8 +214,95 @@ def test_dispatch_precision_follows_gemm_precision_unless_given():
     from models.presets import preset
 
     big = dict(model=preset("deepseek_v3_671b"), gpus=256, seq_len=4096, global_batch=1024, ep=16)
-    fp8, bf16 = (step.ep_exchanges(_run(**big, gemm_precision="fp8", dispatch_precision=d))[0] for d in ("fp8", "bf16"))
+    moe = big["model"].n_layers - big["model"].n_dense_layers
+    fp8, bf16 = (step.ep_exchanges(_run(**big, gemm_precision="fp8", dispatch_precision=d), moe)[0]
+                 for d in ("fp8", "bf16"))
     assert fp8[0][1] < bf16[0][1] and fp8[1:] == bf16[1:]  # only the forward dispatch is FP8
+
+
+def test_layouts_parse_as_megatron_parses_them():
+    """Megatron's grammar (pipeline_parallel_layer_layout.py): its docstring's example, and the layouts the cases
+    quote; a stage may be empty."""
+    from planning import stages
+
+    assert stages.parse("Ettt|(tt|)*29,m|L") == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
+    assert stages.parse("Et*4|(t*4|)*14tmL") == ["Etttt"] + ["tttt"] * 14 + ["tmL"]
+    assert stages.parse("E|(t|)*94L") == ["E"] + ["t"] * 94 + ["L"]
+    assert stages.parse("E||tL") == ["E", "", "tL"]
+    assert stages.default_layout(61, 32, 0) == ["Ett"] + ["tt"] * 28 + ["t", "t", "tL"]  # NeMo AutoModel's split
+    assert stages.default_layout(4, 2, 1) == ["Ett", "ttmL"]
+
+
+def test_each_pipeline_rank_runs_its_own_stages():
+    """Virtual stage s runs on rank s mod pp: the ModelZoo's PP 32 x VP 3 Qwen3-235B puts the embedding alone on rank
+    0's first stage and the head alone on rank 31's last; DualPipe runs stage i and stage pp - 1 - i on rank i, half
+    the micro-batches each; "balanced" gives every rank a 1/pp share of everything."""
+    from planning import stages
+
+    loads = stages.rank_loads("E|(t|)*94L", 32, 3, 94, 0, False)
+    assert len(loads) == 32 and loads[0].embedding == 1 and loads[31].head == 1
+    assert [i for i, _ in loads[0].layers] == [31, 63] and [i for i, _ in loads[31].layers] == [30, 62]
+    assert sum(len(load.layers) for load in loads) == 94
+    dual = stages.rank_loads(None, 4, 1, 8, 1, True)
+    assert dual[0] == dual[0].__class__(((0, 0.5), (1, 0.5), (6, 0.5), (7, 0.5)), 0.5, 0.5, 0.5)
+    assert dual[1].layers == ((2, 0.5), (3, 0.5), (4, 0.5), (5, 0.5)) and dual[1].head == 0
+    (even,) = set(stages.rank_loads("balanced", 4, 1, 8, 1, False))
+    assert even.head == even.mtp == 1 / 4 and sum(w for _, w in even.layers) == 2
+
+
+def test_the_slowest_pipeline_rank_sets_the_pace():
+    """The PP 32 case: the rank holding the output head (2 layers + a head of 2.7 layers' FLOPs) is the slowest,
+    well above the ranks' mean; with every rank's share equal ("balanced") the step is the mean's. The ranks' FLOPs
+    add up to the model's (+ the head's once), whatever the split."""
+    from dataclasses import replace
+
+    from planning.calibration.case import load
+
+    _, run = load(os.path.join(REPO, "planning", "calibration", "cases",
+                               "modelzoo_qwen3_235b_h100_tp2_pp32_ep8_nccl.toml"))
+    split, even = step.step_terms(run), step.step_terms(replace(run, pipeline_layout="balanced"))
+    assert split["stage_imbalance"] > 1.1 and even["stage_imbalance"] == pytest.approx(1.0)
+    assert split["step"] > 1.1 * even["step"]
+    from runtime.metrics import flops_per_token
+
+    for r in (run, replace(run, pipeline_layout="balanced")):
+        total = sum(sum(rank["flops"].values()) * rank["count"] for rank in step.work(r)["ranks"])
+        tokens = r.global_batch * r.seq_len / (r.dp * r.cp * r.tp)  # a pipeline's ranks run the replica's tokens
+        assert total == pytest.approx(flops_per_token(r.model, r.seq_len) * tokens, rel=1e-3)
+
+
+def test_each_micro_batch_moves_the_weights_through_hbm():
+    """WEIGHT_BYTES per held parameter and micro-batch (+2 under a recompute), whatever the tokens: the same tokens
+    in 4 micro-batches move 4x the weight bytes of one; thin expert shards (EP 8) move more than wide ones."""
+    from dataclasses import replace
+
+    from models.presets import preset
+
+    big = dict(model=preset("deepseek_v3_671b"), gpus=64, seq_len=4096, global_batch=256, ep=8)
+    # 256 sequences on 64 ranks: 4 micro-batches of one sequence, or one of four
+    one, four = (step.work(_run(**big, micro_batch=m))["ranks"][0]["weight_bytes"] for m in (1, 4))
+    assert one == pytest.approx(4 * four) and four > 0
+    r = _run(**big, micro_batch=1)
+    assert one == pytest.approx(r.micro_batches * step.weight_bytes(r.model, 4096, 1, 8, "none"))
+    wide = step.work(replace(r, ep=64))["ranks"][0]["weight_bytes"]
+    c = r.model  # the routed experts' share: E x 3 D I per MoE layer, over ep
+    routed = (c.n_layers - c.n_dense_layers) * c.n_routed_experts * 3 * c.dim * c.moe_inter_dim
+    assert one - wide == pytest.approx(r.micro_batches * routed * (1 / 8 - 1 / 64) * step.WEIGHT_BYTES, rel=1e-6)
+
+
+def test_a_plain_pytorch_stack_computes_at_the_eager_share():
+    """kernels "eager" divides the compute by Efficiency.eager and leaves the network alone."""
+    from dataclasses import replace
+
+    from models.presets import preset
+    from planning.parameters import Efficiency
+
+    eff = Efficiency(gemm=0.5, grouped=0.5, attention=0.5, fp8_speedup=1.2, sync_s=1e-3, eager=0.5)
+    r = _run(model=preset("deepseek_v3_671b"), gpus=64, seq_len=4096, global_batch=64, ep=64)
+    fused, eager = step.step_terms(r, eff), step.step_terms(replace(r, kernels="eager"), eff)
+    assert eager["compute"] - fused["compute"] == pytest.approx(fused["compute"] - step.work(r)["ranks"][0][
+        "weight_bytes"] / (r.device.hbm_gbs * 1e9))
+    assert eager["ep"] == fused["ep"] and eager["syncs"] == fused["syncs"]
 
 
 # ---- bad case files ---------------------------------------------------------------------------------
@@ -251,6 +336,18 @@ BAD = {
                        "published.tokens_per_gpu_s = nan must be a finite number > 0"),
     "routing": (lambda t: t.replace('routing = "balanced"', 'routing = "zipf"'),
                 "step.routing = 'zipf': expected \"balanced\", \"aligned_blocks\" or a skew factor >= 1.0"),
+    "kernels outside its values": (lambda t: t.replace('kernels = "eager"', 'kernels = "triton"'),
+                                   "step.kernels = 'triton': expected one of fused, eager"),
+    "layout with too few stages": (lambda t: t.replace("pp = 1\n", 'pp = 2\npipeline_layout = "Et*61L"\n'),
+                                   "layout.pipeline_layout has 1 stage(s), not layout.pp x virtual_stages = 2 x 1 = 2"),
+    "layout missing layers": (lambda t: t.replace("pp = 1\n", 'pp = 2\npipeline_layout = "Et*30|t*30L"\n'),
+                              "layout.pipeline_layout holds 60 layers, 0 multi-token-prediction modules, 1 embedding "
+                              "and 1 loss; the model has 61 layers"),
+    "dualpipe with virtual stages": (
+        lambda t: t.replace("pp = 1\n", 'pp = 2\nvirtual_stages = 2\npp_schedule = "dualpipe"\n'),
+        "layout.virtual_stages must be 1 (got 2)"),
+    "layout symbol": (lambda t: t.replace("pp = 1\n", 'pp = 2\npipeline_layout = "Et*30|t*31X"\n'),
+                      "unknown symbol(s) ['X']"),
 }
 
 
