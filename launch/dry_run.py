@@ -105,7 +105,9 @@ def job_config(args, overrides):
         raise ValueError(f"--layers {args.layers}: must be in 1..{config.model.n_layers} (model.n_layers)")
     if args.json:
         check_output_file("--json", args.json, "dry_run.json", config_inputs(args.config, config))
-    config.layout(world)  # ConfigError: the one line launch/pretrain.py prints
+    if config.layout(world).pp > 1:  # config.layout: ConfigError, the one line launch/pretrain.py prints
+        raise ValueError(f"parallel.pp={config.parallel.pp}: the dry run plays whole-model ranks; it does not "
+                         f"model pipeline stages yet")
     note = "the config's token file"
     if config.data.source == "bin" and not os.path.exists(config.data.path):
         note = f"synthetic tokens ({config.data.path} is not on this machine)"

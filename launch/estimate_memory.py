@@ -427,7 +427,11 @@ def job_from_args(args, overrides: list[str]) -> Job:
         raise ValueError(f"--routing-skew {args.routing_skew}: must be >= 1.0 (the busiest rank over the mean)")
     if args.json:
         check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
-    return Job(config, config.layout(world), args.rank, args.device, args.routing_skew)
+    layout = config.layout(world)
+    if layout.pp > 1:
+        raise ValueError(f"parallel.pp={layout.pp}: the estimate models whole-model ranks; it does not model "
+                         f"pipeline stages yet")
+    return Job(config, layout, args.rank, args.device, args.routing_skew)
 
 
 def format_table(r: dict) -> str:

@@ -19,6 +19,9 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
 both (docs/performance.md, "Whole-step projection").
 
+Pipeline parallelism (`pp`, parallel/pp/plan.py) is the outermost axis: the world is pp stages of
+world / pp consecutive ranks each, and both layouts above multiply to the ranks of one stage.
+
 `ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
 dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement (the one table:
 parallel/ep/refusals.py).
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from parallel.ep import refusals
+from parallel.pp import plan as pp_plan
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
@@ -56,6 +60,12 @@ class ParallelConfig:
     ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
     ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep/keep.py)
     ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep/direct.py)
+    # pipeline parallelism (parallel/pp/plan.py; docs/pretraining.md "Pipeline parallelism")
+    pp: int = 1  # pipeline stages' rank groups, the outermost axis: each holds world/pp consecutive ranks, both layouts above inside it
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"] = "1f1b"  # torch.distributed.pipelining schedule; its micro-batches are training.grad_accum
+    pp_stages_per_rank: int = -1  # stages each rank runs: -1 = the schedule's (1 for 1f1b and gpipe, 2 for the others)
+    pp_layers: tuple[int, ...] = ()  # blocks per stage, pp x stages per rank numbers; empty = spread evenly, the embedding and the head each weighing a block
+    reshard_after_forward: Literal["auto", "true", "false"] = "auto"  # FSDP frees gathered weights after each forward; auto = true without pp, false with it (zero-bubble schedules refuse true)
 
     def check_degrees(self) -> None:
         """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
@@ -65,16 +75,30 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
         _check_expert_inner(self.expert_inner)
         check_ep_knobs(self)
+        pp_plan.check_pp_knobs(self)
 
     def resolve(self, world_size: int) -> "Layout":
         """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
         if world_size < 1:
             raise ValueError(f"world size must be positive, got {world_size}")
         self.check_degrees()
-        dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
-        expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
-        knobs = {k: getattr(self, k) for k in EP_KNOBS}
+        stage = _stage_size(world_size, self.pp)
+        dense = _resolve_axes(self, DENSE_AXES, stage, "dense", self.pp)
+        expert = _resolve_axes(self, EXPERT_AXES, stage, "expert", self.pp)
+        knobs = {k: getattr(self, k) for k in EP_KNOBS + PP_KNOBS}
         return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner, **knobs)
+
+
+def _stage_size(world_size: int, pp: int) -> int:
+    """Ranks per pipeline stage; ValueError unless pp divides the world size."""
+    if world_size % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide the world size {world_size}")
+    return world_size // pp
+
+
+def _ranks_phrase(ranks: int, pp: int) -> str:
+    """How a layout's rank count is named in errors: the world, or one pipeline stage of it."""
+    return f"the world size is {ranks}" if pp == 1 else f"a pipeline stage has {ranks} ranks (world size {ranks * pp} / parallel.pp={pp})"
 
 
 def _check_expert_inner(value) -> None:
@@ -82,6 +106,7 @@ def _check_expert_inner(value) -> None:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
+PP_KNOBS = ("pp", "pp_schedule", "pp_stages_per_rank", "pp_layers", "reshard_after_forward")
 EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
             "ep_combine_grad_dtype")
 # EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
@@ -118,7 +143,8 @@ def check_recompute(layout, activation_checkpoint: str) -> None:
     refusals.check(layout, activation_checkpoint=activation_checkpoint)
 
 
-def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
+def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str, pp: int = 1) -> dict:
+    """The degrees of `axes` multiplying to `world_size` (the ranks of one pipeline stage when pp > 1)."""
     values = {a: getattr(config, a) for a in axes}
     formula = " x ".join(f"parallel.{a}={v}" for a, v in values.items())
     inferred = [a for a, v in values.items() if v == -1]
@@ -129,13 +155,14 @@ def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int
         known *= v if v != -1 else 1
     if inferred:
         if world_size % known:
+            where = "world size" if pp == 1 else f"pipeline stage size (world / parallel.pp={pp})"
             raise ValueError(
-                f"{name} layout {formula}: world size {world_size} is not divisible by {known}, "
+                f"{name} layout {formula}: {where} {world_size} is not divisible by {known}, "
                 f"cannot infer {inferred[0]}"
             )
         values[inferred[0]] = world_size // known
     elif known != world_size:
-        raise ValueError(f"{name} layout {formula} = {known} ranks, but the world size is {world_size}")
+        raise ValueError(f"{name} layout {formula} = {known} ranks, but {_ranks_phrase(world_size, pp)}")
     return values
 
 
@@ -158,6 +185,17 @@ class Layout:
     ep_dispatch_dtype: str = "compute"
     ep_recompute: str = "resend"
     ep_combine_grad_dtype: str = "compute"
+    # pipeline parallelism: see ParallelConfig and parallel/pp/plan.py
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = -1
+    pp_layers: tuple[int, ...] = ()
+    reshard_after_forward: str = "auto"
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (the whole world when pp == 1): both layouts multiply to it."""
+        return self.world_size // self.pp
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:
@@ -233,10 +271,12 @@ def _check_positive(layout: Layout) -> None:
             raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
     _check_expert_inner(layout.expert_inner)
     check_ep_knobs(layout)
+    pp_plan.check_pp_knobs(layout)
     refusals.check(layout)  # refused EP knob combinations
+    stage = _stage_size(layout.world_size, layout.pp)
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep
     for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):
-        if product != layout.world_size:
+        if product != stage:
             formula = " x ".join(f"{a}={getattr(layout, a)}" for a in axes)
-            raise ValueError(f"{name} layout {formula} = {product} ranks, but the world size is {layout.world_size}")
+            raise ValueError(f"{name} layout {formula} = {product} ranks, but {_ranks_phrase(stage, layout.pp)}")

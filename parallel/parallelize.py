@@ -20,12 +20,14 @@ from parallel.ep.dispatcher import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout, check_recompute
 from parallel.meshes import Meshes
+from parallel.pp.plan import reshard_after_forward
 
 
 def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpoint: str = "none",
                 compile_backend: str | None = None, document_mask: bool = False) -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup.
+    `model`: a Transformer or one pipeline stage of it (parallel/pp/part.py), on this rank's stage meshes.
     `compile_backend` (None: eager): compile each block's regions with it (parallel/compile.py);
     `document_mask` (data.document_mask): off the flex path its attention stays eager there."""
     check_recompute(layout, activation_checkpoint)
@@ -40,7 +42,8 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
         block_path = document_mask and not flex_path(meshes.dense.device_type)
         apply_compile(model, compile_backend, boundaries, layout.ep, block_path)
     apply_activation_checkpoint(model, activation_checkpoint)  # recompute in backward: none | full | selective
-    apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
+    apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # both meshes
+               reshard_after_forward=reshard_after_forward(layout))
     return model
 
 
