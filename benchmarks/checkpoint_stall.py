@@ -1,4 +1,4 @@
-"""Training stall per checkpoint, sync vs async (runtime/checkpointer.py), on CPU.
+"""Training stall per checkpoint, sync vs async (runtime/checkpoint/checkpointer.py), on CPU.
 
     python benchmarks/checkpoint_stall.py [--params-m 50] [--saves 4] [--interval 5] [--repeats 3] [--json OUT]
 
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from runtime.checkpoint import CheckpointConfig, ModelOptimState  # noqa: E402
-from runtime.checkpointer import Checkpointer  # noqa: E402
+from runtime.checkpoint.checkpoint import CheckpointConfig, ModelOptimState  # noqa: E402
+from runtime.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 

@@ -32,8 +32,8 @@ from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.cli import user_errors
 from runtime.config import load_config
-from runtime.data import Loader
-from runtime.indexed import IndexedWriter
+from runtime.data.loader import Loader
+from runtime.data.indexed import IndexedWriter
 from runtime.paths import check_outputs
 
 

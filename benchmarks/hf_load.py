@@ -5,7 +5,7 @@
 
 Each rank builds the model on the meta device, shards it with the runtime's default layout for N
 ranks (FSDP over all ranks, ep = gcd(N, experts)), materializes its shards and times `load_state`
-(models/hf.py). Peak RSS is `ru_maxrss`, which counts the touched pages of the memory-mapped
+(models/hf/checkpoint.py). Peak RSS is `ru_maxrss`, which counts the touched pages of the memory-mapped
 safetensors files as well as the model shards; RSS before the load is reported alongside.
 """
 
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models import Transformer, preset  # noqa: E402
-from models.hf import load_state, save_pretrained  # noqa: E402
+from models.hf.checkpoint import load_state, save_pretrained  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402

@@ -10,7 +10,7 @@ a 16k vocabulary, so one CPU machine holds it. The three directories hold the sa
     fp8   DeepSeek-V3 / Kimi K2: linear weights but embedding, head and router float8_e4m3fn with a
           float32 scale per 128 x 128 block
     int4  Kimi K2.5: the multimodal wrapper config, `language_model.` keys, routed experts compressed-tensors
-          INT4 (group 32, bf16 scales; models/int4.py), a 40 MB bf16 vision tower
+          INT4 (group 32, bf16 scales; models/hf/int4.py), a 40 MB bf16 vision tower
 Measurement: benchmarks/hf_load.py `measure` (the runtime's default layout for N ranks, `load_state` timed,
 ru_maxrss, which counts the touched pages of the memory-mapped files as well as the model shards).
 """
@@ -26,9 +26,10 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from benchmarks.hf_load import load_and_report  # noqa: E402
-from models import Transformer, int4, preset  # noqa: E402
-from models.hf import _is_linear, save_pretrained  # noqa: E402
-from models.hf_files import INDEX, TensorRecord, write_shards  # noqa: E402
+from models import Transformer, preset  # noqa: E402
+from models.hf import int4  # noqa: E402
+from models.hf.checkpoint import _is_linear, save_pretrained  # noqa: E402
+from models.hf.files import INDEX, TensorRecord, write_shards  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 

@@ -4,7 +4,7 @@ chunked head (models/output_head.py, posttrain.head_chunk), side by side in this
     python benchmarks/output_head.py [--length 8192] [--vocab 32768] [--chunks 512,2048] [--repeats 3] [--json PATH]
 
 One trajectory of --length tokens in 128 alternating user / assistant turns, the last 20 assistant turns
-flagged (benchmarks/teacher_tokens.py's synthetic shape), the debug model with a --vocab vocabulary, fp32 on
+flagged (benchmarks/lib/synthetic_rollout.py), the debug model with a --vocab vocabulary, fp32 on
 this CPU. For each variant, the student's forward and backward (RL, SFT and the feedback KL in `full` mode;
 the teacher's data computed once beforehand): the peak of live tensors (MemTracker,
 benchmarks/lib/memory_peak.py) and the median time of --repeats; the loss and the output head's gradient
@@ -24,15 +24,15 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.lib.memory_peak import track_peak
-from benchmarks.teacher_tokens import synthetic_record
+from benchmarks.lib.synthetic_rollout import synthetic_record
 from models import Transformer, preset
-from runtime import feedback
+from runtime.posttrain import feedback
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain import FeedbackObjective, feedback_kl
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import trajectory_from_record
 
 MIB = 2**20
 

@@ -1,5 +1,5 @@
-"""Host memory of a rank reading a rollout file: by line index (runtime/rollout_file.py) against the
-whole file in memory (runtime/rollouts.read_rollouts, what every rank did before).
+"""Host memory of a rank reading a rollout file: by line index (runtime/posttrain/rollout_file.py) against the
+whole file in memory (runtime/posttrain/rollouts.py read_rollouts, what every rank did before).
 
     python benchmarks/rollout_memory.py [--sizes-mb 128 1024] [--sequential-mb 128] [--ranks 2]
                                         [--batch-tokens 65536] [--steps 4] [--dir /tmp] [--json PATH]
@@ -84,7 +84,7 @@ def _reset_peak() -> None:
 
 def _steps(loader, steps: int) -> dict:
     """Peak RSS above the start, time and trajectories parsed of `steps` steps (the peak reset first)."""
-    from runtime import rollout_file
+    from runtime.posttrain import rollout_file
     parse, parsed = rollout_file.parse_line, []
     rollout_file.parse_line = lambda raw, number, *a: parsed.append(number) or parse(raw, number, *a)
     base, start = _current_rss_mib(), time.perf_counter()
@@ -98,7 +98,7 @@ def _steps(loader, steps: int) -> dict:
 
 def _indexed_rank(rank: int, ranks: int, path: str, batch_tokens: int, steps: int, store: str, conn) -> None:
     import torch.distributed as dist
-    from runtime.rollout_batch import RolloutLoader
+    from runtime.posttrain.rollout_batch import RolloutLoader
     base = _current_rss_mib()
     dist.init_process_group("gloo", store=dist.FileStore(store, ranks), rank=rank, world_size=ranks)
     start = time.perf_counter()
@@ -115,8 +115,8 @@ def _indexed_rank(rank: int, ranks: int, path: str, batch_tokens: int, steps: in
 
 def child_indexed(path: str, ranks: int, batch_tokens: int, steps: int) -> list[dict]:
     """`ranks` gloo ranks forked from this process (the imports done once, before)."""
-    import runtime.rollout_batch  # noqa: F401  the imports every rank shares
-    from runtime.rollout_file import line_offsets
+    import runtime.posttrain.rollout_batch  # noqa: F401  the imports every rank shares
+    from runtime.posttrain.rollout_file import line_offsets
     start = time.perf_counter()
     line_offsets(path)
     index_s = time.perf_counter() - start
@@ -135,7 +135,7 @@ def child_indexed(path: str, ranks: int, batch_tokens: int, steps: int) -> list[
 
 
 def child_sequential(path: str) -> list[dict]:
-    from runtime.rollouts import read_rollouts
+    from runtime.posttrain.rollouts import read_rollouts
     base = _current_rss_mib()
     start = time.perf_counter()
     trajs = read_rollouts(path, VOCAB, MAX_LEN)

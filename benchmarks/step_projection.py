@@ -140,7 +140,8 @@ def ep_collectives(config, layout, micro_batches: int, activation_checkpoint: st
     for name in names:
         calls = ep_projection.forward_passes(name, activation_checkpoint, layout)
         calls += name not in ep_projection.INTEGER_STAGES
-        pieces = layout.ep_overlap_chunks if name in pipelined and layout.ep_overlap_chunks > 1 else 1
+        chunks = layout.ep_config.ep_overlap_chunks
+        pieces = chunks if name in pipelined and chunks > 1 else 1
         out[name] = n * calls * pieces
     return out
 
@@ -175,11 +176,12 @@ def sync_count(config, layout, micro_batches: int, activation_checkpoint: str = 
     parallel.ep_recompute = "keep" reads none)."""
     from parallel.ep.plan import host_syncs_per_layer
 
-    per_layer = host_syncs_per_layer(layout)
-    if layout.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep/keep.py)
+    ep = layout.ep_config
+    per_layer = host_syncs_per_layer(ep)
+    if ep.ep_recompute == "resend" and activation_checkpoint == "full":  # "keep": replayed (parallel/ep/keep.py)
         per_layer *= 2
-    elif layout.ep_recompute == "resend" and activation_checkpoint == "selective" and layout.ep_overlap_chunks > 1:
-        per_layer += layout.ep_overlap_chunks if layout.ep_dedup else 1  # read inside the experts' call
+    elif ep.ep_recompute == "resend" and activation_checkpoint == "selective" and ep.ep_overlap_chunks > 1:
+        per_layer += ep.ep_overlap_chunks if ep.ep_dedup else 1  # read inside the experts' call
     return 1 + (layout.ep > 1) * (config.n_layers - config.n_dense_layers) * micro_batches * per_layer
 
 
@@ -207,10 +209,11 @@ def memory_bytes(model, config, layout, units, local_tokens: int, act_bytes: int
     kept_layers = per_token_layer + c.n_layers * c.dim if activation_checkpoint == "full" else \
         c.n_layers * per_token_layer
     activations = local_tokens * act_bytes * kept_layers
-    if layout.ep > 1 and layout.ep_recompute == "keep" and activation_checkpoint != "none":  # parallel/ep/keep.py
+    if layout.ep > 1 and layout.ep_config.keep and activation_checkpoint != "none":  # parallel/ep/keep.py
         from parallel.ep.keep import kept_bytes_per_layer
 
-        activations += n_moe * kept_bytes_per_layer(local_tokens, c, layout, act_bytes, ep_nodes_per_token)
+        activations += n_moe * kept_bytes_per_layer(local_tokens, c, layout.ep_config, act_bytes,
+                                                    ep_nodes_per_token)
     unsharded_grads = 0.0
     if grad_sync == "last":
         unsharded_grads = 4.0 * sum(math.prod(s) // (layout.ep if mesh == "expert" else 1)
@@ -288,7 +291,8 @@ def step_times(c, layout, device, args, compute: float, ep_stages: dict, fsdp_to
     nodes = ep_placement(c, layout).n_nodes if layout.ep > 1 else 1
     collectives = ep_collectives(c, layout, shapes["micro"], shapes["checkpointing"], stages)
     serial = ep_seconds(stages, device, shapes["expert_s"] * skew, 1, nodes, collectives)
-    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_overlap_chunks, nodes, collectives)
+    ep_s = ep_seconds(stages, device, shapes["expert_s"] * skew, layout.ep_config.ep_overlap_chunks, nodes,
+                      collectives)
     cp_s = max(_link_seconds(cp, device)) + shapes["cp_collectives"] * net.LATENCY_S
     fsdp_nvlink_s, fsdp_network_s = _link_seconds(fsdp_total, device)
     fsdp_network_s += shapes["fsdp_collectives"] * net.LATENCY_S

@@ -81,7 +81,8 @@ from models.experts import GroupedExperts  # noqa: E402
 from parallel.fake_backend import register_fake_backend  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
-from runtime import checkpoint, comm  # noqa: E402
+from runtime import comm  # noqa: E402
+from runtime.checkpoint import checkpoint  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
@@ -176,7 +177,7 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
             model = Transformer(config.model)
         t = config.training
         parallelize(model, meshes, layout, param_dtype=train.DTYPES[t.param_dtype],
-                    reduce_dtype=train.DTYPES[t.reduce_dtype], activation_checkpoint=t.activation_checkpoint)
+                    reduce_dtype=train.DTYPES[t.reduce_dtype])
         planner_start = time.perf_counter()
         optimizer = train.build_optimizer(model, config)
         planner_s = time.perf_counter() - planner_start
@@ -210,7 +211,7 @@ def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
     scheduler = train.build_scheduler(optimizer, small.training)
     loader = train.build_loader(small, meshes, layout)
     resident = sum(sum(m.values()) - m["grads"] for m in _by_mesh(states_bytes(model, optimizer)))
-    log = dry_run_bytes.CollectiveLog(names, layout.ranks_per_node, _fake_backend_legal)
+    log = dry_run_bytes.CollectiveLog(names, layout.ep_config.ranks_per_node, _fake_backend_legal)
     start = time.perf_counter()
     with log:
         train.train_step(model, optimizer, scheduler, loader, small, torch.device("cpu"))
@@ -229,11 +230,12 @@ def step_dispatch(layout):
     piece counts peers send, neither of which the fake backend delivers, so the step runs the direct,
     unpipelined dispatch of the same routing (same rows and bytes but for the counts; every other EP knob
     as configured)."""
-    off = {k: v for k, v in (("ep_dedup", False), ("ep_overlap_chunks", 1)) if getattr(layout, k) != v}
+    off = {k: v for k, v in (("ep_dedup", False), ("ep_overlap_chunks", 1)) if getattr(layout.ep_config, k) != v}
     if not off or layout.ep == 1:
         return layout, "as configured"
     names = ", ".join(f"parallel.{k}" for k in off)
-    return dataclasses.replace(layout, **off), f"direct, unpipelined ({names}: needs peers' data, not dry-runnable)"
+    direct = dataclasses.replace(layout, ep_config=dataclasses.replace(layout.ep_config, **off))
+    return direct, f"direct, unpipelined ({names}: needs peers' data, not dry-runnable)"
 
 
 def _by_mesh(states: dict) -> list[dict]:

@@ -181,7 +181,7 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     if layout.ep > 1:
         ep_group = meshes.expert.get_group("ep")
         ranks, me = dist.get_process_group_ranks(ep_group), dist.get_rank(ep_group)
-        placement = Placement(job.model.n_routed_experts, tuple(ranks), layout.ranks_per_node)
+        placement = Placement(job.model.n_routed_experts, tuple(ranks), layout.ep_config.ranks_per_node)
         row = out.setdefault(("all_to_all", names.get(ep_group.group_name), "ep"), [0, 0])
         for routing in routings:
             routing = symmetric_routing(routing, me, layout.ep, placement.local_experts)

@@ -207,7 +207,7 @@ def _kept(block: nn.Module, mode: str, seq: int, dtype: torch.dtype) -> int:
         after = tracker.get_tracker_snapshot("current")
     if mode != "none":
         for module in checkpoint_regions(block, mode):
-            del module.forward  # back to the class forward for the next probe
+            module.region = module.region.inner  # the region's runner before checkpointing, for the next probe
     return _total(after) - _total(before) - out.numel() * out.element_size()
 
 
@@ -290,11 +290,11 @@ def kept_rows(job: Job) -> float:
     from parallel.ep.keep import kept_bytes_per_layer
 
     cfg, layout = job.config.model, job.layout
-    if layout.ep == 1 or layout.ep_recompute != "keep" or job.config.training.activation_checkpoint == "none":
+    if layout.ep == 1 or not layout.ep_config.keep or job.config.training.activation_checkpoint == "none":
         return 0.0
     ep_axis = rank_mesh(layout, EXPERT_AXES).reshape(-1, layout.ep)  # ep is the last of EXPERT_AXES
     (group,) = [row for row in ep_axis if job.rank in row]
-    node_of_expert = [int(group[e // layout.local_experts(cfg.n_routed_experts)]) // layout.ranks_per_node
+    node_of_expert = [int(group[e // layout.local_experts(cfg.n_routed_experts)]) // layout.ep_config.ranks_per_node
                       for e in range(cfg.n_routed_experts)]
     nodes = min(cfg.n_activated_experts, len(set(node_of_expert)))
     if cfg.n_expert_groups > 1:  # group-limited routing: a token reaches at most n_limited_groups groups
@@ -302,7 +302,7 @@ def kept_rows(job: Job) -> float:
         span = max(len(set(node_of_expert[g * per_group:(g + 1) * per_group])) for g in range(cfg.n_expert_groups))
         nodes = min(nodes, cfg.n_limited_groups * span)
     n_seq, s_local = job.tokens
-    return job.routing_skew * kept_bytes_per_layer(n_seq * s_local, cfg, layout, job.c, nodes)
+    return job.routing_skew * kept_bytes_per_layer(n_seq * s_local, cfg, layout.ep_config, job.c, nodes)
 
 
 def logits(job: Job) -> int:
@@ -330,7 +330,7 @@ def muon_step(job: Job) -> int:
     o = job.config.optim
     specs = model_specs(job.config.model, job.layout)  # expert ranks follow parallel.expert_inner
     options = plan_options(o, "cpu" if job.device == "cpu" else "cuda", bucket_mb=o.bucket_mb,
-                           replica_split=o.replica_split, ranks_per_node=job.layout.ranks_per_node)
+                           replica_split=o.replica_split, ranks_per_node=job.layout.ep_config.ranks_per_node)
     return int(STEP_BUCKETS[o.overlap] * largest_bucket(make_plan(specs, job.layout.world_size, options), job.rank))
 
 

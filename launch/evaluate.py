@@ -76,13 +76,13 @@ if __name__ == "__main__":  # a bad flag exits here with status 2, before torch 
 
 from launch.export_hf import checkpoint_path  # noqa: E402
 from launch.model_source import kind, load_model  # noqa: E402
-from runtime import checkpoint  # noqa: E402
-from runtime.data import Loader  # noqa: E402
-from runtime.data_config import DataConfig, SourceConfig  # noqa: E402
+from runtime.checkpoint import checkpoint  # noqa: E402
+from runtime.data.loader import Loader  # noqa: E402
+from runtime.data.config import DataConfig, SourceConfig  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.eval_config import EvalConfig  # noqa: E402
 from runtime.evaluate import evaluate  # noqa: E402
-from runtime.mixture import mixture_eval_loss  # noqa: E402
+from runtime.data.mixture import mixture_eval_loss  # noqa: E402
 from runtime.train import micro_batch_loss  # noqa: E402
 
 

@@ -14,7 +14,7 @@ bad argument (a run dir without checkpoints, an `--out` that is a file, not empt
 `--shard-gb` <= 0) or a checkpoint that does not load exits with status 2 and one line; a failed export
 removes what it wrote. `--like SRC_DIR` writes in the layout of the directory training started from (Kimi
 K2.5: its nesting, INT4 experts re-quantized, vision tower and projector copied byte for byte, its
-config.json and other files: models/hf_like.py). `--tokenizer DIR`: runtime/tokenizer_dir.py loads it
+config.json and other files: models/hf/like.py). `--tokenizer DIR`: runtime/data/tokenizer_dir.py loads it
 (Kimi's tiktoken tokenizer with `--trust-remote-code`); launch/tokenizer_files.py copies its files.
 """
 
@@ -32,10 +32,10 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import tokenizer_files  # noqa: E402
 from launch.precheck import ToolParser  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.hf import SHARD_BYTES, write_hf  # noqa: E402
-from models.hf_like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
+from models.hf.checkpoint import SHARD_BYTES, write_hf  # noqa: E402
+from models.hf.like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
 from runtime.paths import check_not_input  # noqa: E402
-from runtime import checkpoint  # noqa: E402
+from runtime.checkpoint import checkpoint  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 

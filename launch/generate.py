@@ -6,7 +6,7 @@
 
 `--model`: as launch/evaluate.py (a run's newest checkpoint or `--step N`, one checkpoint, or a Hugging
 Face directory). `--tokenizer`: a tokenizer directory, tokenizer.json or one AutoTokenizer loads (Kimi
-K2.5's tiktoken tokenizer needs `--trust-remote-code`; runtime/tokenizer_dir.py), default: the model
+K2.5's tiktoken tokenizer needs `--trust-remote-code`; runtime/data/tokenizer_dir.py), default: the model
 directory when it holds one, as an export made with `--tokenizer` does; its generation_config.json or
 tokenizer_config.json names the end-of-sequence token, after which a completion stops. No `--prompt`: one
 prompt per line of standard input. Decoding is runtime/generate.py (KV cache): temperature 0 is greedy; otherwise the
@@ -58,7 +58,7 @@ if __name__ == "__main__":  # a bad flag exits here with status 2, before torch 
 import torch  # noqa: E402
 
 from launch.model_source import load_model  # noqa: E402
-from runtime import tokenizer_dir  # noqa: E402
+from runtime.data import tokenizer_dir  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.generate import generate  # noqa: E402
 

@@ -5,7 +5,7 @@ or `step`), one checkpoint directory (`.../checkpoints/step_N`), or a Hugging Fa
 
 Used by launch/evaluate.py and launch/generate.py. A training checkpoint is read from DCP one tensor at a
 time (DCP reassembles each from every rank's shards, so the layout it was saved with does not matter) with
-the model config its COMPLETE marker records; a Hugging Face directory through models/hf.py. Every problem
+the model config its COMPLETE marker records; a Hugging Face directory through models/hf/checkpoint.py. Every problem
 (no such directory, no complete checkpoint, a damaged file) is a ValueError or RunError of one line.
 """
 
@@ -15,14 +15,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from launch.export_hf import PREFIX, check_shapes, checkpoint_model_config, checkpoint_path, dcp_fetch
-from models.hf import load_pretrained
+from models.hf.checkpoint import load_pretrained
 from models.model import Transformer
-from runtime import checkpoint, init_source
+from runtime.checkpoint import checkpoint
+from runtime.posttrain import init_source
 
 
 def kind(path: str) -> str:
     """"hf" (config.json), "checkpoint" (a COMPLETE marker) or "run" (a complete checkpoint under
-    checkpoints/); ValueError naming --model else (runtime/init_source.py, as posttrain.init_from)."""
+    checkpoints/); ValueError naming --model else (runtime/posttrain/init_source.py, as posttrain.init_from)."""
     return init_source.kind(path, where=f"--model {path}")
 
 

@@ -1,8 +1,8 @@
 """Entry point: `torchrun --nproc_per_node N launch/posttrain.py [--config PATH] [--section.key=value ...]`.
 
 The same config, layouts, optimizers, checkpoints, metrics and training loop as launch/pretrain.py,
-with the post-training objective (runtime/posttrain.py) on rollout data (`data.source = "rollouts"`).
-Before any collective every rank builds or checks the rollout file's line index (runtime/rollout_file.py);
+with the post-training objective (runtime/posttrain/objective.py) on rollout data (`data.source = "rollouts"`).
+Before any collective every rank builds or checks the rollout file's line index (runtime/posttrain/rollout_file.py);
 then each rank validates its share of the lines, and one all-gather that every rank reaches makes a
 bad line anywhere one line naming the file and the line, on every rank (exit status 2).
 """
@@ -23,10 +23,11 @@ import torch.distributed as dist  # noqa: E402
 
 from launch import pretrain  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
-from runtime import init_source, pretrained  # noqa: E402
+from runtime.checkpoint import pretrained  # noqa: E402
+from runtime.posttrain import init_source  # noqa: E402
 from runtime.config import help_text  # noqa: E402
-from runtime.posttrain import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
-from runtime.rollout_file import line_offsets  # noqa: E402
+from runtime.posttrain.objective import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
+from runtime.posttrain.rollout_file import line_offsets  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def check_environment(config) -> None:
     pretrain.check_run(config)
     line_offsets(config.data.path)  # the index; the lines are validated by the loader, a share per rank
     pretrain.check_token_sources(config)  # eval.path, when given
-    if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/init_source.py)
+    if config.model_init_from:  # posttrain.init_from is a Hugging Face directory (runtime/posttrain/init_source.py)
         pretrained.check_init_from(config)
     elif config.posttrain.init_from:
         check_init_from(init_source.checkpoint_path(config.posttrain.init_from), dataclasses.asdict(config.model))

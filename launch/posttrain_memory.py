@@ -7,7 +7,7 @@ launch: the terms launch/estimate_memory.py adds for the teacher and the feedbac
 The rollouts' shape is an input (the config bounds it, the file is not read): L the longest trajectory
 (default model.max_seq_len, the loader's limit), K feedback items per trajectory, each a hint of H tokens
 before a flagged turn of T tokens, A the fraction of a row's tokens that are trained (assistant tokens).
-From it, per micro-batch on one rank (runtime/rollout_batch.py's layout):
+From it, per micro-batch on one rank (runtime/posttrain/rollout_batch.py's layout):
   packing         a slot's trajectories packed end to end into one row with document masking (only its
                   tail is padding); a slot holds max(1, data.batch_tokens / (dp x grad_accum) / cost) of
                   them, cost = L + L + K (H + T): the longest ones, alike, the worst case for a budget
@@ -36,7 +36,7 @@ What is counted, on top of launch/estimate_memory.py's terms for the student at 
                   targets' teacher data and entropy, the all-gather of that data over cp: every rank
                   receives cp x the longest list)
 The loss-path terms (logits, teacher_pass's vocabulary part) are measured like the activations: the
-runtime's own functions (runtime/feedback.py, runtime/posttrain.py, models/output_head.py) run on small
+runtime's own functions (runtime/posttrain/feedback.py, runtime/posttrain/objective.py, models/output_head.py) run on small
 logits [256, 2048] under torch's MemTracker with the job's fractions, dtype and vocabulary chunk, scaled
 by the real chunk's (or targets') rows x V.
 Peak = params + optimizer state + teacher_copy + runtime + the largest moment: the teacher's pass, the
@@ -54,9 +54,9 @@ from torch import nn
 from launch import estimate_memory as E
 from launch import teacher_memory as TM
 from models.output_head import OutputHead
-from runtime import feedback
-from runtime.posttrain import FeedbackObjective, teacher_data
-from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+from runtime.posttrain import feedback
+from runtime.posttrain.objective import FeedbackObjective, teacher_data
+from runtime.posttrain.rollout_batch import RolloutMicroBatch, RolloutStep
 
 PROBE_T, PROBE_V = 256, 2048  # the loss-path probe's logits [tokens, vocabulary]
 SHAPE_FLAGS = ("rollout_tokens", "feedback_items", "hint_tokens", "turn_tokens", "assistant_fraction")
@@ -163,7 +163,7 @@ def counts(job, shape: RolloutShape) -> dict:
 def student_targets(job, shape: RolloutShape, rows: int, t: int) -> int:
     """Targets whose student position one cp rank holds. The slot's trajectories are packed end to end into
     one row; cp rank i holds its chunks i and 2 cp - 1 - i, each c = rows L / (2 cp) contiguous positions
-    (runtime/rollout_batch.py). With the slot's trajectories alike (each the longest, its flagged turns at
+    (runtime/posttrain/rollout_batch.py). With the slot's trajectories alike (each the longest, its flagged turns at
     the same places), a chunk of c = q L + r positions holds q whole trajectories' K T targets and at most
     min(K T, r) more: all of a trajectory's targets may sit in one rank's chunks (one trajectory a slot,
     turns flagged near its end), but a row of many trajectories spreads them over the cp ranks."""
@@ -217,9 +217,9 @@ def _probe_batch(n: int, m: int) -> tuple[RolloutMicroBatch, RolloutStep]:
 
 
 def _teacher_losses(objective: FeedbackObjective, model: nn.Module, mb: RolloutMicroBatch):
-    """What runtime/posttrain.FeedbackObjective._teacher does after the teacher's blocks, on one rank: the head
-    at the targets only (`logits_at`), their teacher data and entropy (runtime/posttrain.teacher_data,
-    runtime/feedback.entropy), the targets' logits alive throughout."""
+    """What runtime/posttrain/objective.py FeedbackObjective._teacher does after the teacher's blocks, on one rank: the head
+    at the targets only (`logits_at`), their teacher data and entropy (runtime/posttrain/objective.py teacher_data,
+    runtime/posttrain/feedback.py entropy), the targets' logits alive throughout."""
     logits_mV = model.logits_at(model(mb.inputs_BS, mb.positions_S, head=False), mb.teacher_flat_m)
     return teacher_data(logits_mV, mb.teacher_labels_m, objective.config), feedback.entropy(logits_mV).sum()
 
@@ -245,7 +245,7 @@ def student_loss_bytes(job, n: int, m: int) -> float:
     """Peak bytes of the student's loss path at the real vocabulary: the largest chunk of the chunked head
     (models/output_head.py: min(head_chunk, n) trained rows, then min(head_chunk, m) target rows), its
     logits, their gradient and the losses over them. Measured on the runtime's student pass
-    (runtime/posttrain.FeedbackObjective._student) with the probe's vocabulary and one chunk of PROBE_T rows
+    (runtime/posttrain/objective.py FeedbackObjective._student) with the probe's vocabulary and one chunk of PROBE_T rows
     standing for the larger real chunk (the smaller in proportion), scaled by real / probe logits."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
     chunk = job.config.posttrain.head_chunk
@@ -261,7 +261,7 @@ def student_loss_bytes(job, n: int, m: int) -> float:
 
 def teacher_head_bytes(job) -> float:
     """Bytes per teacher logit (targets x V): the head at the targets, their teacher data and entropy
-    (`_teacher_losses`, as runtime/posttrain.FeedbackObjective._teacher on one rank: before any all-gather)."""
+    (`_teacher_losses`, as runtime/posttrain/objective.py FeedbackObjective._teacher on one rank: before any all-gather)."""
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
     objective, model = _probe_objective(job), _Model(dtype)
     mb, _ = _probe_batch(0, PROBE_T)
@@ -270,7 +270,7 @@ def teacher_head_bytes(job) -> float:
 
 
 def teacher_data_bytes(job, m: int) -> int:
-    """Bytes of the teacher data of m targets (what runtime/posttrain.teacher_data returns)."""
+    """Bytes of the teacher data of m targets (what runtime/posttrain/objective.py teacher_data returns)."""
     p, V = job.config.posttrain, job.config.model.vocab_size
     if p.mode == "full":
         return m * V * 4

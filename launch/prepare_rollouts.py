@@ -8,10 +8,10 @@ Each input line is one conversation (OpenAI-style messages, as an inference engi
    "feedback": [{"message": 5, "hint": "Reminder: available tools: search, calc"}],
    "logprobs": {"5": [-0.1, ...]}}
 It is rendered with the tokenizer directory's own chat template (`transformers` AutoTokenizer, local
-files only); runtime/transcripts.py derives the token ranges and hints, and says what is refused.
+files only); runtime/posttrain/transcripts.py derives the token ranges and hints, and says what is refused.
 Advantage: `advantage` when given, else from `reward`: `--advantage grpo` (reward minus its group's
 mean, over the group's sample std + 1e-6; a group of one gets 0 and is counted) or `raw` (the reward).
-`--split-user-turns`: one rollout per user message (runtime/transcripts.user_turns), for templates that
+`--split-user-turns`: one rollout per user message (runtime/posttrain/transcripts.py user_turns), for templates that
 empty the reasoning of turns before the last user message. Every output record is validated as
 launch/posttrain.py will read it. Bad input: one line naming the input line, exit status 2, nothing
 written (the output appears atomically, after every line passed).
@@ -24,11 +24,11 @@ from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from launch.precheck import ToolParser  # noqa: E402
-from runtime import tokenizer_dir  # noqa: E402
+from runtime.data import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
-from runtime.rollouts import trajectory_from_record  # noqa: E402
-from runtime.transcripts import (check_logprobs, check_template, insert_hint, parse_conversation, render_conversation,  # noqa: E402
+from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402
+from runtime.posttrain.transcripts import (check_logprobs, check_template, insert_hint, parse_conversation, render_conversation,  # noqa: E402
                                  to_record, user_turns)
 
 GRPO_EPS = 1e-6

@@ -30,12 +30,12 @@ from runtime.cli import EXIT_USER_ERROR  # noqa: E402
 from runtime.comm import init_process_group  # noqa: E402
 from runtime.config import help_text  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
-from runtime.data import Loader, check_token_ids, token_files  # noqa: E402
+from runtime.data.loader import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
 from runtime.paths import check_run_dir_apart, check_run_kind, record_run_kind  # noqa: E402
-from runtime.posttrain_config import PosttrainConfig  # noqa: E402
-from runtime.pretrained import check_init_from  # noqa: E402
-from runtime.run_lock import check_run_dir, run_lock  # noqa: E402
+from runtime.posttrain.config import PosttrainConfig  # noqa: E402
+from runtime.checkpoint.pretrained import check_init_from  # noqa: E402
+from runtime.checkpoint.run_lock import check_run_dir, run_lock  # noqa: E402
 from runtime.train import train  # noqa: E402
 
 STORE_TIMEOUT = datetime.timedelta(minutes=10)

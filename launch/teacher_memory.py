@@ -1,4 +1,4 @@
-"""The prefix-shared teacher's forwards (runtime/posttrain.prefix_shared_teacher), per rank, for
+"""The prefix-shared teacher's forwards (runtime/posttrain/objective.py prefix_shared_teacher), per rank, for
 launch/posttrain_memory.py: what its KV cache holds and one block's working set in each of its passes,
 measured on the CPU at the real widths like launch/estimate_memory.py's activations.
 

@@ -5,7 +5,7 @@
 
 Uses a local Hugging Face `tokenizer.json` (the `tokenizers` package), or a tokenizer directory that
 `transformers.AutoTokenizer` loads (Kimi's tiktoken tokenizer needs `--trust-remote-code`):
-runtime/tokenizer_dir.py; nothing is downloaded. `--workers N` tokenizes on N processes, with the same
+runtime/data/tokenizer_dir.py; nothing is downloaded. `--workers N` tokenizes on N processes, with the same
 output for any N. Writes
 the token ids of all files, in order, as one flat array: uint16 when every id fits (vocab <= 65536),
 else uint32, plus a sidecar `<out>.json` with {"dtype", "vocab_size", "num_tokens"} that the loader
@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 from launch.precheck import ToolParser  # noqa: E402
-from runtime import tokenizer_dir  # noqa: E402
+from runtime.data import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_not_input, check_output_file  # noqa: E402
 
@@ -53,7 +53,7 @@ def _chunks(path: str, chunk_chars: int = CHUNK_CHARS):
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """A tokenizer from a local tokenizer.json or tokenizer directory (runtime/tokenizer_dir.py)."""
+    """A tokenizer from a local tokenizer.json or tokenizer directory (runtime/data/tokenizer_dir.py)."""
     return tokenizer_dir.load_tokenizer(path, trust_remote_code)
 
 
@@ -115,10 +115,10 @@ def _write_ids(tokenizer, paths: list[str], tmp: str, dtype: np.dtype, eos_id: i
 
 def tokenize_indexed(tokenizer_path: str, paths: list[str], out: str, eos: str | None, unit: str,
                      trust_remote_code: bool = False, workers: int = 1) -> dict:
-    """Write a Megatron indexed dataset `<prefix>.bin` + `.idx` (runtime/indexed.py; `out` = the prefix,
+    """Write a Megatron indexed dataset `<prefix>.bin` + `.idx` (runtime/data/indexed.py; `out` = the prefix,
     `.bin` optional), one document per file, line or JSONL record (`unit`), plus the sidecar
     `<prefix>.bin.json`; uint16 ids when the vocabulary fits, else int32 (Megatron has no uint32)."""
-    from runtime.indexed import IndexedWriter, text_documents
+    from runtime.data.indexed import IndexedWriter, text_documents
 
     prefix = out.removesuffix(".bin")
     check_paths(paths, prefix + ".bin", tokenizer_path)

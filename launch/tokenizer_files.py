@@ -3,7 +3,7 @@
     export_ids(dir, vocab_size, trust_remote_code) -> {"bos_token_id": id | None, "eos_token_id": id | None}
     write_tokenizer(dir, out, ids) -> names of the files written
 
-The tokenizer is loaded (runtime/tokenizer_dir.py: tokenizer.json, or Kimi K2's tiktoken.model with its
+The tokenizer is loaded (runtime/data/tokenizer_dir.py: tokenizer.json, or Kimi K2's tiktoken.model with its
 tokenization_*.py code, which needs --trust-remote-code) to check that its ids fit the model and to look up
 the bos/eos ids; then its files, the code included, are copied as they are.
 """
@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 
-from runtime import tokenizer_dir
+from runtime.data import tokenizer_dir
 
 # Files of a tokenizer directory an export carries (those present are copied): the tokenizer itself, its
 # configuration (special tokens, the chat template of older exports), the chat template file of newer

@@ -22,6 +22,7 @@ from models.config import ModelConfig
 from models.document_attention import Documents, document_attention, max_document_logits
 from models.kv_cache import LayerCache
 from models.layers import RMSNorm, apply_rope, rope_cos_sin
+from models.region import Region
 from models.splits import WHOLE, MatrixSplit, per_head_cols, per_head_rows
 
 
@@ -120,7 +121,7 @@ def _fp32_scores(q_BHQE: torch.Tensor, kT_BHEK: torch.Tensor) -> torch.Tensor:
     return scores.view(B, H, Q, -1)
 
 
-class MLA(nn.Module):
+class MLA(Region):
     """Multi-head latent attention (DeepSeek-V2 sec. 2.1), non-absorbed training form.
 
     q = wq_b(q_norm(wq_a x)) (or wq x)            -> per head [nope | rope]
@@ -148,8 +149,8 @@ class MLA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+    def body(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
+             documents: Documents | None = None) -> torch.Tensor:
         """`cache` (decoding): the latent and rotary key of earlier tokens; these tokens' are appended.
         `documents`: RoPE restarts per document and attention stays inside documents (cos/sin then [B, S, R])."""
         B, S, _ = x_BSD.shape
@@ -191,7 +192,7 @@ class MLA(nn.Module):
         return splits
 
 
-class GQA(nn.Module):
+class GQA(Region):
     """Grouped-query attention (Ainslie et al. 2023): G kv heads, each shared by H/G query heads."""
 
     def __init__(self, c: ModelConfig):
@@ -205,10 +206,10 @@ class GQA(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_source, self.sdpa = LocalKV(), CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+    def body(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache: LayerCache | None = None,
+             documents: Documents | None = None) -> torch.Tensor:
         """`cache` (decoding): keys and values per kv head of earlier tokens; these tokens' are appended.
-        `documents`: as in MLA.forward."""
+        `documents`: as in MLA.body."""
         B, S, _ = x_BSD.shape
         cos_SR, sin_SR = rope_cos_sin(positions_S if documents is None else documents.rope_BS, self.rope)
         q_BSHE = apply_rope(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SR, sin_SR)

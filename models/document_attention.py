@@ -4,7 +4,7 @@ Query i sees key j iff kv_pos[j] <= q_pos[i] (causal, by global position in the 
 belong to the same document. RoPE positions restart at each document (the attention modules rotate by
 `Documents.rope_BS` instead of the global positions), so a document's logits equal those of the
 document forwarded alone. The label crossing a boundary (the last token of one document predicting the
-first of the next) is not trained: runtime/data.py sets it to IGNORE_INDEX.
+first of the next) is not trained: runtime/data/loader.py sets it to IGNORE_INDEX.
 
 CPU path (`document_attention`): query blocks of at most `block` rows; each block attends to its
 visible key range only (from the first key of the block's earliest document to its last query), through

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.region import Region
 from models.splits import PER_EXPERT, PER_EXPERT_GATED, MatrixSplit
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(Region):
     """E SwiGLU experts: out_t = w2[e] (silu(w1[e] x_t) * w3[e] x_t) for token t routed to expert e.
 
     Parameters: w13 [E, 2F, D] (w1[e] rows then w3[e] rows), w2 [E, D, F] (each expert's matrix is
@@ -44,7 +45,7 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
-    def forward(self, x_TD: torch.Tensor, counts_E, dispatcher=None) -> torch.Tensor:
+    def body(self, x_TD: torch.Tensor, counts_E, dispatcher=None) -> torch.Tensor:
         """x_TD: token copies sorted by expert; counts_E (int64, len E): tokens of each expert in
         order (sum = T), or what `dispatcher.exchange` made of them. Returns out_TD in the same order.
         Experts with no tokens still get a (zero) gradient, so every rank steps the same optimizer

@@ -8,7 +8,7 @@ Per layer it keeps what the architecture needs to rebuild keys and values for ev
 plus the positions of the cached tokens. Appending concatenates along S (fine for the short rollouts
 this is used for; a preallocated buffer would avoid the copies on GPU).
 
-Post-training's teacher (runtime/posttrain.py) fills a cache in one pass over a trajectory, through the
+Post-training's teacher (runtime/posttrain/objective.py) fills a cache in one pass over a trajectory, through the
 attention's own `kv_source` (`sources`: under context parallelism each layer's cache then holds the
 whole sequence's gathered latents, not this rank's chunks), and reads prefixes of it back as a new
 cache with one row per feedback item (`KVCache.rows`).

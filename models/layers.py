@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.region import Region
 from models.rope import Rope
 from models.splits import WHOLE, MatrixSplit
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Region):
     """RMSNorm (Zhang & Sennrich 2019), computed in fp32 and cast back to the input dtype."""
 
     def __init__(self, dim: int, eps: float):
@@ -20,7 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
@@ -50,7 +51,7 @@ def apply_rope(x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor)
     return (x * cos + rotated * sin).type_as(x_BSHR)
 
 
-class FeedForward(nn.Module):
+class FeedForward(Region):
     """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x). Dense layers and shared experts."""
 
     def __init__(self, dim: int, hidden_dim: int):
@@ -59,7 +60,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def muon_splits(self) -> dict[str, MatrixSplit]:

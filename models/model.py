@@ -23,9 +23,10 @@ from models.kv_cache import KVCache
 from models.layers import FeedForward, RMSNorm
 from models.moe import MoE, Router
 from models.output_head import LossPart, OutputHead
+from models.region import Region
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(Region):
     """x + attention(attention_norm(x)), then + feed_forward(ffn_norm(x))."""
 
     def __init__(self, c: ModelConfig, layer_id: int):
@@ -35,7 +36,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = MoE(c) if c.is_moe_layer(layer_id) else FeedForward(c.dim, c.inter_dim)
 
-    def forward(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
+    def body(self, x_BSD: torch.Tensor, positions_S: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
         attention_in_BSD = self.attention_norm(x_BSD)
         if documents is not None and cache is not None:  # a cached prefix, per-row masks and RoPE (post-training)
             x_BSD = x_BSD + self.attention(attention_in_BSD, positions_S, cache=cache, documents=documents)
@@ -68,7 +69,7 @@ class Transformer(nn.Module):
         cache: decoding (runtime/generate.py): the tokens attend to the cached ones too, and are appended.
         documents: packed documents (data.document_mask; models/document_attention.Documents): attention
         stays within each document and RoPE positions restart at each. With a cache too (post-training's
-        teacher, runtime/posttrain.py): `doc_BL` covers cached + new tokens, so each row sees its own
+        teacher, runtime/posttrain/objective.py): `doc_BL` covers cached + new tokens, so each row sees its own
         cached keys, and `rope_BS` gives each row's RoPE positions.
         head=False: the last block's hidden states [B, S, D] instead of logits (a pass that only fills a cache).
         """

@@ -15,10 +15,11 @@ from torch import nn
 from models.config import ModelConfig
 from models.experts import GroupedExperts, swiglu_experts
 from models.layers import FeedForward
+from models.region import Region
 from models.splits import WHOLE, MatrixSplit
 
 
-class Router(nn.Module):
+class Router(Region):
     """Token-choice top-k router.
 
     scores = sigmoid|softmax(gate x) in fp32; experts = top-k of (scores + expert_bias), restricted to
@@ -46,7 +47,7 @@ class Router(nn.Module):
         # of the global batch's sequences, so the aux loss is the mean over ALL sequences of the step.
         self.aux_loss_weight = 1.0
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def body(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights_TK fp32, experts_TK int64) for the B*S flattened tokens."""
         B, S, D = x_BSD.shape
         scores_TE = self._scores(self._logits_fp32(x_BSD.reshape(B * S, D)))
@@ -173,7 +174,7 @@ class LocalDispatcher:
         return swiglu_experts(x_TD, experts.w13, experts.w2, counts_E)
 
 
-class MoE(nn.Module):
+class MoE(Region):
     """router -> sort token copies by expert -> experts -> unsort -> weighted sum, + shared experts.
 
     The routed part runs through `dispatcher` (`LocalDispatcher` here; expert parallelism builds one
@@ -192,7 +193,7 @@ class MoE(nn.Module):
         )
         self.dispatcher = LocalDispatcher()  # not a module: no parameters, no state dict entries
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def body(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         weights_TK, experts_TK = self.router(x_BSD)

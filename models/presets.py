@@ -4,7 +4,7 @@ Published shapes are from each model's Hugging Face config.json (first_k_dense_r
 n_dense_layers, moe_intermediate_size -> moe_inter_dim, routed_scaling_factor -> route_scale, ...).
 These presets route over all experts and use plain RoPE (for training from scratch); the model also
 implements DeepSeek-V3's group-limited routing (n_expert_groups / n_limited_groups) and YaRN
-(rope_factor ...), which `--model.init_from` reads from a checkpoint's config.json (models/hf_config.py).
+(rope_factor ...), which `--model.init_from` reads from a checkpoint's config.json (models/hf/config.py).
 Not modelled: the multi-token-prediction module (not counted).
 Published sizes (count_params lands within 2%, see tests/test_models.py):
   deepseek_v3_671b  671B total, 37B active (DeepSeek-V3 report, main model without MTP)

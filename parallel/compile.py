@@ -9,7 +9,7 @@ attention, ffn_norm, router, routed experts, shared experts (6 graphs). Selectiv
 regions (attention, routed experts) are boundaries too: a dense block under it compiles as
 attention_norm, attention, ffn_norm, feed_forward (4 graphs). The residual adds and the MoE
 glue between them (sort by expert, gather, combine) stay eager. Under ep > 1 the routed experts'
-forward (count exchange, host sync for the split sizes, all-to-alls, grouped matmul on a
+call (count exchange, host sync for the split sizes, all-to-alls, grouped matmul on a
 data-dependent number of received rows) is not compiled: only the direct EP path composes with
 compile, and its experts run eagerly while everything else of the block is compiled.
 
@@ -28,22 +28,25 @@ one mesh), and it would move the router into the bf16 all-gather. Keeping the un
 the compiled regions leaves the FSDP units, their all-gathers and their memory exactly as without
 compile, so `launch/estimate_memory.py` and `launch/dry_run_bytes.py` stay true unchanged.
 
-Activation checkpointing: the existing non-reentrant checkpoint wraps the compiled forward (checkpoint
-outside, compile inside). Its context (routers' counts restored, QK-clip off in the recompute) is
-Python around the compiled call, which dynamo cannot trace, and it must stay exact. The recompute
-runs the same compiled graph, except that attention records no maxima there: a second graph for
-the attention regions, compiled in the first step's backward and reused from then on.
+Activation checkpointing: the non-reentrant checkpoint runs the compiled body (checkpoint outside,
+compile inside: parallel/activation_checkpoint.py wraps the region's runner this file put in its slot).
+Its context (routers' counts restored, QK-clip off in the recompute) is Python around the compiled call,
+which dynamo cannot trace, and it must stay exact. The recompute runs the same compiled graph, except that
+attention records no maxima there: a second graph for the attention regions, compiled in the first
+step's backward and reused from then on.
 
-Each region's `forward` is replaced by its compiled version (the mechanism activation checkpointing
-and expert parallelism use too), before checkpointing wraps it; parameter names are unchanged. A
-graph break raises (fullgraph) with dynamo's message, which names the op and the source line. What cannot
-be compiled yet is refused at config time (parallel/compile_refusal.py).
+Mechanism: each region is a `Region` (models/region.py); its `region` slot gets a `Compiled` runner that
+calls the class's `body` through `torch.compile`, before checkpointing wraps the slot. No `forward` is
+replaced and parameter names are unchanged. A graph break raises (fullgraph) with dynamo's message, which
+names the op and the source line. What cannot be compiled yet is refused when the layout is validated
+(the `training.compile` row of parallel/ep/refusals.py).
 """
 
 import torch
 from torch import nn
 
 from models.experts import GroupedExperts
+from models.region import Eager, Region
 from parallel.activation_checkpoint import checkpoint_regions
 from parallel.fsdp import nested_units
 
@@ -64,7 +67,19 @@ def apply_compile(model: nn.Module, backend: str, boundaries: set[nn.Module] = f
     eager = eager_modules(model, ep, block_path)
     for block in model.layers:
         for module in compile_regions(block, boundaries, eager):
-            module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
+            assert isinstance(module, Region) and isinstance(module.region, Eager), (type(module), module.region)
+            module.region = Compiled(type(module).body, backend)
+
+
+class Compiled:
+    """A region's runner (models/region.py): the class's `body` as one torch.compile(fullgraph) graph.
+    Dynamo keys its graphs on the code: the blocks of one class and shapes share theirs."""
+
+    def __init__(self, body, backend: str):
+        self.graph = torch.compile(body, fullgraph=True, backend=backend)
+
+    def __call__(self, module: nn.Module, *args, **kwargs):
+        return self.graph(module, *args, **kwargs)
 
 
 def region_boundaries(model: nn.Module, param_dtype: torch.dtype, activation_checkpoint: str) -> set[nn.Module]:

@@ -7,10 +7,14 @@ routed-expert weights use
 Because the MoE layer is token-wise, the two layouts are independent: ep may span the ranks that
 split one sequence by cp (cp=2 and ep=8 fit on 8 ranks).
 
-`ParallelConfig` is what the user writes (-1 = infer one degree per layout from the world size);
-`ParallelConfig.resolve(world_size)` gives a `Layout` of plain ints and `Layout.validate(...)` checks
-it against the model and the batch. Both raise ValueError with every number involved and touch no
-process group, so every rank fails the same way before any collective can hang.
+`ParallelConfig` is what the user writes (-1 = infer one degree per layout from the world size), with
+the EP knobs it inherits from `EPConfig` (parallel/ep/config.py, declared there once);
+`ParallelConfig.resolve(world_size, ...)` gives a `Layout`: plain ints, the EP knobs as one `EPConfig`
+(`layout.ep_config`), and the run's activation checkpointing and compile settings, which is everything
+parallel/parallelize.py reads. `Layout.validate(...)` checks it against the model and the batch and
+then runs the EP refusal table (parallel/ep/refusals.py) once, every setting known. Both raise
+ValueError with every number involved and touch no process group, so every rank fails the same way
+before any collective can hang.
 
 Rank numbering (parallel/meshes.py): the dense mesh numbers ranks with cp innermost; the expert mesh
 numbers them with `expert_inner` innermost (consecutive ranks, inside a node) and edp_replicate
@@ -19,12 +23,10 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
 both (docs/performance.md, "Whole-step projection").
 
-Pipeline parallelism (`pp`, parallel/pp/plan.py) is the outermost axis: the world is pp stages of
-world / pp consecutive ranks each, and both layouts above multiply to the ranks of one stage.
-
-`ranks_per_node` and the `ep_*` dispatch knobs ride along unchanged (docs/expert_parallel.md); each
-dispatch knob needs ep > 1 and is refused in combinations the runtime does not implement (the one table:
-parallel/ep/refusals.py).
+Pipeline parallelism (parallel/pp/) is the outermost axis: the world is pp stages of world / pp
+consecutive ranks each, and both layouts above multiply to the ranks of one stage. Its knobs are
+inherited from `PipelineConfig` (parallel/pp/config.py) and ride along as one `layout.pp_config`;
+`Layout.validate` checks them with the rest (parallel/pp/plan.py `check_pipeline`).
 
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
@@ -34,7 +36,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from parallel.ep import refusals
-from parallel.pp import plan as pp_plan
+from parallel.ep.config import EPConfig
+from parallel.pp.config import PipelineConfig
+from parallel.pp.plan import check_pipeline, compiles_auto
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
@@ -43,8 +47,10 @@ DEGREES = DENSE_AXES + EXPERT_AXES
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Degrees of the dense and expert layouts; -1 means "infer from the world size"."""
+class ParallelConfig(EPConfig, PipelineConfig):
+    """The `[parallel]` section: degrees of the dense and expert layouts (-1 = infer from the world size),
+    the EP knobs (inherited from EPConfig, parallel/ep/config.py) and the pipeline knobs (inherited from
+    PipelineConfig, parallel/pp/config.py)."""
 
     dp_replicate: int = 1  # dense: HSDP replicas (gradients all-reduced across them)
     dp_shard: int = -1  # dense: FSDP shard group size (dense weights are sharded over dp_shard x cp)
@@ -53,40 +59,30 @@ class ParallelConfig:
     edp_replicate: int = 1  # expert: HSDP replicas of the routed-expert weights
     edp_shard: int = -1  # expert: FSDP shard group size of the routed-expert weights
     expert_inner: Literal["ep", "edp_shard"] = "ep"  # expert axis on consecutive ranks (inside a node): ep = all-to-all in a node, expert FSDP across nodes; edp_shard = expert FSDP in a node, ep across nodes
-    ranks_per_node: int = 8  # ranks per node (consecutive ranks): the optimizer plan's and the EP dispatch's intra/inter-node split
-    ep_dedup: bool = False  # EP: send a token once per destination node, fan out inside it, sum inside it on the way back (parallel/ep/dedup.py)
-    ep_capacity_factor: float = 0.0  # EP: > 0 = fixed per-peer buffers of ceil(factor*T*K/ep) rows, no host sync, copies over it dropped (parallel/ep/capacity.py)
-    ep_overlap_chunks: int = 1  # EP: > 1 = cut each layer's copies into this many pieces, one's all-to-alls in flight while another computes (parallel/ep/pieces.py)
-    ep_dispatch_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the dispatched activations cross in (float8_e4m3: per-token scale; the combine stays in the compute dtype)
-    ep_recompute: Literal["resend", "keep"] = "resend"  # EP under training.activation_checkpoint: resend = the recompute reruns the all-to-alls; keep = the forward keeps what they received and the recompute reuses it (more memory, parallel/ep/keep.py)
-    ep_combine_grad_dtype: Literal["compute", "float8_e4m3"] = "compute"  # EP: dtype the combine's gradient crosses in, back to the experts (float8_e4m3: per-token scale, as DeepSeek-V3; parallel/ep/direct.py)
-    # pipeline parallelism (parallel/pp/plan.py; docs/pretraining.md "Pipeline parallelism")
-    pp: int = 1  # pipeline stages' rank groups, the outermost axis: each holds world/pp consecutive ranks, both layouts above inside it
-    pp_schedule: Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"] = "1f1b"  # torch.distributed.pipelining schedule; its micro-batches are training.grad_accum
-    pp_stages_per_rank: int = -1  # stages each rank runs: -1 = the schedule's (1 for 1f1b and gpipe, 2 for the others)
-    pp_layers: tuple[int, ...] = ()  # blocks per stage, pp x stages per rank numbers; empty = spread evenly, the embedding and the head each weighing a block
-    reshard_after_forward: Literal["auto", "true", "false"] = "auto"  # FSDP frees gathered weights after each forward; auto = true without pp, false with it (zero-bubble schedules refuse true)
 
     def check_degrees(self) -> None:
-        """ValueError unless every degree is positive or -1 and expert_inner is a known axis."""
+        """ValueError unless every degree is positive or -1, expert_inner a known axis and each EP knob in range."""
         for name in DEGREES:
             value = getattr(self, name)
             if value == 0 or value < -1:
                 raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
         _check_expert_inner(self.expert_inner)
-        check_ep_knobs(self)
-        pp_plan.check_pp_knobs(self)
+        self.check()
+        PipelineConfig.check(self)
 
-    def resolve(self, world_size: int) -> "Layout":
-        """Fill in the -1 degrees so that each layout multiplies to `world_size`."""
+    def resolve(self, world_size: int, *, activation_checkpoint: str = "none", compile: str = "false",
+                compile_backend: str = "inductor") -> "Layout":
+        """Fill in the -1 degrees so that each layout multiplies to `world_size`; the run's settings ride
+        along (`Layout`: training.activation_checkpoint, training.compile, training.compile_backend)."""
         if world_size < 1:
             raise ValueError(f"world size must be positive, got {world_size}")
         self.check_degrees()
         stage = _stage_size(world_size, self.pp)
         dense = _resolve_axes(self, DENSE_AXES, stage, "dense", self.pp)
         expert = _resolve_axes(self, EXPERT_AXES, stage, "expert", self.pp)
-        knobs = {k: getattr(self, k) for k in EP_KNOBS + PP_KNOBS}
-        return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner, **knobs)
+        return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner,
+                      ep_config=self.ep_only(), pp_config=self.pp_only(), activation_checkpoint=activation_checkpoint,
+                      compile=compile, compile_backend=compile_backend)
 
 
 def _stage_size(world_size: int, pp: int) -> int:
@@ -98,49 +94,14 @@ def _stage_size(world_size: int, pp: int) -> int:
 
 def _ranks_phrase(ranks: int, pp: int) -> str:
     """How a layout's rank count is named in errors: the world, or one pipeline stage of it."""
-    return f"the world size is {ranks}" if pp == 1 else f"a pipeline stage has {ranks} ranks (world size {ranks * pp} / parallel.pp={pp})"
+    if pp == 1:
+        return f"the world size is {ranks}"
+    return f"a pipeline stage has {ranks} ranks (world size {ranks * pp} / parallel.pp={pp})"
 
 
 def _check_expert_inner(value) -> None:
     if value not in EXPERT_INNER:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
-
-
-PP_KNOBS = ("pp", "pp_schedule", "pp_stages_per_rank", "pp_layers", "reshard_after_forward")
-EP_KNOBS = ("ranks_per_node", "ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-            "ep_combine_grad_dtype")
-# EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
-# a config that still sets one fails naming it (runtime/config.py), with what to use instead
-REMOVED_EP_KNOBS = {
-    "ep_interleave": "removed (two halves per MoE block); to overlap the all-to-alls with the experts use "
-                     "parallel.ep_overlap_chunks = 2",
-    "ep_pair_micro_batches": "removed (paired micro-batches); delete the line: micro-batches run one after another",
-    "ep_recompute_ahead": "removed (the recompute ahead); delete the line: with parallel.ep_recompute = \"keep\" "
-                          "the recompute still sends nothing",
-}
-DISPATCH_DTYPES = ("compute", "float8_e4m3")
-RECOMPUTE_MODES = ("resend", "keep")
-
-
-def check_ep_knobs(c) -> None:
-    """ValueError (one line, the key and its value) for an out-of-range node size or EP dispatch knob."""
-    if c.ranks_per_node < 1:
-        raise ValueError(f"parallel.ranks_per_node={c.ranks_per_node}: must be >= 1")
-    if not (c.ep_capacity_factor >= 0 and c.ep_capacity_factor != float("inf")):
-        raise ValueError(f"parallel.ep_capacity_factor={c.ep_capacity_factor}: must be finite and >= 0 (0 = off)")
-    if c.ep_overlap_chunks < 1:
-        raise ValueError(f"parallel.ep_overlap_chunks={c.ep_overlap_chunks}: must be >= 1 (1 = no overlap)")
-    if c.ep_dispatch_dtype not in DISPATCH_DTYPES:
-        raise ValueError(f"parallel.ep_dispatch_dtype={c.ep_dispatch_dtype!r}: expected one of {DISPATCH_DTYPES}")
-    if c.ep_recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"parallel.ep_recompute={c.ep_recompute!r}: expected one of {RECOMPUTE_MODES}")
-    if c.ep_combine_grad_dtype not in DISPATCH_DTYPES:
-        raise ValueError(f"parallel.ep_combine_grad_dtype={c.ep_combine_grad_dtype!r}: expected one of {DISPATCH_DTYPES}")
-
-
-def check_recompute(layout, activation_checkpoint: str) -> None:
-    """ValueError (one line) for an EP knob that does not apply to `activation_checkpoint` (parallel/ep/refusals.py)."""
-    refusals.check(layout, activation_checkpoint=activation_checkpoint)
 
 
 def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str, pp: int = 1) -> dict:
@@ -168,7 +129,8 @@ def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Resolved degrees (all positive ints); each layout multiplies to `world_size`."""
+    """Resolved degrees (all positive ints; each layout multiplies to `world_size`), the EP knobs, and the
+    run's settings parallel/parallelize.py applies: everything the EP refusal table reads but the batch."""
 
     world_size: int
     dp_replicate: int
@@ -178,19 +140,16 @@ class Layout:
     edp_replicate: int
     edp_shard: int
     expert_inner: str = "ep"  # see ParallelConfig.expert_inner
-    ranks_per_node: int = 8  # see ParallelConfig (and the EP knobs below)
-    ep_dedup: bool = False
-    ep_capacity_factor: float = 0.0
-    ep_overlap_chunks: int = 1
-    ep_dispatch_dtype: str = "compute"
-    ep_recompute: str = "resend"
-    ep_combine_grad_dtype: str = "compute"
-    # pipeline parallelism: see ParallelConfig and parallel/pp/plan.py
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_stages_per_rank: int = -1
-    pp_layers: tuple[int, ...] = ()
-    reshard_after_forward: str = "auto"
+    ep_config: EPConfig = EPConfig()  # the EP knobs (parallel/ep/config.py)
+    pp_config: PipelineConfig = PipelineConfig()  # the pipeline knobs (parallel/pp/config.py)
+    activation_checkpoint: str = "none"  # training.activation_checkpoint (parallel/activation_checkpoint.py)
+    compile: str = "false"  # training.compile: "true", "auto" (on CUDA when it can) or "false"
+    compile_backend: str = "inductor"  # training.compile_backend (parallel/compile.py)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks (stages' rank groups), the outermost axis (parallel/pp/plan.py)."""
+        return self.pp_config.pp
 
     @property
     def stage_size(self) -> int:
@@ -223,9 +182,19 @@ class Layout:
         experts (Kimi K2, ep=8) over edp_shard=32 would give 24 ranks 2 experts and 8 ranks none."""
         return 0 if self.local_experts(n_routed_experts) % self.edp_shard == 0 else 1
 
-    def validate(self, model_config, seq_len: int | None, global_batch: int | None) -> None:
-        """Check the layout against the model and the batch; ValueError naming fields and numbers.
-        None skips the sequence or batch checks (post-training rollouts are packed by tokens)."""
+    def compile_backend_used(self, device_type: str) -> str | None:
+        """The backend parallelize compiles the blocks with, or None (eager): compile = "true", or "auto" on
+        CUDA when no EP dispatch knob is on (only the direct EP path compiles: parallel/ep/refusals.py) and no
+        zero-bubble pipeline schedule runs (torch's refuse compiled stages: parallel/pp/plan.py)."""
+        auto = (self.compile == "auto" and device_type == "cuda" and not self.ep_config.on()
+                and compiles_auto(self.pp_config))
+        on = self.compile == "true" or auto
+        return self.compile_backend if on else None
+
+    def validate(self, model_config, seq_len: int | None, global_batch: int | None, grad_accum: int = 1) -> None:
+        """Check the layout against the model and the batch, then the EP refusal table once; ValueError
+        naming fields and numbers. None skips the sequence or batch checks (post-training rollouts are
+        packed by tokens)."""
         _check_positive(self)
         n_experts = model_config.n_routed_experts
         has_moe = n_experts > 0 and model_config.n_layers > model_config.n_dense_layers
@@ -263,6 +232,9 @@ class Layout:
                 f"global_batch={global_batch} is not divisible by dp_replicate={self.dp_replicate} x "
                 f"dp_shard={self.dp_shard} = {self.dp} data-parallel ranks"
             )
+        refusals.check(self, model_config, seq_len, global_batch, grad_accum)  # the one EP refusal check
+        check_pipeline(self.pp_config, model_config.n_layers, grad_accum, self.activation_checkpoint,
+                       self.compile == "true")
 
 
 def _check_positive(layout: Layout) -> None:
@@ -270,9 +242,8 @@ def _check_positive(layout: Layout) -> None:
         if getattr(layout, name) < 1:
             raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
     _check_expert_inner(layout.expert_inner)
-    check_ep_knobs(layout)
-    pp_plan.check_pp_knobs(layout)
-    refusals.check(layout)  # refused EP knob combinations
+    layout.ep_config.check()
+    layout.pp_config.check()
     stage = _stage_size(layout.world_size, layout.pp)
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep

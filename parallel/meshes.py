@@ -81,7 +81,8 @@ def describe(layout: Layout, model_config=None) -> str:
     """Readable multi-line description of both layouts (printed by the runtime at start-up)."""
     lines = [
         f"world size {layout.world_size}" + ("" if layout.pp == 1 else f" = pp {layout.pp} x {layout.stage_size}"),
-        *pp_plan.describe_stages(layout, model_config.n_layers if model_config is not None else 0),
+        *pp_plan.describe_stages(layout.pp_config, layout.world_size,
+                                 model_config.n_layers if model_config is not None else 0),
         f"dense  mesh dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp}"
         f"  (rank = (r*{layout.dp_shard} + s)*{layout.cp} + c)",
         f"expert mesh edp_replicate={layout.edp_replicate} x edp_shard={layout.edp_shard} x ep={layout.ep}"

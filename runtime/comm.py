@@ -3,7 +3,7 @@
 Timeouts: the default group starts with `comm.init_timeout_s` (communicator set-up, the first step's
 first all-to-alls and NS buckets, a resume's load); after the first step every training group gets the
 short `comm.train_timeout_s`. Checkpoint coordination (DCP's gathers and barriers) runs on a separate
-gloo group with `comm.checkpoint_timeout_s` (runtime/checkpointer.py): a slow write of tens of GiB on
+gloo group with `comm.checkpoint_timeout_s` (runtime/checkpoint/checkpointer.py): a slow write of tens of GiB on
 one rank never trips the training groups' timeout or NCCL's watchdog. On CUDA the default group gets
 `device_id` (eager NCCL init; sub-groups are split from its communicator).
 
@@ -47,7 +47,7 @@ class CommFailure(RunError):
     """A collective timed out or a peer died; every rank prints its own line (`every_rank`)."""
     exit_code = 4
     every_rank = True
-    abandoned_write = False  # a checkpoint write was still in flight (runtime/checkpointer.py close)
+    abandoned_write = False  # a checkpoint write was still in flight (runtime/checkpoint/checkpointer.py close)
 
 
 def _seconds(value: float) -> datetime.timedelta:

@@ -1,14 +1,14 @@
 """The job configuration: a frozen dataclass tree read from TOML, overridden by `--section.key=value`.
 
 Sections and where each one's dataclass lives (next to the component it configures):
-  [run]       RunConfig       here                    [data]       DataConfig       runtime/data_config.py
+  [run]       RunConfig       here                    [data]       DataConfig       runtime/data/config.py
   [model]     preset + any ModelConfig field          [training]   TrainingConfig   here
-  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint_dirs.py
+  [parallel]  ParallelConfig  parallel/layout.py      [checkpoint] CheckpointConfig runtime/checkpoint/dirs.py
   [optim]     OptimConfig     optim/config.py         [profile]    ProfileConfig    here
   [eval]      EvalConfig      runtime/eval_config.py  [metrics]    MetricsConfig    runtime/metrics_config.py
-  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain_config.py
+  [comm]      CommConfig      runtime/comm_config.py  [posttrain]  PosttrainConfig  runtime/posttrain/config.py
 None of these modules imports torch (the model's config reads only models/config.py, presets.py and
-hf_config.py): entry points check a config before torch loads (launch/precheck.py).
+models/hf/config.py): entry points check a config before torch loads (launch/precheck.py).
 
 Precedence: section defaults (the embedded debug job, = configs/debug.toml) < the TOML file given with
 `--config` < command-line overrides. Values are checked against the field's annotation (int, float,
@@ -33,20 +33,18 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from models import PRESETS, ModelConfig, preset
-from models.hf_config import read_hf_config
+from models.hf.config import read_hf_config
 from optim.config import OptimConfig
-from parallel.ep import refusals as ep_refusals
-from parallel.compile_refusal import check_compile
-from parallel.layout import DENSE_AXES, EXPERT_AXES, REMOVED_EP_KNOBS, Layout, ParallelConfig, check_recompute
-from parallel.pp.plan import check_pipeline
-from runtime import init_source
-from runtime.checkpoint_dirs import CheckpointConfig
+from parallel.ep.config import REMOVED_EP_KNOBS
+from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout, ParallelConfig
+from runtime.posttrain import init_source
+from runtime.checkpoint.dirs import CheckpointConfig
 from runtime.comm_config import CommConfig
-from runtime.data_config import DataConfig, check_split
-from runtime.data_keys import unused_keys
+from runtime.data.config import DataConfig, check_split
+from runtime.data.keys import unused_keys
 from runtime.eval_config import EvalConfig
 from runtime.metrics_config import MetricsConfig
-from runtime.posttrain_config import PosttrainConfig
+from runtime.posttrain.config import PosttrainConfig
 
 DEFAULT_PRESET = "debug"
 HEADLINE_WORLD_SIZE = 8  # dense dp_shard=4 x cp=2, expert ep=8: CP and EP overlap on the same 8 ranks
@@ -100,12 +98,6 @@ class TrainingConfig:
         for key, (ok, expected) in checks.items():
             if not ok:
                 raise ValueError(f"training.{key}={getattr(self, key)} must be {expected}")
-
-    def compile_backend_used(self, compilable: bool = True) -> str | None:
-        """The backend blocks are compiled with, or None (eager). "auto": on CUDA when the job is `compilable`
-        (no EP variant knob: parallel/compile_refusal.py)."""
-        on = self.compile == "true" or (self.compile == "auto" and compilable and self.device_type() == "cuda")
-        return self.compile_backend if on else None
 
     def device_type(self) -> str:
         """"cuda" or "cpu" (resolves "auto")."""
@@ -175,36 +167,32 @@ class JobConfig:
         return splits
 
     def layout(self, world_size: int) -> Layout:
-        """The resolved layout for `world_size`, checked against model, batch and grad_accum (ConfigError)."""
+        """The resolved layout for `world_size` with the run's checkpointing and compile settings, checked
+        against model, batch and grad_accum, the EP refusals among them (ConfigError)."""
+        t = self.training
+        rollouts = self.data.source == "rollouts"
+        compile = "false" if rollouts and t.compile == "auto" else t.compile  # post-training runs eager
         try:
             n_experts = self.model.n_routed_experts if self.model.n_moe_layers > 0 else 0
-            layout = fill_layout(self.parallel, world_size, n_experts).resolve(world_size)
+            layout = fill_layout(self.parallel, world_size, n_experts).resolve(
+                world_size, activation_checkpoint=t.activation_checkpoint, compile=compile,
+                compile_backend=t.compile_backend)
             splits = self.token_splits()  # none: rollouts are packed by data.batch_tokens, data.seq_len is unused
             for data, *_ in splits.values():
-                check_split(data, layout.dp, layout.cp, self.training.grad_accum)  # names the data.* keys
+                check_split(data, layout.dp, layout.cp, t.grad_accum)  # names the data.* keys
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
-            layout.validate(self.model, *shape)
-            check_recompute(layout, self.training.activation_checkpoint)
-            if self.training.compile == "true":  # "auto" compiles only what can be (runtime/train.py)
-                check_compile(layout)
-            for data, *_ in splits.values():  # refused EP combinations with the batch (parallel/ep/refusals.py)
-                batch = {"batch_size": data.batch_size, "seq_len": data.seq_len,
-                         "n_activated_experts": self.model.n_activated_experts,
-                         "n_routed_experts": self.model.n_routed_experts} if data.source != "rollouts" else {}
-                ep_refusals.check(layout, activation_checkpoint=self.training.activation_checkpoint,
-                                  grad_accum=self.training.grad_accum, document_mask=data.document_mask, **batch)
-            ep_refusals.check(layout, grad_accum=self.training.grad_accum)
+            layout.validate(self.model, *shape, t.grad_accum)  # and the EP refusals, once (parallel/ep/refusals.py)
             self._check_pipeline(layout)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
 
     def _check_pipeline(self, layout: Layout) -> None:
-        """ValueError (one line) for pipeline parallelism with what it does not run (parallel/pp/plan.py)."""
+        """ValueError (one line) for pipeline parallelism with what the job does beyond the layout
+        (the layout's own refusals: parallel/pp/plan.py, run by `Layout.validate`)."""
         if layout.pp == 1:
             return
         t, pp = self.training, f"parallel.pp={layout.pp}"
-        check_pipeline(layout, self.model.n_layers, t.grad_accum, t.activation_checkpoint, t.compile == "true")
         if self.data.source == "rollouts":
             raise ValueError(f"{pp} with post-training (data.source='rollouts'): not composed yet; post-train with "
                              f"parallel.pp=1 (a pipelined run's checkpoints load under any layout)")
@@ -429,7 +417,7 @@ def _model_config(name: str, init_from: str, overrides: dict) -> ModelConfig:
 
 
 def _posttrain_model(path: str, model_init_from: str, given_preset, overrides: dict) -> tuple[ModelConfig, str]:
-    """(model config, model.init_from) when posttrain.init_from is given (runtime/init_source.py)."""
+    """(model config, model.init_from) when posttrain.init_from is given (runtime/posttrain/init_source.py)."""
     if model_init_from:
         raise ConfigError(f"model.init_from={model_init_from} and posttrain.init_from={path}: give one (both name "
                           f"the starting weights)")

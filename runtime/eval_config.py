@@ -44,7 +44,7 @@ class EvalConfig:
     def held_out_splits(self, data_config) -> dict:
         """{split: (data config, holdout, the key naming its file)} of what an evaluation reads: "eval",
         or for a mixture without eval.path "eval/<name>" per source (eval_loss: their weighted mean,
-        runtime/mixture.py); none when evaluation is off, or for rollouts without eval.path."""
+        runtime/data/mixture.py); none when evaluation is off, or for rollouts without eval.path."""
         if not self.enabled():
             return {}
         if data_config.sources and not self.path:  # a mixture: each source's own held-out part

@@ -1,7 +1,7 @@
 """Held-out evaluation (the `[eval]` section): the mean cross-entropy over fixed validation batches.
 
 Which tokens: `eval.path` (a `.bin`, read like `data.path`), else the last `eval.holdout` fraction of the
-training source, which training then never sees (runtime/data.py `split_tokens`; synthetic data draws
+training source, which training then never sees (runtime/data/loader.py `split_tokens`; synthetic data draws
 the eval tokens from another stream). Batch e of every evaluation is the same (seed, e) draw, split over
 ranks and micro-batches exactly as training batches are, so `eval_loss` is the same whatever the layout
 and comparable across steps. The model runs in eval mode under no_grad: routers count nothing and

@@ -60,7 +60,7 @@ class PinnedStaging:
 
 
 # one per process; pinned buffers are allocated on the first CUDA copy, not at import. 32 shapes: a
-# post-training micro-batch brings 16 tensors (runtime/rollout_batch.py), pretraining 3
+# post-training micro-batch brings 16 tensors (runtime/posttrain/rollout_batch.py), pretraining 3
 _STAGING = PinnedStaging(max_shapes=32)
 
 

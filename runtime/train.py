@@ -16,7 +16,7 @@ the same, with its stage-wide parts over the rank's stage (`stage_group`: the gr
 expert-bias counts, Muon's plan) and its world-wide sums over every stage (loss, norm, drops, QK-clip's
 per-layer maxima).
 
-Faults (runtime/guards.py, runtime/checkpoint.py): resume falls back from a checkpoint that does not
+Faults (runtime/guards.py, runtime/checkpoint/checkpoint.py): resume falls back from a checkpoint that does not
 load to the newest older one that does; too many consecutive non-finite steps stop the run (exit 3);
 SIGTERM saves a checkpoint after the current step and stops (exit 143); a checkpoint is never written
 from a non-finite state.
@@ -41,24 +41,23 @@ from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
-from parallel.compile_refusal import compile_refusal
 from parallel.parallelize import parallelize
 from parallel.pp.part import split_stages
-from parallel.pp.plan import ZERO_BUBBLE
 from parallel.pp.schedule import Pipeline
-from runtime import checkpoint, comm
-from runtime.checkpointer import Checkpointer
+from runtime import comm
+from runtime.checkpoint import checkpoint
+from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.config import JobConfig
-from runtime.data import Loader, startup_line
-from runtime.mixture import mixture_eval_loss
+from runtime.data.loader import Loader, startup_line
+from runtime.data.mixture import mixture_eval_loss
 from runtime.errors import Preempted, RunError
 from runtime.eval_config import recorded_settings, settings_change
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
-from runtime.pretrained import init_from_pretrained
+from runtime.checkpoint.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.schedule import build_scheduler, lr_factor, resume_schedule
 from runtime.staging import to_device
 
@@ -96,12 +95,8 @@ def build_pipeline(config: JobConfig, meshes: Meshes, layout: Layout, device: to
 
 def _parallelize(model: nn.Module, config: JobConfig, meshes: Meshes, layout: Layout) -> None:
     """parallelize(model) with the job's settings, then its FSDP prefetch (model: the whole model or a stage)."""
-    t = config.training
-    compilable = (compile_refusal(layout) is None and config.data.source != "rollouts"  # post-training: eager
-                  and not (layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE))  # torch refuses compiled ZB stages
+    t = config.training  # the layout carries checkpointing and compile (JobConfig.layout)
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
-                activation_checkpoint=t.activation_checkpoint,
-                compile_backend=t.compile_backend_used(compilable),
                 document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
 
@@ -149,7 +144,7 @@ def micro_batch_loss(model: nn.Module, micro_batch, global_tokens: int, device) 
     """Forward one micro-batch; this rank's share of the global mean loss (parallel/gradients.py).
     The compute dtype is FSDP's (training.param_dtype): logits come in it, the loss is fp32."""
     inputs_BS, labels_BS, positions_S = (to_device(t, device) for t in micro_batch[:3])
-    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/documents.py)
+    documents = getattr(micro_batch, "documents", None)  # data.document_mask (runtime/data/documents.py)
     if documents is None:
         logits_BSV = model(inputs_BS, positions_S)
     else:
@@ -185,8 +180,8 @@ class NextToken:
     """The pretraining objective: mean next-token cross-entropy over the step's tokens. An objective is
     `forward_backward(model, step data, device) -> (this rank's loss share, global tokens, metrics)`,
     `after_step(model)` (after each applied optimizer step) and `state()` (extra checkpoint entries);
-    post-training's is runtime/posttrain.py. `pipeline`: under pipeline parallelism, the schedule that runs
-    the micro-batches (parallel/pp/schedule.py)."""
+    post-training's is runtime/posttrain/objective.py. `pipeline`: under pipeline parallelism, the schedule
+    that runs the micro-batches (parallel/pp/schedule.py)."""
 
     def __init__(self, config: JobConfig, pipeline: Pipeline | None = None):
         self.global_tokens = config.data.tokens_per_step()
@@ -347,7 +342,7 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
 def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsLogger,
                     checkpointer: Checkpointer) -> None:
     """Save `step_<step>` unless the model or optimizer state is not finite (then older checkpoints stay);
-    async mode returns once the state is staged (runtime/checkpointer.py)."""
+    async mode returns once the state is staged (runtime/checkpoint/checkpointer.py)."""
     train_state = app_state["train"]
     if not checkpoint.all_finite(train_state.model, train_state.optimizers):
         log.info(f"step {step}: the model or optimizer state is not finite; checkpoint step_{step} not written")

@@ -144,10 +144,10 @@ def run_case(config, reference, checkpoint="none") -> dict:
     from torch.distributed.tensor import distribute_tensor
 
     model = build_model()
-    layout = config.resolve(dist.get_world_size())
+    layout = config.resolve(dist.get_world_size(), activation_checkpoint=checkpoint)
     layout.validate(model.config, SEQ, BATCH)
     meshes = meshes_for(layout)
-    parallelize(model, meshes, layout, activation_checkpoint=checkpoint)
+    parallelize(model, meshes, layout)
     routing, timeline = [], []
     dispatchers(model)[0].timeline = timeline  # the first MoE layer's pieces
     for router in model.routers():

@@ -1,4 +1,4 @@
-"""Tiny random `transformers` DeepseekV3ForCausalLM checkpoints: the outside reference for models/hf.py."""
+"""Tiny random `transformers` DeepseekV3ForCausalLM checkpoints: the outside reference for models/hf/checkpoint.py."""
 
 import torch
 

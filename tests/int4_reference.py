@@ -1,5 +1,5 @@
 """Tiny Kimi K2.5-layout checkpoints with INT4 routed experts, packed by `compressed-tensors` (the outside
-reference for models/int4.py): a multimodal wrapper config, `language_model.`-prefixed text keys, random
+reference for models/hf/int4.py): a multimodal wrapper config, `language_model.`-prefixed text keys, random
 vision tower / projector tensors, and beside it the exact dequantization as a plain checkpoint that
 `transformers` loads."""
 

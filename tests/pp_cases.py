@@ -1,4 +1,4 @@
-"""Shared fixtures of the pipeline-parallel tests (tests/test_pp_schedules.py, tests/test_pp_traps.py): the job,
+"""Shared fixtures of the pipeline-parallel tests (tests/test_pp_schedules.py): the job,
 the runtime's own step on this rank (runtime/train.py `build_pipeline`, `build_optimizer`, `train_step`: seeded
 init, the schedule, clipping, the optimizer, QK-clip, the expert-bias update), what each step leaves to compare,
 and the single-process run of the same job.
@@ -94,7 +94,8 @@ def run_job(argv: list[str], reference: dict | None = None, nan_on_rank: int | N
     config = load_config(argv)
     layout = config.layout(dist.get_world_size())
     if reshard_after_forward is not None:
-        layout = dataclasses.replace(layout, reshard_after_forward=reshard_after_forward)
+        layout = dataclasses.replace(layout, pp_config=dataclasses.replace(
+            layout.pp_config, reshard_after_forward=reshard_after_forward))
     meshes = _meshes(layout)
     device = torch.device("cpu")
     torch.manual_seed(config.training.seed)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launch.pretrain import main
 from multirank import run_ranks
-from runtime.checkpoint import MARKER, CheckpointConfig, latest_checkpoint, prune
+from runtime.checkpoint.checkpoint import MARKER, CheckpointConfig, latest_checkpoint, prune
 
 BASE = ["--training.steps=3", "--training.warmup_steps=1", "--data.seq_len=32", "--data.batch_size=8",
         "--checkpoint.interval=2", "--checkpoint.keep=0", "--eval.interval=0"]
@@ -66,7 +66,7 @@ def tensors(checkpoint_dir, out):
 def seeded(state):
     """The entries two runs of one seed share: weights, optimizer, schedule, data position, torch's RNG
     (Python's and NumPy's global RNGs are seeded by no run: each process starts from the OS's entropy;
-    a resume restores them, runtime/checkpoint.RNGState)."""
+    a resume restores them, runtime/checkpoint/checkpoint.py RNGState)."""
     return {"train": state["train"], "scheduler": state["scheduler"], "data": state["data"],
             "rng.torch": state["rng"]["torch"]}
 
@@ -102,7 +102,7 @@ def test_resume_from_an_async_checkpoint_is_bitwise_and_equals_the_sync_one(tmp_
 def test_kill_9_during_an_async_write_leaves_the_previous_checkpoint_newest(tmp_path, capfd):
     run_dir = tmp_path / "run"
     # rank 0 exits 4 (a peer died); if its own write is still waiting for rank 1 then, it leaves with
-    # os._exit (runtime/checkpointer.py close) and reports nothing either
+    # os._exit (runtime/checkpoint/checkpointer.py close) and reports nothing either
     with pytest.raises(AssertionError, match=r"rank 1 failed first \(also failed: \[0?\]\):\nrank 1 exited without"):
         run(run_dir, 2, "--training.steps=5", "--comm.train_timeout_s=30", kill_in_write_of="step_4")
     killed = records(run_dir)  # steps 0-3 logged; the kill came in step_4's write, during step 4

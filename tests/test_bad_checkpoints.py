@@ -11,10 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from launch.pretrain import main
 from models import Transformer, preset
-from models.hf import check_checkpoint, save_pretrained
-from models.hf_config import read_hf_config
+from models.hf.checkpoint import check_checkpoint, save_pretrained
+from models.hf.config import read_hf_config
 from multirank import run_ranks
-from runtime.run_lock import LOCK_NAME, _try_lock
+from runtime.checkpoint.run_lock import LOCK_NAME, _try_lock
 
 ARGS = ["--data.source=synthetic", "--data.seq_len=16", "--data.batch_size=4", "--training.steps=1",
         "--training.warmup_steps=1", "--checkpoint.interval=0", "--parallel.dp_replicate=1", "--parallel.cp=1",

@@ -10,7 +10,7 @@ from launch.pretrain import main
 from runtime.config import load_config
 from runtime.errors import Diverged
 from runtime.guards import DivergenceGuard
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.rollouts import read_rollouts
 from runtime.train import NextToken
 
 VOCAB, MAX_LEN = 256, 64
@@ -156,7 +156,7 @@ def test_plot_metrics_refuses_what_it_cannot_plot(tmp_path, capsys, content, mes
     ("--json={tmp}/missing/result.json", "--json {tmp}/missing/result.json: {tmp}/missing does not exist"),
 ])
 def test_feedback_experiment_checks_arguments_before_training(tmp_path, capsys, monkeypatch, flag, message):
-    from benchmarks import feedback_experiment as fe
+    from experiments import feedback_experiment as fe
 
     def no_training(*args):
         raise AssertionError("training started")
@@ -172,7 +172,7 @@ def test_feedback_experiment_checks_arguments_before_training(tmp_path, capsys, 
 
 def test_export_of_a_gqa_model_is_one_line_that_hf_needs_mla(tmp_path):
     from models import Transformer, preset
-    from models.hf import save_pretrained
+    from models.hf.checkpoint import save_pretrained
 
     with pytest.raises(ValueError, match=r"attn='gqa' attention; the Hugging Face DeepSeek-V3 format .* attn='mla'"):
         save_pretrained(Transformer(preset("debug_gqa")), str(tmp_path / "out"))
@@ -181,7 +181,7 @@ def test_export_of_a_gqa_model_is_one_line_that_hf_needs_mla(tmp_path):
 
 def test_garbled_checkpoint_marker_is_named(tmp_path, capsys):
     from launch.export_hf import main as export
-    from runtime.posttrain import check_init_from
+    from runtime.posttrain.objective import check_init_from
 
     step = tmp_path / "run" / "checkpoints" / "step_1"
     step.mkdir(parents=True)

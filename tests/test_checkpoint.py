@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from multirank import run_ranks
-from runtime.checkpoint import (MARKER, CheckpointConfig, ModelOptimState, RNGState, checkpoint_step,
+from runtime.checkpoint.checkpoint import (MARKER, CheckpointConfig, ModelOptimState, RNGState, checkpoint_step,
                                 complete_checkpoints, latest_checkpoint, load, save)
-from runtime.data import Loader
-from runtime.data_config import DataConfig
+from runtime.data.loader import Loader
+from runtime.data.config import DataConfig
 from runtime.errors import RunError
 
 
@@ -170,7 +170,7 @@ def test_checkpoint_config_schedule():
 
 def test_a_write_a_dead_peer_failed_keeps_the_collective_error_for_the_report(tmp_path):
     """runtime/train.py turns such a RunError into the comm report ("rank N: a peer rank died ...", exit 4)."""
-    from runtime.checkpoint import failed
+    from runtime.checkpoint.checkpoint import failed
 
     dead = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2433")
     error = failed(dead, 4, str(tmp_path))

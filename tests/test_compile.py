@@ -136,15 +136,20 @@ def test_aot_eager_bit_equal_to_eager_and_no_recompile(case):
 TWO_RANKS = ParallelConfig(dp_shard=2, ep=2)  # FSDP2 on both meshes and the direct EP path
 
 
+def _compiled(backend: str | None) -> dict:
+    """The layout's compile settings (`ParallelConfig.resolve`): eager (None), else compiled with `backend`."""
+    return {"compile": "false"} if backend is None else {"compile": "true", "compile_backend": backend}
+
+
 def _two_ranks(rank, world_size, mode: str) -> dict:
     """Eager, then compiled (aot_eager), on the same 2-rank layout: loss, counts and local gradients."""
     out = {}
     for backend in (None, "aot_eager"):
         torch.compiler.reset()
         model = _model("debug", torch.float32, 0.01)
-        layout = TWO_RANKS.resolve(world_size)
+        layout = TWO_RANKS.resolve(world_size, activation_checkpoint=mode, **_compiled(backend))
         meshes = build_meshes(layout, "cpu")
-        parallelize(model, meshes, layout, activation_checkpoint=mode, compile_backend=backend)
+        parallelize(model, meshes, layout)
         enable_recording(model)
         for router in model.routers():  # each rank's sequences are half the batch's (runtime/train.py)
             router.aux_loss_weight = 1.0 / world_size
@@ -241,9 +246,9 @@ def _cp_ranks(rank, world_size) -> list:
     for backend in (None, "aot_eager"):
         torch.compiler.reset()
         model = _model("debug", torch.float32, 0.0)
-        layout = ParallelConfig(dp_shard=1, cp=2, ep=1, edp_shard=2).resolve(world_size)
+        layout = ParallelConfig(dp_shard=1, cp=2, ep=1, edp_shard=2).resolve(world_size, **_compiled(backend))
         meshes = build_meshes(layout, "cpu")
-        parallelize(model, meshes, layout, compile_backend=backend)
+        parallelize(model, meshes, layout)
         positions = load_balanced_positions(SEQ, 2, meshes.cp_rank())
         inputs, labels = (t[:, positions] for t in _tokens(BATCH))
         logits = model(inputs, positions_S=positions)
@@ -362,8 +367,8 @@ def _document_ranks(rank, world_size) -> dict:
     for backend in (None, "aot_eager"):
         torch.compiler.reset()
         model = _model("debug", torch.float32, 0.0)
-        layout = TWO_DOC_RANKS.resolve(world_size)
-        parallelize(model, build_meshes(layout, "cpu"), layout, compile_backend=backend, document_mask=True)
+        layout = TWO_DOC_RANKS.resolve(world_size, **_compiled(backend))
+        parallelize(model, build_meshes(layout, "cpu"), layout, document_mask=True)
         losses = []
         for micro in range(2):  # two micro-batches, documents cut elsewhere in each
             inputs, labels = (t[rank * BATCH:(rank + 1) * BATCH] for t in _tokens(world_size * BATCH, micro))
@@ -409,7 +414,7 @@ def test_pretrain_with_document_mask_compiled_equals_eager(tmp_path):
     import numpy as np
 
     from entry_point import run_ok
-    from runtime.indexed import IndexedWriter
+    from runtime.data.indexed import IndexedWriter
 
     rng = np.random.default_rng(0)
     writer = IndexedWriter(str(tmp_path / "docs"), np.uint16)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import corpus
+from runtime.data import corpus
 from parallel.context_parallel import load_balanced_positions
-from runtime.data import Loader, window_starts
-from runtime.data_config import DataConfig
+from runtime.data.loader import Loader, window_starts
+from runtime.data.config import DataConfig
 from word_tokenizer import _tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,7 +256,7 @@ def test_tokenize_mistakes_exit_2_in_one_line_and_touch_nothing(tmp_path, capsys
 
 
 def test_a_directory_as_a_token_source_is_called_a_directory(tmp_path):
-    from runtime.data import open_bin
+    from runtime.data.loader import open_bin
 
     with pytest.raises(ValueError, match=r"^data.sources\[1\].path: '.*' is a directory; give a token file"):
         open_bin(str(tmp_path), key="data.sources[1].path")

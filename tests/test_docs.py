@@ -15,9 +15,10 @@ import sys
 from functools import lru_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP = ("benchmarks", "configs", "docs", "examples", "launch", "models", "optim", "parallel", "runtime", "tests")
+TOP = ("benchmarks", "configs", "docs", "examples", "experiments", "launch", "models", "optim", "parallel", "runtime",
+       "tests")
 FILE_EXT = (".py", ".toml", ".md", ".json", ".jsonl", ".png")
-CHECKED_FLAGS = ("launch/", "benchmarks/")
+CHECKED_FLAGS = ("launch/", "benchmarks/", "experiments/")
 
 
 def _read(path: str) -> str:
@@ -218,18 +219,20 @@ def test_every_command_flag_path_and_link_in_the_docs_exists():
 
 
 def test_the_benchmarks_reference_lists_every_script_with_flags_its_help_lists():
-    """docs/benchmarks.md has a table row per benchmarks/ script with a `main`; its flags column names only
-    flags of that script's --help (a script without --help, host_syncs.py, is exempt)."""
+    """docs/benchmarks.md has a table row per benchmarks/ and experiments/ script with a `main` (a bare name is
+    under benchmarks/); its flags column names only flags of that script's --help (a script without --help,
+    host_syncs.py, is exempt)."""
     with open(os.path.join(REPO, "docs", "benchmarks.md"), encoding="utf-8") as f:
-        rows = [line.split(" | ") for line in f if re.match(r"\| `\w+\.py`", line)]
+        rows = [line.split(" | ") for line in f if re.match(r"\| `(experiments/)?\w+\.py`", line)]
     problems, listed = [], set()
     for cells in rows:
-        script = "benchmarks/" + re.match(r"\| `(\w+\.py)`", cells[0]).group(1)
+        name = re.match(r"\| `((experiments/)?\w+\.py)`", cells[0]).group(1)
+        script = name if "/" in name else "benchmarks/" + name
         listed.add(script)
         known = help_flags(script)
         flags = re.findall(r"--[A-Za-z0-9][\w.\-]*", cells[2].replace("\\|", " "))
         problems += [f"{script}: {flag}" for flag in flags if known is not None and flag not in known]
-    scripts = {s for s in _helps() if s.startswith("benchmarks/") and s.endswith(".py")}
+    scripts = {s for s in _helps() if s.startswith(("benchmarks/", "experiments/")) and s.endswith(".py")}
     assert problems == [] and sorted(scripts - listed) == [], (problems, sorted(scripts - listed))
 
 

@@ -155,10 +155,10 @@ def test_masked_attention_never_builds_a_per_head_square_float():
     assert shapes.square == [], shapes.square[:3]
 
 
-# ---- the data side: runtime/documents.py through the Loader, and whole runs ------------------------
+# ---- the data side: runtime/data/documents.py through the Loader, and whole runs ------------------------
 
 def _indexed_dataset(tmp_path, seed=0):
-    from runtime.indexed import IndexedWriter
+    from runtime.data.indexed import IndexedWriter
 
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 256, size=int(rng.integers(1, 40))) for _ in range(120)]
@@ -183,8 +183,8 @@ def _expected_row(docs, start, seq_len):
 
 
 def test_loader_marks_documents_restarts_positions_and_skips_crossing_labels(tmp_path):
-    from runtime.data import Loader, window_starts
-    from runtime.data_config import DataConfig
+    from runtime.data.loader import Loader, window_starts
+    from runtime.data.config import DataConfig
 
     prefix, docs = _indexed_dataset(tmp_path)
     config = DataConfig(source="bin", path=prefix, seq_len=32, batch_size=8, document_mask=True)

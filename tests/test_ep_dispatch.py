@@ -336,7 +336,7 @@ def test_kept_bytes_are_what_the_memory_estimate_counts(results, name):
     distinct = [len({r[name]["ep_ranks"][e // L] // RPN for e in row}) for r in per_rank for t in r[name]["routing"]
                 for row in t.tolist()]
     layers = len(per_rank[0][name]["routing"])
-    expected = WORLD * layers * kept_bytes_per_layer(tokens, c, layout, 4, sum(distinct) / len(distinct))
+    expected = WORLD * layers * kept_bytes_per_layer(tokens, c, layout.ep_config, 4, sum(distinct) / len(distinct))
     assert sum(r[name]["kept_bytes"] for r in per_rank) == pytest.approx(expected, rel=1e-12)
     assert all(r[f"{name.split('_full')[0].split('_selective')[0]}"]["kept_bytes"] == 0 for r in per_rank)
 
@@ -436,6 +436,6 @@ def test_forward_host_syncs_are_the_plans(results, name):
     from parallel.ep.plan import host_syncs_per_layer
 
     _, per_rank = results
-    expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD))
+    expected = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(CASES[name].resolve(WORLD).ep_config)
     for by_case in per_rank:
         assert sum(by_case[name]["syncs"].values()) == expected, by_case[name]["syncs"]

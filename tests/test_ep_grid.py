@@ -37,9 +37,7 @@ GRID = {f"{route}_{wire}_{recompute}_{schedule}": ParallelConfig(**HEADLINE, **r
 def _refusal(config) -> str | None:
     """The refusal table's line for `config` under full checkpointing and this batch, or None."""
     try:
-        refusals.check(config.resolve(WORLD), activation_checkpoint="full", batch_size=BATCH, seq_len=SEQ,
-                       grad_accum=1, n_activated_experts=MODEL.n_activated_experts,
-                       n_routed_experts=MODEL.n_routed_experts)
+        refusals.check(config.resolve(WORLD, activation_checkpoint="full"), MODEL, SEQ, BATCH, grad_accum=1)
     except ValueError as e:
         return str(e)
     return None
@@ -114,7 +112,7 @@ def test_counted_bytes_and_host_syncs_are_the_plans(grid, name):
     forward, backward = (planned_bytes(per_rank, name, config, b) for b in (False, True))
     if config.ep_recompute == "resend":
         backward = {r: (a + forward[r][0], b + forward[r][1]) for r, (a, b) in backward.items()}
-    syncs = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(config.resolve(WORLD))
+    syncs = len(per_rank[0][name]["routing"]) * host_syncs_per_layer(config.resolve(WORLD).ep_config)
     for rank, by_case in enumerate(per_rank):
         assert (by_case[name]["forward"], by_case[name]["backward"]) == (forward[rank], backward[rank]), rank
         assert sum(by_case[name]["syncs"].values()) == syncs, by_case[name]["syncs"]

@@ -1,5 +1,6 @@
 """The EP refusal table (parallel/ep/refusals.py) against the docs; the parallel package's structure: no
-method swapping, no import circle, private torch names only in parallel/_torch_private.py."""
+method swapping in parallel/ or models/ (a planted one is caught), no import circle, private torch names
+only in parallel/_torch_private.py."""
 
 import ast
 import pathlib
@@ -21,9 +22,30 @@ def test_docs_table_is_the_refusal_table():
     assert len(rows) == len(REFUSALS)
 
 
-def test_no_method_swapping_in_parallel():
-    hits = [p.name for p in PARALLEL.rglob("*.py") if "MethodType" in p.read_text()]
-    assert hits == []
+SWAP = re.compile(r"\.forward\s*=(?!=)|MethodType|setattr\([^)]*[\"']forward[\"']")  # a forward replaced on a live module
+
+
+def _swaps(*folders: pathlib.Path) -> list[str]:
+    """`file:line` of every method swap in the Python files under `folders` (comments included: a swap
+    explained in a comment is still a swap someone will copy)."""
+    return [f"{p.relative_to(folder.parent)}:{i}" for folder in folders for p in sorted(folder.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if SWAP.search(line)]
+
+
+def test_no_method_swapping_in_parallel_or_models():
+    """Compiled and checkpointed regions go through the `region` slot (models/region.py), the EP dispatch
+    through `dispatcher`, context parallelism through `kv_source` and `sdpa`: no forward is replaced."""
+    assert _swaps(PARALLEL, ROOT / "models") == []
+
+
+@pytest.mark.parametrize("line", ["    module.forward = torch.compile(module.forward)", "block.forward=wrapped",
+                                  "m.forward = types.MethodType(f, m)", "setattr(module, 'forward', f)"])
+def test_the_swap_guard_catches_a_planted_swap(tmp_path, line):
+    planted = tmp_path / "pkg" / "sub"
+    planted.mkdir(parents=True)
+    (planted / "ok.py").write_text("if module.forward == other:\n    pass\n")
+    (planted / "bad.py").write_text(f"def wrap(module):\n{line}\n")
+    assert _swaps(tmp_path / "pkg") == ["pkg/sub/bad.py:2"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -71,7 +93,7 @@ def test_private_torch_names_only_in_the_private_module():
 def test_a_removed_ep_knob_fails_in_one_line_naming_it_with_exit_2(tmp_path, monkeypatch, capsys, key):
     """In a config file or on the command line, before any process group: the key, "removed", what instead."""
     from launch.pretrain import main
-    from parallel.layout import REMOVED_EP_KNOBS
+    from parallel.ep.config import REMOVED_EP_KNOBS
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     config = tmp_path / "old.toml"

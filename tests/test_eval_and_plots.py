@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from entry_point import run_ok
-from runtime.data import Loader, split_tokens
-from runtime.data_config import DataConfig
+from runtime.data.loader import Loader, split_tokens
+from runtime.data.config import DataConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lr 1e-30 (0 is refused) and no expert-bias update: the weights stay the initial ones bitwise (every update,
@@ -137,7 +137,7 @@ def test_plot_labels_runs_that_share_a_name_by_their_path():
 
 def _documents(prefix: str, seed: int) -> str:
     """An indexed dataset of 150 documents of 1-40 tokens (launch/tokenize_text.py's layout)."""
-    from runtime.indexed import IndexedWriter
+    from runtime.data.indexed import IndexedWriter
 
     rng = np.random.default_rng(seed)
     writer = IndexedWriter(prefix, np.uint16)

@@ -191,7 +191,7 @@ ODD = dict(dim=48, moe_inter_dim=24, n_routed_experts=4)
 def _odd_layout_weights(rank, world, hf_dir):
     """(seeded init, loaded from hf_dir) boxes of every expert weight on this rank, with the boxes."""
     from models.boxes import dtensor_box
-    from models.hf import load_state
+    from models.hf.checkpoint import load_state
     from parallel.layout import ParallelConfig
     from parallel.meshes import build_meshes
     from parallel.parallelize import parallelize
@@ -209,7 +209,7 @@ def _odd_layout_weights(rank, world, hf_dir):
 
 
 def test_a_shard_across_the_w1_w3_boundary_gets_its_seeded_and_loaded_rows(tmp_path):
-    from models.hf import save_pretrained
+    from models.hf.checkpoint import save_pretrained
     from multirank import run_ranks
 
     seeded_full = Transformer(preset("debug", **ODD))
@@ -264,7 +264,7 @@ def _legacy_copy(step_dir: str, out_dir: str) -> None:
 def test_pre_fusion_checkpoint_fails_to_resume_in_one_line_and_exports_the_same(tmp_path, capfd):
     from launch.export_hf import export
     from launch.pretrain import main
-    from models.hf import load_pretrained
+    from models.hf.checkpoint import load_pretrained
     from multirank import run_ranks
 
     run_dir = str(tmp_path / "run")

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launch.pretrain import main
 from multirank import run_ranks
-from runtime.run_lock import LOCK_NAME
+from runtime.checkpoint.run_lock import LOCK_NAME
 
 BASE = ["--training.steps=4", "--training.warmup_steps=1", "--data.seq_len=32", "--data.batch_size=8",
         "--checkpoint.interval=2", "--checkpoint.keep=0"]

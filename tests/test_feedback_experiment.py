@@ -1,4 +1,4 @@
-"""The feedback experiment (benchmarks/feedback_experiment.py) in miniature: the whole on-policy loop
+"""The feedback experiment (experiments/feedback_experiment.py) in miniature: the whole on-policy loop
 (pretraining through launch/pretrain.py, play, score, records, one optimizer step of the posttrain
 objective, measurement) for every arm; and one feedback step on a turn that called an unavailable tool
 moves the student's probability of that tool's name the way the hint moves the teacher's (down, when
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.feedback_experiment import (ARMS, MINIATURE, ExperimentConfig, Learner, arm_config, kl_untargeted,
+from experiments.feedback_experiment import (ARMS, MINIATURE, ExperimentConfig, Learner, arm_config, kl_untargeted,
                                             main, merge, precheck, pretrain_base, run, run_arm, summarize)
-from examples.tool_env import GOALS, new_episode, rollout_record, step
+from experiments.tool_env import GOALS, new_episode, rollout_record, step
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_an_arm_repeated_gives_identical_numbers(long_work, teacher, mode):
 def test_precheck_against_a_direct_computation():
     """precheck's KL and name log-probabilities against a plain re-derivation on a bigram model (the
     teacher context = the text before the turn's header, the hint, the turn), per behaviour."""
-    from examples.long_tool_env import new_episode as long_episode, step as long_step
+    from experiments.long_tool_env import new_episode as long_episode, step as long_step
 
     class Bigram(torch.nn.Module):
         def __init__(self):

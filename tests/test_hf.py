@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from hf_cases import _DEEPSEEK_V3, _KIMI_K2, BLOCK, REL_TOL, _fp8_copy, _rel_err, _tokens  # noqa: E402
 from hf_reference import CASES, hf_config, hf_logits, random_hf_model  # noqa: E402
-from models.hf import check_checkpoint, load_pretrained, load_state, save_pretrained  # noqa: E402
-from models.hf_config import read_hf_config  # noqa: E402
-from models.hf_files import CheckpointFiles  # noqa: E402
+from models.hf.checkpoint import check_checkpoint, load_pretrained, load_state, save_pretrained  # noqa: E402
+from models.hf.config import read_hf_config  # noqa: E402
+from models.hf.files import CheckpointFiles  # noqa: E402
 from models.model import Transformer  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_save_pretrained_loads_back_into_transformers(checkpoints, tmp_path, cas
 def test_published_configs_map_to_the_presets_shapes(raw, preset_name):
     """Every shape field equals the hand-written preset; only what the presets leave out differs."""
     from models import preset
-    from models.hf_config import checkpoint_format, model_config
+    from models.hf.config import checkpoint_format, model_config
 
     config, fmt = model_config(raw, "config.json"), checkpoint_format(raw, "config.json")
     leave_out = {"n_expert_groups", "n_limited_groups", "rope_factor", "rope_original_seq_len", "rope_beta_fast",
@@ -199,7 +199,7 @@ def test_generic_transformers_fields_at_their_defaults_are_accepted(tmp_path):
     """A config written through transformers' PretrainedConfig.to_dict() carries every model's generic
     fields (output_hidden_states, return_dict, id2label, ...): at their defaults they are no shape."""
     from models import preset
-    from models.hf_config import hf_config_dict
+    from models.hf.config import hf_config_dict
     from transformers import PretrainedConfig
 
     generic = json.loads(json.dumps(PretrainedConfig().to_dict()))  # as a config.json holds them

@@ -16,10 +16,10 @@ tokenizers = pytest.importorskip("tokenizers")
 from hf_reference import hf_config, random_hf_model  # noqa: E402
 from launch import tokenize_text  # noqa: E402
 from launch.pretrain import main  # noqa: E402
-from models.hf import load_pretrained  # noqa: E402
+from models.hf.checkpoint import load_pretrained  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from runtime.config import load_config  # noqa: E402
-from runtime.data import Loader  # noqa: E402
+from runtime.data.loader import Loader  # noqa: E402
 
 WORDS = "the cat sat on a mat while dogs ran past quiet green hills under bright morning light".split()
 

@@ -16,10 +16,10 @@ pytest.importorskip("compressed_tensors")
 
 from hf_reference import hf_config, hf_logits, random_hf_model  # noqa: E402
 from int4_reference import int4_copy  # noqa: E402
-from models import int4  # noqa: E402
-from models.hf import check_checkpoint, load_pretrained, load_state  # noqa: E402
-from models.hf_config import read_hf_config  # noqa: E402
-from models.hf_files import CheckpointFiles  # noqa: E402
+from models.hf import int4  # noqa: E402
+from models.hf.checkpoint import check_checkpoint, load_pretrained, load_state  # noqa: E402
+from models.hf.config import read_hf_config  # noqa: E402
+from models.hf.files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from hf_cases import REL_TOL, _rel_err, _tokens  # noqa: E402
 

@@ -14,8 +14,8 @@ pytest.importorskip("compressed_tensors")
 
 from hf_reference import hf_config, hf_logits, random_hf_model  # noqa: E402
 from int4_reference import VISION, int4_copy  # noqa: E402
-from models.hf import load_pretrained, save_pretrained  # noqa: E402
-from models.hf_files import CheckpointFiles  # noqa: E402
+from models.hf.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from models.hf.files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from hf_cases import ARGS, REL_TOL, _rel_err, _tokens  # noqa: E402
 

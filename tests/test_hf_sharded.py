@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from hf_cases import ARGS, HEADLINE, HSDP, MATRIX_DIM, ONE, _fp8_copy  # noqa: E402
 from hf_reference import hf_config, random_hf_model  # noqa: E402
-from models.hf import load_pretrained, load_state  # noqa: E402
-from models.hf_files import CheckpointFiles  # noqa: E402
+from models.hf.checkpoint import load_pretrained, load_state  # noqa: E402
+from models.hf.files import CheckpointFiles  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402

@@ -1,4 +1,4 @@
-"""Megatron indexed datasets (runtime/indexed.py) against megatron-core's own IndexedDatasetBuilder and
+"""Megatron indexed datasets (runtime/data/indexed.py) against megatron-core's own IndexedDatasetBuilder and
 IndexedDataset (megatron.core.datasets.indexed_dataset, the `test` extra), both directions; bad files
 fail in one line naming the file."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.indexed import IndexedTokens, IndexedWriter, prefix_of
+from runtime.data.indexed import IndexedTokens, IndexedWriter, prefix_of
 from word_tokenizer import _tiny_tokenizer
 
 
@@ -104,7 +104,7 @@ def test_bad_index_files_fail_in_one_line_naming_the_file(tmp_path, damage, mess
 def test_tokenize_text_writes_indexed_documents_the_loader_reads(tmp_path, unit, documents):
     from launch.tokenize_text import main
 
-    from runtime.data import open_bin
+    from runtime.data.loader import open_bin
 
     ids = _tiny_tokenizer(str(tmp_path / "tokenizer.json"))
     if unit == "jsonl":

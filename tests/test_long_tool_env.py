@@ -1,4 +1,4 @@
-"""The long-horizon tool-use environment (examples/long_tool_env.py): its rules on hand-written assistant
+"""The long-horizon tool-use environment (experiments/long_tool_env.py): its rules on hand-written assistant
 lines (a wrong call continues the episode, the turn budget, the redundant call's detection), the bound
 on what one wrong call does to the reward, the pretraining transcripts, the rollout records, and
 batched play against each episode played alone."""
@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from examples.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, RESTATE, SLACK, WIDTH, new_episode,
+from experiments.long_tool_env import (MAX_ASSISTANT_TURNS, N_GOALS, REPEAT_HINT, RESTATE, SLACK, WIDTH, new_episode,
                                     play, step, transcript)
-from examples.tool_env import GOALS, HEADER, rollout_record
+from experiments.tool_env import GOALS, HEADER, rollout_record
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.rollouts import trajectory_from_record
 
 
 def _right(episode) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Weighted mixtures of token sources (runtime/mixture.py, `[[data.sources]]`): shares follow the weights,
+"""Weighted mixtures of token sources (runtime/data/mixture.py, `[[data.sources]]`): shares follow the weights,
 the global batches are the same under every layout (hashes per step), sources wrap around into new
 shuffled epochs, resume is bitwise, 1 process and 8 ranks give the same losses, bad input is one line."""
 
@@ -13,9 +13,9 @@ import torch
 from entry_point import run_ok, run_pretrain
 from launch.pretrain import check_environment
 from runtime.config import ConfigError, load_config
-from runtime.data import Loader
-from runtime.indexed import IndexedWriter
-from runtime.mixture import Allocation, Mixture
+from runtime.data.loader import Loader
+from runtime.data.indexed import IndexedWriter
+from runtime.data.mixture import Allocation, Mixture
 
 HEADLINE = ["--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=8", "--parallel.edp_shard=1"]
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from models import preset
-from models.hf_config import hf_config_dict
+from models.hf.config import hf_config_dict
 
 CONFIG = "[training]\nsteps = 1\n"
 ORIGINAL = "keep me\n"
@@ -113,15 +113,16 @@ def test_hf_load_out_is_a_shard_of_the_checkpoint(tmp_path, capsys):
                     tmp_path / "model.safetensors", ORIGINAL)
 
 
-@pytest.mark.parametrize("tool", ["optimizer_step", "qk_clip_effect", "feedback_experiment"])
+@pytest.mark.parametrize("tool", ["benchmarks.optimizer_step", "benchmarks.qk_clip_effect",
+                                  "experiments.feedback_experiment"], ids=lambda tool: tool.split(".")[1])
 def test_json_and_plot_are_the_same_file(tmp_path, capsys, tool):
     import importlib
 
-    main = importlib.import_module(f"benchmarks.{tool}").main
+    main = importlib.import_module(tool).main
     out = tmp_path / "result.png"
     out.write_text(ORIGINAL)
     argv = ["--json", str(out), "--plot", _link(tmp_path, out, "symlink")]
-    if tool == "feedback_experiment":
+    if tool == "experiments.feedback_experiment":
         argv += ["--quick", "--work", str(tmp_path / "work")]
     _expect_refused(capsys, lambda: main(argv), out, ORIGINAL, phrase="are the same file")
 

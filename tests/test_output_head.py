@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from benchmarks.output_head import whole_logits_student
 from models import Transformer, preset
 from models.output_head import LossPart, OutputHead
-from runtime.posttrain import FeedbackObjective
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.objective import FeedbackObjective
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, many_feedback_record, records
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from launch.posttrain import main
 from entry_point import run_pretrain
-from runtime.rollout_batch import RolloutLoader, _owner
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.rollout_batch import RolloutLoader, _owner
+from runtime.posttrain.rollouts import read_rollouts
 
 VOCAB, MAX_LEN = 256, 256
 
@@ -65,7 +65,7 @@ def test_bad_rollouts_name_the_line(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["malformed_json", "teacher_too_long", "empty_file"])
 def test_bad_rollouts_exit_2_on_every_rank_with_rank0s_line(tmp_path, capfd, name):
-    """Each rank validates its share of the lines (runtime/rollout_file.py) and one all-gather that every
+    """Each rank validates its share of the lines (runtime/posttrain/rollout_file.py) and one all-gather that every
     rank reaches agrees on the first bad line: every rank stops, rank 0 prints the one line (the bad
     line of malformed_json is in rank 1's share, that of teacher_too_long in rank 0's)."""
     path = _write(tmp_path / "r.jsonl", BAD[name][0])

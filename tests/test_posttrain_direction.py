@@ -25,7 +25,7 @@ from launch.posttrain import build_objective
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime.config import load_config
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.rollouts import read_rollouts
 from runtime.schedule import build_scheduler
 from runtime.train import build_loader, build_model, build_optimizer, train_step
 

@@ -14,7 +14,7 @@ import pytest
 from examples.make_rollouts import trajectory
 from launch.posttrain import main
 from entry_point import run_ok
-from runtime.rollout_batch import _owner
+from runtime.posttrain.rollout_batch import _owner
 
 BASE = ["--data.source=rollouts", "--data.batch_tokens=1200", "--training.steps=3", "--training.warmup_steps=1",
         "--checkpoint.interval=0", "--optim.lr=0.01", "--optim.adam_eps=1e-3"]

@@ -1,4 +1,4 @@
-"""The post-training losses (runtime/feedback.py) against their definitions: plainly written loops in
+"""The post-training losses (runtime/posttrain/feedback.py) against their definitions: plainly written loops in
 float64 and hand-computed cases.
 
 Tolerances: the chunked KL and the loops compute the same sums in fp32 vs float64 and in another
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from runtime import feedback
+from runtime.posttrain import feedback
 
 N, V = 12, 256
 

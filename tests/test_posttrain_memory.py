@@ -12,7 +12,7 @@ from benchmarks.memory_validation import POSTTRAIN_ROWS, POSTTRAIN_SHAPE, posttr
 from launch.estimate_memory import Job, main
 from launch.posttrain_memory import counts, estimate
 from runtime.config import load_config
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.rollout_batch import RolloutLoader
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAND = (0.99, 1.13)  # the pretraining estimate's band against the same measurement (docs/cluster.md)
@@ -21,7 +21,7 @@ BAND = (0.99, 1.13)  # the pretraining estimate's band against the same measurem
 @pytest.mark.parametrize("world, cp", [(1, 1), (2, 2)])
 def test_counts_equal_the_runtime_batches(tmp_path, world, cp):
     """Per rank, the student tokens, trained tokens and targets the estimate assumes are those of the
-    micro-batch runtime/rollout_batch.py builds from the validation's rollout file (cp 2: rank 0 holds
+    micro-batch runtime/posttrain/rollout_batch.py builds from the validation's rollout file (cp 2: rank 0 holds
     every flagged turn, the last chunk of each row, as the estimate's worst case assumes)."""
     path = str(tmp_path / "r.jsonl")
     config = load_config(posttrain_argv(str(tmp_path), path, world // cp, "live", "full", (f"--parallel.cp={cp}",)))
@@ -80,7 +80,7 @@ def _k25_dir(path) -> str:
     positions (YaRN factor 64 over 4,096), in the multimodal wrapper."""
     from int4_reference import k25_config
     from models import preset
-    from models.hf_config import hf_config_dict
+    from models.hf.config import hf_config_dict
 
     text = hf_config_dict(preset("kimi_k2_1t", max_seq_len=262144, rope_factor=64.0, rope_original_seq_len=4096))
     (path / "config.json").write_text(json.dumps(k25_config(text)))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from models import Transformer, preset
-from runtime.posttrain import FeedbackObjective
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.objective import FeedbackObjective
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
 from posttrain_cases import Data, records
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_reference import hf_config, random_hf_model  # noqa: E402
-from models.hf import load_pretrained  # noqa: E402
-from runtime.data_config import DataConfig  # noqa: E402
-from runtime.posttrain import FeedbackObjective  # noqa: E402
-from runtime.posttrain_config import PosttrainConfig  # noqa: E402
-from runtime.rollout_batch import RolloutLoader  # noqa: E402
+from models.hf.checkpoint import load_pretrained  # noqa: E402
+from runtime.data.config import DataConfig  # noqa: E402
+from runtime.posttrain.objective import FeedbackObjective  # noqa: E402
+from runtime.posttrain.config import PosttrainConfig  # noqa: E402
+from runtime.posttrain.rollout_batch import RolloutLoader  # noqa: E402
 
 VOCAB, MAX_LEN = 96, 512
 LENGTHS = (57, 23, 41, 30)

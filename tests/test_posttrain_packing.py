@@ -1,4 +1,4 @@
-"""Packed rows (runtime/rollout_batch.py: a slot's trajectories end to end in one row, document masking,
+"""Packed rows (runtime/posttrain/rollout_batch.py: a slot's trajectories end to end in one row, document masking,
 student and teacher) against one trajectory per row padded to the longest (the layout packing
 replaced): the same losses, metrics and gradients; `padding_fraction` on mixed lengths."""
 
@@ -7,9 +7,9 @@ import torch
 
 from models import Transformer, preset
 from posttrain_cases import many_feedback_record
-from runtime.posttrain import FeedbackObjective, PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import trajectory_from_record
 
 VOCAB, MAX_LEN = 256, 256
 LENGTHS = (200, 31, 97, 12, 150, 64)  # mixed: one row per trajectory pads ~45% of the student positions

@@ -18,10 +18,10 @@ from multirank import run_ranks
 from optim.qk_clip import enable_recording, reset_recording, step_max_logits
 from parallel.activation_checkpoint import apply_activation_checkpoint
 from parallel.context_parallel import apply_context_parallel
-from runtime.posttrain import FeedbackObjective, _padded_counts
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, _padded_counts
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import trajectory_from_record
 from runtime.syncs import count_syncs
 
 LENGTHS = (50, 23, 37)  # one micro-batch of 3 rows padded to a multiple of 2*cp (50, or 52 with cp=2)

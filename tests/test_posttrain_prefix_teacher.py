@@ -1,4 +1,4 @@
-"""The prefix-shared teacher (runtime/posttrain.prefix_shared_teacher): one pass over each trajectory's
+"""The prefix-shared teacher (runtime/posttrain/objective.py prefix_shared_teacher): one pass over each trajectory's
 prefix fills a KV cache, each feedback item's hint + turn attends to its cached tokens[:at] and itself.
 Reference: the per-item teacher rows tokens[:at] + hint + tokens[at:end], each forwarded alone through
 the same model (the teacher's definition), for the `live`, `initial` and `ema` teachers, MLA and GQA,
@@ -12,9 +12,9 @@ from models import Transformer, preset
 from multirank import run_ranks
 from parallel.context_parallel import apply_context_parallel
 from posttrain_cases import many_feedback_record
-from runtime.posttrain import FeedbackObjective, PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import deal, trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import deal, trajectory_from_record
 
 VOCAB, MAX_LEN = 256, 256
 LENGTHS = (57, 23, 41, 30)  # several rows, several flagged turns each, one turn starting at token 0

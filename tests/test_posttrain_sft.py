@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from examples.make_rollouts import trajectory
 from models import Transformer, preset
-from runtime.posttrain import FeedbackObjective
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.objective import FeedbackObjective
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import read_rollouts
 
 
 class _Data:

@@ -15,9 +15,9 @@ from entry_point import run_ok
 from multirank import run_ranks
 from parallel.meshes import build_meshes
 from runtime.config import load_config
-from runtime.posttrain import FeedbackObjective, copy_weights
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutLoader
+from runtime.posttrain.objective import FeedbackObjective, copy_weights
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.train import build_model
 from posttrain_cases import Data, records
 

@@ -18,7 +18,7 @@ from chat_tokenizers import CHATML, conversations, make_tokenizer_dir
 from entry_point import run_ok
 from launch.posttrain import main as posttrain
 from launch.prepare_rollouts import main as prepare
-from runtime.rollouts import read_rollouts
+from runtime.posttrain.rollouts import read_rollouts
 
 VOCAB, MAX_LEN, STEPS = 448, 512, 4
 ARGS = ["--data.source=rollouts", f"--training.steps={STEPS}", "--training.warmup_steps=1", "--checkpoint.interval=0",

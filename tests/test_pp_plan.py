@@ -40,14 +40,14 @@ def test_default_spread_weighs_the_embedding_and_the_head_as_blocks():
                                               ("dualpipev", [[0, 3], [1, 2]])])
 def test_rank_stages_loop_or_v(schedule, stages):
     layout = ParallelConfig(pp=2, pp_schedule=schedule).resolve(4)
-    assert [plan.rank_stages(p, layout) for p in range(2)] == stages
+    assert [plan.rank_stages(p, layout.pp_config) for p in range(2)] == stages
 
 
 def test_reshard_after_forward_auto_is_false_under_pp():
-    assert plan.reshard_after_forward(ParallelConfig().resolve(8)) is True
-    assert plan.reshard_after_forward(ParallelConfig(pp=2).resolve(8)) is False
-    assert plan.reshard_after_forward(ParallelConfig(pp=2, reshard_after_forward="true").resolve(8)) is True
-    assert plan.reshard_after_forward(ParallelConfig(reshard_after_forward="false").resolve(8)) is False
+    assert plan.reshard_after_forward(ParallelConfig()) is True
+    assert plan.reshard_after_forward(ParallelConfig(pp=2)) is False
+    assert plan.reshard_after_forward(ParallelConfig(pp=2, reshard_after_forward="true")) is True
+    assert plan.reshard_after_forward(ParallelConfig(reshard_after_forward="false")) is False
 
 
 def test_the_layout_printout_shows_the_stages():
@@ -117,4 +117,4 @@ def test_post_training_and_document_masking_refused_under_pp():
 def test_valid_pipelines_pass():
     for schedule, accum in (("1f1b", 2), ("gpipe", 2), ("interleaved_1f1b", 2), ("zbv", 4), ("dualpipev", 4)):
         layout = _layout(*PP2, f"--parallel.pp_schedule={schedule}", f"--training.grad_accum={accum}")
-        assert plan.n_stages(layout) == (2 if schedule in ("1f1b", "gpipe") else 4)
+        assert plan.n_stages(layout.pp_config) == (2 if schedule in ("1f1b", "gpipe") else 4)

@@ -75,7 +75,7 @@ for name, check in CHECKS.items():
     code, err = call(check, ["--config", toml])
     assert code == 2 and err == PREFIX[name] + "comm.heartbeet: unknown key (valid: init_timeout_s, train_timeout_s, " \
         "checkpoint_timeout_s, trace_entries, heartbeat)\n", (name, err)
-# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/init_source.py)
+# posttrain.init_from = a run dir: the model config its newest checkpoint's marker records (runtime/posttrain/init_source.py)
 import dataclasses, json
 from models.presets import preset
 run = os.path.join(sys.argv[1], "run")
@@ -194,7 +194,7 @@ def test_each_tool_refuses_a_bad_flag_in_one_line_before_importing_torch(tmp_pat
 
 
 # Tools whose flags are checked after torch loads, called as functions (pytest has torch loaded): export_hf's
-# and estimate_memory's parsers take choices and flags from modules that import torch (models.hf,
+# and estimate_memory's parsers take choices and flags from modules that import torch (models.hf.checkpoint,
 # launch/posttrain_memory.py); an unknown flag of dry_run and estimate_memory is a config override to them,
 # refused by load_config, which names it
 IN_PROCESS_FLAG_RUNS = [

@@ -3,7 +3,7 @@
 Oracles: transformers' `return_assistant_tokens_mask=True` for the assistant ranges (a template with
 `{% generation %}`), decoding each assistant range against the message as the template renders it, and
 the tokenizer's rendering of the conversation with the hint message inserted against the teacher rows
-that runtime/rollout_batch.py builds from the written file."""
+that runtime/posttrain/rollout_batch.py builds from the written file."""
 
 import copy
 import json
@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from chat_tokenizers import (CHATML, CHATML_EOS, FIRST_SYSTEM, KIMI, KIMI_THINKING, LAST_MARKED, MARKS_ONLY, NO_PROMPT,
                              conversations, make_tokenizer_dir)
 from launch.prepare_rollouts import GRPO_EPS, load_tokenizer, main
-from runtime import transcripts
-from runtime.transcripts import parse_conversation, render_conversation
-from runtime.rollout_batch import build_micro_batch
-from runtime.rollouts import read_rollouts
+from runtime.posttrain import transcripts
+from runtime.posttrain.transcripts import parse_conversation, render_conversation
+from runtime.posttrain.rollout_batch import build_micro_batch
+from runtime.posttrain.rollouts import read_rollouts
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_assistant_ranges_decode_to_the_message(tmp_path, dirs, template):
 
 @pytest.mark.parametrize("template,role", [("chatml", "system"), ("chatml", "user"), ("kimi", "system")])
 def test_teacher_rows_equal_the_rendering_with_the_hint(tmp_path, dirs, template, role):
-    """Hint oracle: the teacher sequence the posttrainer builds (runtime/rollout_batch.py, from the written
+    """Hint oracle: the teacher sequence the posttrainer builds (runtime/posttrain/rollout_batch.py, from the written
     file: the shared prefix row, then the item's row) is the tokenizer's rendering of the conversation with the hint message inserted before the
     flagged message, cut after that message's generated tokens."""
     chats = _chats()

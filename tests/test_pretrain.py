@@ -14,7 +14,7 @@ import torch
 from launch import posttrain
 from launch.pretrain import check_environment, main
 from entry_point import run_ok, run_pretrain
-from runtime.checkpoint import MARKER
+from runtime.checkpoint.checkpoint import MARKER
 from runtime.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

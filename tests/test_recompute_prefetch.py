@@ -33,9 +33,9 @@ def _gathers_with_prefetch(rank, world_size) -> dict:
     out = {}
     for mode, depth in RUNS:
         model = _model("fsdp8")
-        layout = ParallelConfig(dp_shard=2, ep=1).resolve(world_size)
+        layout = ParallelConfig(dp_shard=2, ep=1).resolve(world_size, activation_checkpoint=mode)
         meshes = build_meshes(layout, "cpu")
-        parallelize(model, meshes, layout, activation_checkpoint=mode)
+        parallelize(model, meshes, layout)
         set_fsdp_prefetch(model, depth)
         inputs, labels, _ = _local_batch(model.config.vocab_size, layout, meshes)
         gathers, losses = collections.Counter(), []

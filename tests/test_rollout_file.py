@@ -1,8 +1,8 @@
-"""runtime/rollout_file.py: the line index (built once, reused, rebuilt when the file changes, refused
+"""runtime/posttrain/rollout_file.py: the line index (built once, reused, rebuilt when the file changes, refused
 when it is another file's), ranks validating a share each, and reading by offset; RolloutLoader planning
 a step from the gathered numbers, so a rank reads only its own micro-batches' lines.
 
-Oracle: runtime/rollouts.read_rollouts, the sequential reader (the whole file in memory, line after
+Oracle: runtime/posttrain/rollouts.py read_rollouts, the sequential reader (the whole file in memory, line after
 line), for the trajectories, their numbers and the first bad line's message; for a step, the step built
 by parsing every trajectory of it (as RolloutLoader.batch did before)."""
 
@@ -15,11 +15,11 @@ import pytest
 
 from multirank import run_ranks
 from posttrain_cases import many_feedback_record
-from runtime import rollout_file
+from runtime.posttrain import rollout_file
 from runtime.errors import RunError
-from runtime.rollout_batch import RolloutLoader, RolloutStep, build_micro_batch
-from runtime.rollout_file import RolloutFile, index_path, line_offsets
-from runtime.rollouts import deal, read_rollouts
+from runtime.posttrain.rollout_batch import RolloutLoader, RolloutStep, build_micro_batch
+from runtime.posttrain.rollout_file import RolloutFile, index_path, line_offsets
+from runtime.posttrain.rollouts import deal, read_rollouts
 
 VOCAB, MAX_LEN = 256, 256
 

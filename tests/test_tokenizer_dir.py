@@ -1,4 +1,4 @@
-"""launch/tokenize_text.py with a Hugging Face tokenizer directory (runtime/tokenizer_dir.py): a tiny Kimi-style
+"""launch/tokenize_text.py with a Hugging Face tokenizer directory (runtime/data/tokenizer_dir.py): a tiny Kimi-style
 tiktoken tokenizer (a `tiktoken.model` rank file + a `tokenization_kimi.py` loader named by `auto_map`)
 tokenizes exactly as `transformers.AutoTokenizer(..., trust_remote_code=True)` and `tiktoken` itself do;
 `--workers 1` and `--workers 4` write the same file; without `--trust-remote-code` it is refused in one line.
@@ -191,8 +191,8 @@ def kimi_model(tok_dir, tmp_path_factory):
     directory holding the same weights as its one complete checkpoint (what export_hf reads)."""
     from hf_reference import hf_config, random_hf_model
 
-    from models.hf import load_pretrained
-    from runtime import checkpoint
+    from models.hf.checkpoint import load_pretrained
+    from runtime.checkpoint import checkpoint
 
     base, ranks = tok_dir
     root = tmp_path_factory.mktemp("kimi_model")
@@ -208,7 +208,7 @@ def test_generate_with_the_kimi_style_directory_encodes_and_decodes_as_autotoken
     from transformers import AutoTokenizer
 
     from launch import generate
-    from runtime import tokenizer_dir
+    from runtime.data import tokenizer_dir
 
     prompts = ["the cat sat on the mat", "中文 the[EOS] cat"]
     argv = ["--model", kimi_model["hf"], "--tokenizer", kimi_model["tokenizer"], "--trust-remote-code",

@@ -1,4 +1,4 @@
-"""The tool-use environment (examples/tool_env.py): its rules on hand-written assistant lines, the
+"""The tool-use environment (experiments/tool_env.py): its rules on hand-written assistant lines, the
 pretraining transcripts, the rollout records, and episodes played by a model through the KV-cache
 generator."""
 
@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from examples.tool_env import GOALS, HEADER, new_episode, play, rollout_record, step, transcript
+from experiments.tool_env import GOALS, HEADER, new_episode, play, rollout_record, step, transcript
 from models import Transformer, preset
 from runtime.generate import SamplingConfig
-from runtime.rollouts import trajectory_from_record
+from runtime.posttrain.rollouts import trajectory_from_record
 
 
 def _episode():

@@ -14,9 +14,11 @@ import math
 
 import torch
 
+from parallel.ep.config import EPConfig
+
 SAMPLE_TOKENS = 128  # tokens per ep rank routed by the model's own Router to estimate EP bytes
 INTEGER_STAGES = ("counts", "node_counts")  # per-expert/per-peer counts: they do not grow with tokens
-EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside GroupedExperts.forward
+EXPERT_STAGES = ("dispatch", "combine", "slot_ids", "fan_out", "fan_in")  # inside the GroupedExperts call
 PIPELINED_STAGES = ("dispatch", "combine")  # what ep_overlap_chunks pipelines (parallel/ep/pieces.py)
 NODE_HOP_STAGES = ("node_dispatch", "node_weights", "node_ids", "node_combine")  # with dedup (ep_dedup_overlap.py)
 
@@ -54,10 +56,11 @@ def layer_stages(config, layout, routing, act_bytes: int, placement) -> list:
     from parallel.ep.plan import layer_traffic
 
     fp8_row = config.dim + 4  # parallel/ep/direct.py (FP8 rows): D e4m3 values and one fp32 scale per row
-    dispatch = fp8_row if layout.ep_dispatch_dtype == "float8_e4m3" else None
-    combine_grad = fp8_row if layout.ep_combine_grad_dtype == "float8_e4m3" else None
-    return layer_traffic(list(routing), placement, config.dim, act_bytes, layout.ep_dedup, dispatch,
-                         capacity_factor=layout.ep_capacity_factor, chunks=layout.ep_overlap_chunks,
+    ep = layout.ep_config
+    dispatch = fp8_row if ep.dispatch_fp8 else None
+    combine_grad = fp8_row if ep.combine_grad_fp8 else None
+    return layer_traffic(list(routing), placement, config.dim, act_bytes, ep.ep_dedup, dispatch,
+                         capacity_factor=ep.ep_capacity_factor, chunks=ep.ep_overlap_chunks,
                          combine_grad_bytes=combine_grad)
 
 
@@ -103,10 +106,10 @@ def forward_passes(stage_name: str, activation_checkpoint: str, layout) -> int:
     activation checkpointing reruns (full: the layer's forward; selective: the all-to-alls issued inside
     the experts' call, `expert_call_stages`); none with `parallel.ep_recompute = "keep"`, whose recompute
     replays what the forward received (parallel/ep/keep.py). Its backward (differentiable stages) runs once."""
-    if layout.ep_recompute == "keep":
+    if layout.ep_config.keep:
         return 1
     reruns = {"none": 0, "full": 1}.get(activation_checkpoint, 0)
-    selective = activation_checkpoint == "selective" and stage_name in expert_call_stages(layout)
+    selective = activation_checkpoint == "selective" and stage_name in expert_call_stages(layout.ep_config)
     return 1 + reruns + selective
 
 
@@ -125,15 +128,15 @@ def layer_link_bytes(stages: list, placement, index: int, activation_checkpoint:
     return out[0], out[1]
 
 
-def expert_call_stages(layout) -> tuple:
+def expert_call_stages(ep_config) -> tuple:
     """The all-to-alls issued inside the GroupedExperts call (what `activation_checkpoint = "selective"`
     reruns): the dispatch and combine (capacity: and the slot ids; dedup: the fan-out and fan-in); with
     pieces also the count exchange (parallel/ep/pieces.py), and with dedup in pieces the whole node hop
     (parallel/ep/pieces.py; an upper bound there: torch's checkpoint stops the recompute after the
     last piece's fan-out, so that piece's node combine is not sent again, tests/test_ep_dispatch.py)."""
-    if layout.ep_overlap_chunks > 1 and layout.ep_dedup:
+    if ep_config.ep_overlap_chunks > 1 and ep_config.ep_dedup:
         return EXPERT_STAGES + ("counts",) + NODE_HOP_STAGES
-    return EXPERT_STAGES + (("counts",) if layout.ep_overlap_chunks > 1 else ())
+    return EXPERT_STAGES + (("counts",) if ep_config.ep_overlap_chunks > 1 else ())
 
 
 def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
@@ -147,18 +150,14 @@ def exposed_ep_s(ep_s: float, expert_s: float, chunks: int) -> float:
     return max(ep_s / chunks, ep_s - expert_s * (chunks - 1) / chunks)
 
 
-DISPATCH_KNOBS = ("ep_dedup", "ep_capacity_factor", "ep_overlap_chunks", "ep_dispatch_dtype", "ep_recompute",
-                  "ep_combine_grad_dtype")  # the layout's EP dispatch knobs the projection varies
-
-
 def dispatch_knobs(layout) -> dict:
-    return {k: getattr(layout, k) for k in DISPATCH_KNOBS}
+    """The layout's EP dispatch knobs the projection varies (parallel/ep/config.py)."""
+    return layout.ep_config.knobs()
 
 
 def degrees_only(layout):
     """The layout without its EP dispatch knobs (the optimizer step does not depend on them; one plan per layout)."""
-    return dataclasses.replace(layout, ep_dedup=False, ep_capacity_factor=0.0, ep_overlap_chunks=1,
-                               ep_dispatch_dtype="compute", ep_recompute="resend", ep_combine_grad_dtype="compute")
+    return dataclasses.replace(layout, ep_config=EPConfig(ranks_per_node=layout.ep_config.ranks_per_node))
 
 
 def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
@@ -179,7 +178,8 @@ def dispatch_variants(layout, activation_checkpoint: str = "none") -> dict:
                if "ep_dispatch_dtype" in knobs}
     if activation_checkpoint != "none":
         combos |= {f"{name}_keep": knobs | {"ep_recompute": "keep"} for name, knobs in combos.items()}
-    return {name: dataclasses.replace(base, **knobs) for name, knobs in combos.items()}
+    return {name: dataclasses.replace(base, ep_config=dataclasses.replace(base.ep_config, **knobs))
+            for name, knobs in combos.items()}
 
 
 def describe_knobs(knobs: dict) -> str:

@@ -1,7 +1,7 @@
 """Expert parallelism: one dispatcher object per MoE layer, built once from the frozen EP config.
 
-    config.py      EPConfig: the `[parallel]` EP knobs a dispatcher reads
-    refusals.py    the one table of refused knob combinations (docs/expert_parallel.md checks against it)
+    config.py      EPConfig: the `[parallel]` EP knobs, declared once (layout.ep_config; ParallelConfig inherits them)
+    refusals.py    the one table of refused combinations, run once by Layout.validate (docs/expert_parallel.md)
     dispatcher.py  Dispatcher / DedupDispatcher, apply_expert_parallel: what an MoE layer calls
     direct.py      the direct dispatch: count exchange, the all-to-alls of rows (compute dtype or FP8)
     capacity.py    fixed capacity: constant split sizes, no host sync, dropped copies counted

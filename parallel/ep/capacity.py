@@ -37,7 +37,7 @@ def capacity_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2, trainin
     output as the direct path. `training`: the experts module's mode (drops are counted in training)."""
     P = d.n_ranks
     L = counts_E.shape[0] // P
-    C = capacity_slots(x_ND.shape[0], P, d.config.capacity_factor)
+    C = capacity_slots(x_ND.shape[0], P, d.config.ep_capacity_factor)
     slot_N, local_expert_N, kept_N = _slots(counts_E, P, L, C, x_ND.shape[0])
     if training:
         _count_drops(d, kept_N)
@@ -45,13 +45,13 @@ def capacity_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2, trainin
     ids_S = torch.full((P * C + 1,), L, dtype=torch.int64, device=x_ND.device).index_copy(0, slot_N, local_expert_N)
     splits = [C] * P
     x_SD = dispatch_rows(d, send_SD, splits, splits)  # communication: dispatch (fixed splits)
-    ids_S = all_to_all(ids_S[:-1], splits, splits, d.group)
+    ids_S = all_to_all(d, ids_S[:-1], splits, splits)
     order_S = torch.argsort(ids_S, stable=True)
     sizes_L = torch.zeros(L + 1, dtype=torch.int64, device=x_ND.device).index_add_(0, ids_S, torch.ones_like(ids_S))
     sizes_L = sizes_L[:L].clone()
     sizes_L[-1] += sizes_L.new_full((), P * C) - sizes_L.sum()  # empty slots join the last group
     y_SD = swiglu_experts(x_SD[order_S], w13, w2, sizes_L)[torch.argsort(order_S)]
-    back_SD = all_to_all(y_SD, splits, splits, d.group, d.config.combine_grad_fp8)  # communication: combine (fixed splits)
+    back_SD = all_to_all(d, y_SD, splits, splits, d.config.combine_grad_fp8)  # communication: combine (fixed splits)
     return torch.cat([back_SD, back_SD.new_zeros(1, back_SD.shape[1])]).index_select(0, slot_N)
 
 

@@ -45,7 +45,7 @@ def dedup_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
     copies_N = torch.zeros_like(pairs_N).index_add_(0, node_TK.flatten(), torch.ones_like(node_TK.flatten()))
-    send_splits, recv_splits, n_copies = kept("pair_counts", lambda: _exchange_pair_counts(
+    send_splits, recv_splits, n_copies = kept(d.tape, "pair_counts", lambda: _exchange_pair_counts(
         pairs_N, copies_N, placement, d.rank, group))  # host sync (none when a recompute replays it)
     token_Q, node_Q = pair_order(present_TN, sum(send_splits))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]
@@ -53,12 +53,11 @@ def dedup_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK
     w_QK = weights_TK[token_Q].to(x_TD.dtype) * on_node_QK  # rounded to the compute dtype, as MoE.combine does
 
     x_RD = dispatch_rows(d, x_TD[token_Q], recv_splits, send_splits)  # communication: node hop (dispatch)
-    w_RK = all_to_all(w_QK, recv_splits, send_splits, group)
-    ids_RK = all_to_all(ids_QK, recv_splits, send_splits, group)
+    w_RK = all_to_all(d, w_QK, recv_splits, send_splits)
+    ids_RK = all_to_all(d, ids_QK, recv_splits, send_splits)
     partial_RD = fan_out(d, x_RD, w_RK, ids_RK, n_copies, moe.router.n_experts,
                          lambda x, counts: moe.experts(x, counts, d))  # communication: inside the node
-    back_QD = all_to_all(partial_RD, send_splits, recv_splits, group,
-                         d.config.combine_grad_fp8)  # communication: node hop (combine)
+    back_QD = all_to_all(d, partial_RD, send_splits, recv_splits, d.config.combine_grad_fp8)  # communication: node hop (combine)
     return back_QD.new_zeros(T, back_QD.shape[1]).index_add(0, token_Q, back_QD)
 
 

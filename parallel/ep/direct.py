@@ -89,7 +89,7 @@ def direct_run(d, x_TD: torch.Tensor, counts: ExchangedCounts, w13: torch.Tensor
     send_splits, recv_splits = counts.split_sizes()  # host sync: split sizes must be Python ints
     x_RD = dispatch_rows(d, x_TD, recv_splits, send_splits)  # communication: dispatch
     y_RD = local_experts(x_RD, counts.recv_counts_PL, w13, w2)
-    return all_to_all(y_RD, send_splits, recv_splits, d.group, d.config.combine_grad_fp8)  # communication: combine
+    return all_to_all(d, y_RD, send_splits, recv_splits, d.config.combine_grad_fp8)  # communication: combine
 
 
 def local_experts(x_RD: torch.Tensor, recv_counts_PL: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -113,15 +113,16 @@ def dispatch_rows(d, x_ND: torch.Tensor, out_splits, in_splits) -> torch.Tensor:
     """The dispatch all-to-all of activation rows over `d.group`, in FP8 when `d.config.dispatch_fp8`
     (`encode`), else in x's dtype. A GPU dispatch backend would replace this call."""
     if d.config.dispatch_fp8:
-        return _Fp8AllToAll.apply(x_ND, out_splits, in_splits, d.group)
-    return all_to_all(x_ND, out_splits, in_splits, d.group)
+        return _Fp8AllToAll.apply(x_ND, out_splits, in_splits, d.group, d.tape)
+    return all_to_all(d, x_ND, out_splits, in_splits)
 
 
-def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+def all_to_all(d, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int],
                grad_fp8: bool = False) -> torch.Tensor:
-    """All-to-all of rows with uneven splits: in_splits[p] rows go to rank p, out_splits[p] come from it.
-    `grad_fp8`: the backward sends the gradient as FP8 rows (a combine under ep_combine_grad_dtype)."""
-    return _AllToAll.apply(x_ND, out_splits, in_splits, group, grad_fp8)
+    """All-to-all of rows over dispatcher `d`'s group (through its tape, parallel/ep/keep.py) with uneven
+    splits: in_splits[p] rows go to rank p, out_splits[p] come from it. `grad_fp8`: the backward sends
+    the gradient as FP8 rows (a combine under ep_combine_grad_dtype)."""
+    return _AllToAll.apply(x_ND, out_splits, in_splits, d.group, d.tape, grad_fp8)
 
 
 def receive_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -136,26 +137,26 @@ class _AllToAll(torch.autograd.Function):
     rows, encoded before and decoded after, when `grad_fp8`)."""
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group, grad_fp8=False):
+    def forward(ctx, x_ND, out_splits, in_splits, group, tape, grad_fp8=False):
         ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, grad_fp8
-        return kept("rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep/keep.py
+        return kept(tape, "rows", lambda: receive_rows(x_ND, out_splits, in_splits, group))  # parallel/ep/keep.py
 
     @staticmethod
     def backward(ctx, grad_MD):
         out_splits, in_splits = ctx.splits
         if not ctx.grad_fp8:
-            return receive_rows(grad_MD, in_splits, out_splits, ctx.group), None, None, None, None
+            return receive_rows(grad_MD, in_splits, out_splits, ctx.group), None, None, None, None, None
         packed_NB = receive_rows(encode(grad_MD), in_splits, out_splits, ctx.group)  # FP8 gradient rows
-        return decode(packed_NB, grad_MD.dtype), None, None, None, None
+        return decode(packed_NB, grad_MD.dtype), None, None, None, None, None
 
 
 class _Fp8AllToAll(_AllToAll):
     """The dispatch with FP8 rows; the backward is _AllToAll's (the gradient crosses in x's dtype)."""
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group):
+    def forward(ctx, x_ND, out_splits, in_splits, group, tape):
         ctx.splits, ctx.group, ctx.grad_fp8 = (out_splits, in_splits), group, False
-        out_MB = kept("fp8_rows", lambda: receive_rows(encode(x_ND), out_splits, in_splits, group))  # FP8 rows
+        out_MB = kept(tape, "fp8_rows", lambda: receive_rows(encode(x_ND), out_splits, in_splits, group))  # FP8 rows
         return decode(out_MB, x_ND.dtype)
 
 

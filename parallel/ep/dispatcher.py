@@ -13,7 +13,8 @@ calls it (models/moe.py `LocalDispatcher`, the interface):
 (parallel/ep/direct.py), fixed capacity without host sync (parallel/ep/capacity.py), or n pieces
 pipelined (parallel/ep/pieces.py). `DedupDispatcher` routes node-deduplicated (parallel/ep/dedup.py; in
 pieces: parallel/ep/pieces.py). What the dispatcher holds (no module carries it): the group,
-the wire dtypes, the timeline tests and benchmarks record, the drop counters.
+the wire dtypes, the timeline tests and benchmarks record, the drop counters, and while a checkpointed
+region runs under `ep_recompute = "keep"` its tape (parallel/ep/keep.py).
 """
 
 import time
@@ -44,23 +45,27 @@ class Dispatcher(LocalDispatcher):
         self.mirror_counts = dist.get_backend(group) == "fake"  # the dry run (direct.exchange_counts)
         self.timeline = None  # a list while a test or benchmark records (event, piece, time.perf_counter())
         self.drop_counts = None  # fixed capacity: [dropped, routed] (device), from the first forward on
+        self.tape = None  # parallel/ep/keep.py: the Tape of the checkpointed call running now, handed in by
+        # its region's runner (parallel/activation_checkpoint.py); every exchange below goes through it
         self._run = self._choose_run()
 
     def _choose_run(self):
         if self.n_ranks == 1:
             return lambda x_ND, counts, w13, w2, training: swiglu_experts(x_ND, w13, w2, counts)
-        if self.config.capacity_factor > 0:
+        if self.config.ep_capacity_factor > 0:
             return lambda x_ND, counts, w13, w2, training: capacity.capacity_run(self, x_ND, counts, w13, w2,
                                                                                     training)
-        if self.config.chunks > 1 and not self.config.dedup:
+        if self.config.ep_overlap_chunks > 1 and not self.config.ep_dedup:
             return lambda x_ND, counts, w13, w2, training: pieces.pieces_run(self, x_ND, counts, w13, w2)
         return lambda x_ND, counts, w13, w2, training: direct_run(self, x_ND, counts, w13, w2)
 
     def exchange(self, counts_E: torch.Tensor):
         """The direct dispatch's count exchange (one host sync, later); the other runs exchange their own."""
-        if self.n_ranks == 1 or self.config.capacity_factor > 0 or (self.config.chunks > 1 and not self.config.dedup):
+        c = self.config
+        if self.n_ranks == 1 or c.ep_capacity_factor > 0 or (c.ep_overlap_chunks > 1 and not c.ep_dedup):
             return counts_E
-        return kept("counts", lambda: exchange_counts(counts_E, self.n_ranks, self.group, self.mirror_counts))
+        return kept(self.tape, "counts",
+                    lambda: exchange_counts(counts_E, self.n_ranks, self.group, self.mirror_counts))
 
     def run(self, experts: GroupedExperts, x_ND: torch.Tensor, counts) -> torch.Tensor:
         w13, w2 = (local_weight(getattr(experts, n)) for n in EXPERT_WEIGHTS)  # [L, 2F, D], [L, D, F]
@@ -73,7 +78,7 @@ class Dispatcher(LocalDispatcher):
 
 
 class DedupDispatcher(Dispatcher):
-    """Node-deduplicated routing (parallel/ep/dedup.py), its node hop in pieces when `config.chunks` > 1
+    """Node-deduplicated routing (parallel/ep/dedup.py), its node hop in pieces when `config.ep_overlap_chunks` > 1
     (parallel/ep/pieces.py); the fan-out inside a node is the direct dispatch."""
 
     def __init__(self, config: EPConfig, group, placement: Placement):
@@ -81,7 +86,7 @@ class DedupDispatcher(Dispatcher):
         self.placement, self.rank = placement, dist.get_rank(group)
 
     def route(self, moe: MoE, x_TD, weights_TK, experts_TK) -> torch.Tensor:
-        if self.config.chunks > 1:
+        if self.config.ep_overlap_chunks > 1:
             return pieces.pipelined_route(self, moe, x_TD, weights_TK, experts_TK)
         return dedup.dedup_route(self, moe, x_TD, weights_TK, experts_TK)
 
@@ -104,7 +109,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, config: EPConfi
 
 
 def build_dispatcher(config: EPConfig, group, n_experts: int) -> Dispatcher:
-    if not config.dedup:
+    if not config.ep_dedup:
         return Dispatcher(config, group)
     placement = Placement(n_experts, tuple(dist.get_process_group_ranks(group)), config.ranks_per_node)
     return DedupDispatcher(config, group, placement)
@@ -118,7 +123,7 @@ def dispatchers(model: nn.Module) -> list[Dispatcher]:
 def read_drop_counts(model: nn.Module) -> torch.Tensor | None:
     """[dropped, routed] token copies summed over this rank's MoE layers since the last call (device,
     float64), or None when no layer drops (parallel/ep/capacity.py); resets the counters."""
-    dropping = [d for d in dispatchers(model) if d.config.capacity_factor > 0]
+    dropping = [d for d in dispatchers(model) if d.config.ep_capacity_factor > 0]
     if not dropping:
         return None
     counters = [d.drop_counts for d in dropping if d.drop_counts is not None]

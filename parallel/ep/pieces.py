@@ -70,11 +70,11 @@ from parallel.ep.plan import expert_nodes, index_tensor, pairs_per_node
 
 
 def pieces_run(d, x_ND: torch.Tensor, counts_E: torch.Tensor, w13, w2) -> torch.Tensor:
-    """The experts' call of dispatcher `d` with `d.config.chunks` pieces (module docstring)."""
-    n, P = d.config.chunks, d.n_ranks
+    """The experts' call of dispatcher `d` with `d.config.ep_overlap_chunks` pieces (module docstring)."""
+    n, P = d.config.ep_overlap_chunks, d.n_ranks
     L = counts_E.shape[0] // P
     piece_N, piece_counts_nPL = _pieces(counts_E, P, L, n, x_ND.shape[0])
-    recv_counts_nPL, sizes = kept("piece_counts", lambda: _exchange(piece_counts_nPL, d.group))  # parallel/ep/keep.py
+    recv_counts_nPL, sizes = kept(d.tape, "piece_counts", lambda: _exchange(piece_counts_nPL, d.group))  # parallel/ep/keep.py
     order_N = torch.argsort(piece_N, stable=True)  # pieces in order, each still sorted by expert
     rows = [sum(s) for s in sizes[0]]
     x_pieces = torch.split(x_ND[order_N], rows)
@@ -131,7 +131,7 @@ def start_rows(d, name, piece, x_MD, out_splits, in_splits):
     link, handle box) for `wait_rows`. Other names (dedup's node hop: weights, ids) cross as they are."""
     box = {"mark": lambda event: d.mark(f"{name}_{event}", piece),
            "fp8": name == "dispatch" and d.config.dispatch_fp8,
-           "grad_fp8": name == "combine" and d.config.combine_grad_fp8}
+           "grad_fp8": name == "combine" and d.config.combine_grad_fp8, "tape": d.tape}
     link = _Start.apply(x_MD, out_splits, in_splits, d.group, box)
     return link, box
 
@@ -161,7 +161,7 @@ class _Start(torch.autograd.Function):
             return out_RB
 
         box["splits"], box["group"] = (out_splits, in_splits), group
-        box["out"] = kept("fp8_rows" if box["fp8"] else "rows", issue)  # a replayed recompute issues nothing
+        box["out"] = kept(box["tape"], "fp8_rows" if box["fp8"] else "rows", issue)  # a replayed recompute issues nothing
         return x_MD.new_empty(0)
 
     @staticmethod
@@ -217,13 +217,13 @@ class PiecePlan:
 def pipelined_route(d, moe, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
     """The route of dispatcher `d` for MoE layer `moe` (module docstring, steps 1-2; the experts' call
     runs step 3)."""
-    placement, group, n = d.placement, d.group, d.config.chunks
+    placement, group, n = d.placement, d.group, d.config.ep_overlap_chunks
     T, K = experts_TK.shape
     node_TK = expert_nodes(experts_TK, placement)
     present_TN, pairs_N = pairs_per_node(node_TK, placement.n_nodes)
     piece_TN = (torch.cumsum(present_TN.long(), 0) - 1) * n // pairs_N.clamp(min=1)
     copies_TN = torch.zeros_like(piece_TN).scatter_add_(1, node_TK, torch.ones_like(node_TK))
-    plan = kept("piece_pair_counts", lambda: _exchange_pairs(present_TN, piece_TN, copies_TN, n, placement,
+    plan = kept(d.tape, "piece_pair_counts", lambda: _exchange_pairs(present_TN, piece_TN, copies_TN, n, placement,
                                                              d.rank, group, moe.router.n_experts))  # host sync
     token_Q, node_Q = _pair_order(present_TN, piece_TN, sum(map(sum, plan.send)))
     on_node_QK = node_TK[token_Q] == node_Q[:, None]

@@ -194,13 +194,14 @@ def sent_bytes(stages: list[Stage], placement: Placement, backward: bool = False
     return {"intra": (total * (same_PP & not_self_PP)).sum(1), "inter": (total * ~same_PP).sum(1)}
 
 
-def host_syncs_per_layer(layout) -> int:
-    """Host readbacks of split sizes per MoE layer forward under EP: the direct dispatch 1 (its count
-    exchange), overlapped 1 (one for all pieces), dedup 2 (the node hop's, then the fan-out's), dedup in
-    n pieces 1 + n (the node hop's, then each piece's fan-out: parallel/ep/pieces.py), fixed
-    capacity 0 (tests/test_ep_dispatch.py and tests/test_host_syncs.py count them)."""
-    if layout.ep_capacity_factor > 0:
+def host_syncs_per_layer(ep_config) -> int:
+    """Host readbacks of split sizes per MoE layer forward under EP with the knobs `ep_config`
+    (parallel/ep/config.py): the direct dispatch 1 (its count exchange), overlapped 1 (one for all
+    pieces), dedup 2 (the node hop's, then the fan-out's), dedup in n pieces 1 + n (the node hop's, then
+    each piece's fan-out: parallel/ep/pieces.py), fixed capacity 0 (tests/test_ep_dispatch.py and
+    tests/test_host_syncs.py count them)."""
+    if ep_config.ep_capacity_factor > 0:
         return 0
-    if layout.ep_dedup:
-        return 2 if layout.ep_overlap_chunks == 1 else 1 + layout.ep_overlap_chunks
+    if ep_config.ep_dedup:
+        return 2 if ep_config.ep_overlap_chunks == 1 else 1 + ep_config.ep_overlap_chunks
     return 1

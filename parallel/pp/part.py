@@ -83,9 +83,10 @@ class ModelPart(nn.Module):
 
 def split_stages(model: Transformer, layout, pp_rank: int) -> tuple[ModelPart, list[ModelPart]]:
     """(rank_part, stages): this pipeline rank's stages of `model` (parallel/pp/plan.py), in stage order."""
-    stages = n_stages(layout)
-    layers = stage_layers(model.config.n_layers, stages, layout.pp_layers)
-    mine = rank_stages(pp_rank, layout)
+    c = layout.pp_config
+    stages = n_stages(c)
+    layers = stage_layers(model.config.n_layers, stages, c.pp_layers)
+    mine = rank_stages(pp_rank, c)
     parts = [ModelPart(model, list(layers[s]), s == 0, s == stages - 1) for s in mine]
     held = [i for s in mine for i in layers[s]]
     return ModelPart(model, held, 0 in mine, stages - 1 in mine), parts

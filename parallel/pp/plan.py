@@ -22,54 +22,36 @@ the schedule does not run, pp_layers that do not sum to n_layers or leave a stag
 reshard_after_forward=true or activation checkpointing or compile with a zero-bubble schedule.
 """
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe")
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank in a V; their backward is split (zero bubble)
 ZERO_BUBBLE = V_SCHEDULES  # input and weight gradients computed apart (torch.autograd.grad per weight group)
-RESHARD_CHOICES = ("auto", "true", "false")
 
 
-def check_pp_knobs(c) -> None:
-    """ValueError (one line) for an out-of-range pipeline knob of a ParallelConfig or Layout."""
-    if c.pp < 1:
-        raise ValueError(f"parallel.pp={c.pp}: must be >= 1 (1 = no pipeline parallelism)")
-    if c.pp_schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={c.pp_schedule!r}: expected one of {', '.join(map(repr, SCHEDULES))}")
-    if c.pp_stages_per_rank == 0 or c.pp_stages_per_rank < -1:
-        raise ValueError(f"parallel.pp_stages_per_rank={c.pp_stages_per_rank}: must be >= 1, or -1 (the schedule's)")
-    if any(n < 0 for n in c.pp_layers):
-        raise ValueError(f"parallel.pp_layers={list(c.pp_layers)}: layers per stage must be >= 0")
-    if c.reshard_after_forward not in RESHARD_CHOICES:
-        raise ValueError(f"parallel.reshard_after_forward={c.reshard_after_forward!r}: expected one of "
-                         f"{', '.join(map(repr, RESHARD_CHOICES))}")
-    if c.pp == 1 and (c.pp_layers or c.pp_stages_per_rank > 1):
-        key = "pp_layers" if c.pp_layers else "pp_stages_per_rank"
-        raise ValueError(f"parallel.{key}={_show(getattr(c, key))} with parallel.pp=1: set parallel.pp > 1 or "
-                         f"leave it unset")
-
-
-def _show(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
-def stages_per_rank(layout) -> int:
-    """The stages each rank runs: parallel.pp_stages_per_rank, or the schedule's (1 for 1f1b and gpipe, else 2)."""
-    if layout.pp == 1:
+def stages_per_rank(c) -> int:
+    """The stages each rank runs (`c`: a PipelineConfig, parallel/pp/config.py): parallel.pp_stages_per_rank,
+    or the schedule's (1 for 1f1b and gpipe, else 2)."""
+    if c.pp == 1:
         return 1
-    if layout.pp_stages_per_rank != -1:
-        return layout.pp_stages_per_rank
-    return 1 if layout.pp_schedule in ("1f1b", "gpipe") else 2
+    if c.pp_stages_per_rank != -1:
+        return c.pp_stages_per_rank
+    return 1 if c.pp_schedule in ("1f1b", "gpipe") else 2
 
 
-def n_stages(layout) -> int:
-    return layout.pp * stages_per_rank(layout)
+def n_stages(c) -> int:
+    return c.pp * stages_per_rank(c)
 
 
-def reshard_after_forward(layout) -> bool:
+def reshard_after_forward(c) -> bool:
     """FSDP's reshard_after_forward: the key, or "auto": True without pipeline parallelism, False with it
     (each stage's weights stay gathered from a micro-batch's forward to its backward, as torchtitan does)."""
-    if layout.reshard_after_forward == "auto":
-        return layout.pp == 1
-    return layout.reshard_after_forward == "true"
+    if c.reshard_after_forward == "auto":
+        return c.pp == 1
+    return c.reshard_after_forward == "true"
+
+
+def compiles_auto(c) -> bool:
+    """Whether training.compile = "auto" may compile under `c`: not with a zero-bubble schedule, whose torch
+    implementation refuses compiled stages."""
+    return c.pp == 1 or c.pp_schedule not in ZERO_BUBBLE
 
 
 def stage_layers(n_layers: int, stages: int, pp_layers: tuple[int, ...] = ()) -> list[range]:
@@ -92,38 +74,39 @@ def _middle_first(stages: int) -> list[int]:
     return sorted(range(stages), key=lambda s: (abs(s - middle), s))
 
 
-def rank_stages(pp_rank: int, layout) -> list[int]:
+def rank_stages(pp_rank: int, c) -> list[int]:
     """The stages pipeline rank `pp_rank` runs, in increasing order (module docstring: loop or v)."""
-    pp, per_rank = layout.pp, stages_per_rank(layout)
-    if layout.pp_schedule in V_SCHEDULES:
+    pp, per_rank = c.pp, stages_per_rank(c)
+    if c.pp_schedule in V_SCHEDULES:
         return sorted({pp_rank, 2 * pp - 1 - pp_rank})
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
-def check_pipeline(layout, n_layers: int, grad_accum: int, activation_checkpoint: str = "none",
+def check_pipeline(c, n_layers: int, grad_accum: int, activation_checkpoint: str = "none",
                    compile_on: bool = False) -> None:
-    """ValueError (one line, every key and number involved) for a pipeline the runtime does not run."""
-    if layout.pp == 1:
+    """ValueError (one line, every key and number involved) for a pipeline the runtime does not run
+    (`c`: a PipelineConfig)."""
+    if c.pp == 1:
         return
-    _check_stages_per_rank(layout)
-    _check_micro_batches(layout, grad_accum)
-    _check_layers(layout, n_layers)
-    schedule = f"parallel.pp_schedule={layout.pp_schedule!r}"
-    if layout.pp_schedule in ZERO_BUBBLE and layout.reshard_after_forward == "true":
+    _check_stages_per_rank(c)
+    _check_micro_batches(c, grad_accum)
+    _check_layers(c, n_layers)
+    schedule = f"parallel.pp_schedule={c.pp_schedule!r}"
+    if c.pp_schedule in ZERO_BUBBLE and c.reshard_after_forward == "true":
         raise ValueError(f"parallel.reshard_after_forward='true' with {schedule}: a zero-bubble schedule computes "
                          f"weight gradients after FSDP resharded the weights (wrong gradients, no error); use "
                          f"'auto' or 'false'")
-    if layout.pp_schedule in ZERO_BUBBLE and activation_checkpoint != "none":
+    if c.pp_schedule in ZERO_BUBBLE and activation_checkpoint != "none":
         raise ValueError(f"training.activation_checkpoint={activation_checkpoint!r} with {schedule}: its weight "
                          f"pass would recompute each region once per weight group; use parallel.pp_schedule="
                          f"'1f1b' or 'interleaved_1f1b', or training.activation_checkpoint='none'")
-    if layout.pp_schedule in ZERO_BUBBLE and compile_on:
+    if c.pp_schedule in ZERO_BUBBLE and compile_on:
         raise ValueError(f"training.compile=true with {schedule}: torch's zero-bubble schedules refuse compiled "
                          f"stages; use parallel.pp_schedule='1f1b' or 'interleaved_1f1b', or training.compile=false")
 
 
-def _check_stages_per_rank(layout) -> None:
-    per_rank, schedule = stages_per_rank(layout), layout.pp_schedule
+def _check_stages_per_rank(c) -> None:
+    per_rank, schedule = stages_per_rank(c), c.pp_schedule
     wanted = {"1f1b": (1, "1"), "gpipe": (1, "1"), "zbv": (2, "2"), "dualpipev": (2, "2")}
     if schedule in wanted and per_rank != wanted[schedule][0]:
         raise ValueError(f"parallel.pp_stages_per_rank={per_rank} with parallel.pp_schedule={schedule!r}: it runs "
@@ -133,8 +116,8 @@ def _check_stages_per_rank(layout) -> None:
                          f"it needs >= 2 stages per rank (use '1f1b' for one)")
 
 
-def _check_micro_batches(layout, grad_accum: int) -> None:
-    pp, schedule = layout.pp, layout.pp_schedule
+def _check_micro_batches(c, grad_accum: int) -> None:
+    pp, schedule = c.pp, c.pp_schedule
     least = 2 * pp if schedule in V_SCHEDULES else pp
     if grad_accum < least:
         rule = f"2 x parallel.pp = {least}" if schedule in V_SCHEDULES else f"parallel.pp = {least}"
@@ -147,34 +130,34 @@ def _check_micro_batches(layout, grad_accum: int) -> None:
                          f"grad_accum (e.g. a multiple of {pp})")
 
 
-def _check_layers(layout, n_layers: int) -> None:
-    stages = n_stages(layout)
-    if layout.pp_layers and len(layout.pp_layers) != stages:
-        raise ValueError(f"parallel.pp_layers={list(layout.pp_layers)}: {len(layout.pp_layers)} numbers, but "
-                         f"parallel.pp={layout.pp} x {stages_per_rank(layout)} stages per rank = {stages} stages")
-    if layout.pp_layers and sum(layout.pp_layers) != n_layers:
-        raise ValueError(f"parallel.pp_layers={list(layout.pp_layers)} sums to {sum(layout.pp_layers)}, but "
+def _check_layers(c, n_layers: int) -> None:
+    stages = n_stages(c)
+    if c.pp_layers and len(c.pp_layers) != stages:
+        raise ValueError(f"parallel.pp_layers={list(c.pp_layers)}: {len(c.pp_layers)} numbers, but "
+                         f"parallel.pp={c.pp} x {stages_per_rank(c)} stages per rank = {stages} stages")
+    if c.pp_layers and sum(c.pp_layers) != n_layers:
+        raise ValueError(f"parallel.pp_layers={list(c.pp_layers)} sums to {sum(c.pp_layers)}, but "
                          f"model.n_layers={n_layers}")
     if n_layers + 2 < stages:
-        raise ValueError(f"parallel.pp={layout.pp} x {stages_per_rank(layout)} stages per rank = {stages} stages "
+        raise ValueError(f"parallel.pp={c.pp} x {stages_per_rank(c)} stages per rank = {stages} stages "
                          f"for model.n_layers={n_layers} + the embedding + the head = {n_layers + 2} units")
-    layers = stage_layers(n_layers, stages, layout.pp_layers)
+    layers = stage_layers(n_layers, stages, c.pp_layers)
     empty = [s for s in range(1, stages - 1) if not layers[s]]
     if empty:
         raise ValueError(f"parallel.pp_layers={[len(r) for r in layers]}: stage(s) {empty} hold no block (only the "
                          f"first and the last stage may hold just the embedding or the head)")
 
 
-def describe_stages(layout, n_layers: int) -> list[str]:
-    """Lines for the layout printout: each pipeline rank's ranks and its stages' blocks."""
-    if layout.pp == 1:
+def describe_stages(c, world_size: int, n_layers: int) -> list[str]:
+    """Lines for the c printout: each pipeline rank's ranks and its stages' blocks (`c`: a PipelineConfig)."""
+    if c.pp == 1:
         return []
-    size, stages = layout.world_size // layout.pp, n_stages(layout)
-    layers = stage_layers(n_layers, stages, layout.pp_layers)
-    lines = [f"pipeline pp={layout.pp} (outermost), schedule {layout.pp_schedule}, {stages} stages "
-             f"({stages_per_rank(layout)} per rank), FSDP reshard_after_forward={reshard_after_forward(layout)}"]
-    for p in range(layout.pp):
-        held = "; ".join(f"stage {s}: {_units(layers[s], s, stages)}" for s in rank_stages(p, layout))
+    size, stages = world_size // c.pp, n_stages(c)
+    layers = stage_layers(n_layers, stages, c.pp_layers)
+    lines = [f"pipeline pp={c.pp} (outermost), schedule {c.pp_schedule}, {stages} stages "
+             f"({stages_per_rank(c)} per rank), FSDP reshard_after_forward={reshard_after_forward(c)}"]
+    for p in range(c.pp):
+        held = "; ".join(f"stage {s}: {_units(layers[s], s, stages)}" for s in rank_stages(p, c))
         lines.append(f"  pipeline rank {p}: ranks {_span(p * size, size)}  {held}")
     return lines
 

@@ -52,15 +52,16 @@ class Pipeline:
 
     def __init__(self, stages, layout, pp_mesh, micro_shape: tuple[int, int], dtype: torch.dtype,
                  device: torch.device, n_micro_batches: int):
-        total, ids = n_stages(layout), rank_stages(pp_mesh.get_local_rank(), layout)
+        c = layout.pp_config
+        total, ids = n_stages(c), rank_stages(pp_mesh.get_local_rank(), c)
 
         def declared():
             return [_stage(part, index, total, micro_shape, dtype, device, pp_mesh.get_group())
                     for part, index in zip(stages, ids)]
 
-        single = layout.pp_schedule in SINGLE_STAGE
-        self.schedule = _schedule(SCHEDULE_CLASSES[layout.pp_schedule], declared(), single, n_micro_batches)
-        placement = "v" if layout.pp_schedule in V_SCHEDULES else "loop"
+        single = c.pp_schedule in SINGLE_STAGE
+        self.schedule = _schedule(SCHEDULE_CLASSES[c.pp_schedule], declared(), single, n_micro_batches)
+        placement = "v" if c.pp_schedule in V_SCHEDULES else "loop"
         self.eval_schedule = _schedule(EVAL_CLASSES[placement], declared(), False, n_micro_batches)
         _forward_only(self.eval_schedule)
 

@@ -1,5 +1,5 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP), written atomically (the `[checkpoint]` section:
-runtime/checkpoint_dirs.py).
+runtime/checkpoint/dirs.py).
 
 Layout: `<run.dir>/checkpoints/step_<N>/` holds DCP shard files, `.metadata` and a `COMPLETE` marker;
 step N means N optimizer steps are done, so a resumed run continues with step N.
@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from runtime.checkpoint_dirs import (  # noqa: F401 (the torch-free part, as checkpoint.X)
+from runtime.checkpoint.dirs import (  # noqa: F401 (the torch-free part, as checkpoint.X)
     MARKER, CheckpointConfig, Unloadable, checkpoint_dir, checkpoint_step, complete_checkpoints, latest_checkpoint,
     STEP_DIR, read_meta,
 )

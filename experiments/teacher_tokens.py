@@ -1,13 +1,13 @@
 """Post-training's teacher: tokens forwarded and CPU time, the prefix-shared teacher with packed rows
-(runtime/rollout_batch.py) against one teacher row per feedback item and one trajectory per row.
+(runtime/posttrain/rollout_batch.py) against one teacher row per feedback item and one trajectory per row.
 
-    python benchmarks/teacher_tokens.py [--episodes 64] [--time-length 16384] [--repeats 3] [--json PATH]
+    python experiments/teacher_tokens.py [--episodes 64] [--time-length 16384] [--repeats 3] [--json PATH]
 
 Counts (no model):
-  long_env       --episodes scripted episodes of examples/long_tool_env.py (19 goals, a wrong call of
+  long_env       --episodes scripted episodes of experiments/long_tool_env.py (19 goals, a wrong call of
                  the base policy's kinds at its rates: before a goal's call an unavailable tool with
                  probability 0.138, the last ok call repeated with 0.065), as rollout records with
-                 their hints (examples/tool_env.rollout_record).
+                 their hints (experiments/tool_env.py rollout_record).
   synthetic_64k  65,536 tokens in 128 turns of 512 alternating user / assistant, the last 20 assistant
                  turns flagged, 16-token hints at each turn's start.
   per trajectory: per_item = sum over items of (turn end + hint) (one row tokens[:at] + hint +
@@ -30,17 +30,17 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
 import torch
 
-from examples.long_tool_env import new_episode, step
-from examples.tool_env import GOALS, rollout_record
+from benchmarks.lib.synthetic_rollout import synthetic_record
+from experiments.long_tool_env import new_episode, step
+from experiments.tool_env import GOALS, rollout_record
 from models import Transformer, preset
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain import FeedbackObjective, PosttrainConfig, prefix_shared_teacher, teacher_data
-from runtime.rollout_batch import RolloutLoader
-from runtime.rollouts import Trajectory, trajectory_from_record
+from runtime.posttrain.objective import FeedbackObjective, PosttrainConfig, prefix_shared_teacher, teacher_data
+from runtime.posttrain.rollout_batch import RolloutLoader
+from runtime.posttrain.rollouts import Trajectory, trajectory_from_record
 
 P_INVALID, P_REDUNDANT = 0.138, 0.065
 
@@ -66,15 +66,6 @@ def long_env_records(n: int, seed: int = 0) -> list[dict]:
         if record["feedback"]:
             records.append(record)
     return records
-
-
-def synthetic_record(length: int, flagged: int = 20, hint: int = 16) -> dict:
-    turn = length // 128
-    g = np.random.default_rng(0)
-    turns = [{"role": "assistant" if k % 2 else "user", "start": k * turn, "end": (k + 1) * turn} for k in range(128)]
-    last = [k for k in range(128) if k % 2][-flagged:]
-    return {"tokens": g.integers(0, 256, 128 * turn).tolist(), "turns": turns, "advantage": 1.0,
-            "feedback": [{"turn": k, "hint": [7] * hint} for k in last]}
 
 
 def counts(trajs: list[Trajectory]) -> dict:

@@ -15,9 +15,9 @@ import dataclasses
 import os
 
 from models.config import ModelConfig
-from models.hf_config import read_hf_config
+from models.hf.config import read_hf_config
 from models.presets import preset
-from runtime import checkpoint_dirs
+from runtime.checkpoint import dirs as checkpoint_dirs
 
 TRAINING_KEYS = ("aux_loss_alpha", "bias_update_speed", "init_std")
 

@@ -1,5 +1,5 @@
 """A rollout file read at scale: an index of line offsets, each rank validating its share, and
-trajectories parsed on demand by offset (runtime/rollouts.py has the format and the checks of a line).
+trajectories parsed on demand by offset (runtime/posttrain/rollouts.py has the format and the checks of a line).
 
   index       `<file>.index.npz` beside the file: the byte offset where every line starts (and the
               file's size at the end), with the file's name, size, mtime and a SHA-256 of its first
@@ -18,7 +18,7 @@ trajectories parsed on demand by offset (runtime/rollouts.py has the format and 
               recent stay cached, by tokens): a rank holds the index and the numbers, 8 bytes per
               line and 56 per trajectory (its line and six numbers), never the file. A step's plan
               comes from the numbers, so a rank parses only its own micro-batches' trajectories
-              (runtime/rollout_batch.py).
+              (runtime/posttrain/rollout_batch.py).
 
 Without a process group the one process validates the whole file, one line at a time.
 """
@@ -32,7 +32,7 @@ import numpy as np
 import torch.distributed as dist
 
 from runtime.errors import RunError
-from runtime.rollouts import Trajectory, parse_line
+from runtime.posttrain.rollouts import Trajectory, parse_line
 
 HEAD_BYTES = 1 << 20  # the head hashed into the index's key
 SCAN_BYTES = 1 << 24  # bytes read at a time while scanning for line ends

@@ -1,5 +1,5 @@
 """Where checkpoints live and how a complete one is marked, and the `[checkpoint]` section (no torch:
-the config tree and `posttrain.init_from`'s checks read them before torch loads; runtime/checkpoint.py
+the config tree and `posttrain.init_from`'s checks read them before torch loads; runtime/checkpoint/checkpoint.py
 writes and loads the checkpoints and re-exports these names).
 
 Layout: `<run.dir>/checkpoints/step_<N>/` holds DCP shard files, `.metadata` and a `COMPLETE` marker (a
@@ -30,7 +30,7 @@ class CheckpointConfig:
     interval: int = 100  # save every N optimizer steps; the last step and a SIGTERM always save (0 = only those)
     keep: int = 2  # complete checkpoints to keep, newest first; older ones are deleted (0 = keep all)
     keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this (0 = none; a multiple of interval, needs keep > 0)
-    mode: Literal["sync", "async"] = "async"  # async: copy the state to host memory (pinned on CUDA), write it in the background while training continues (runtime/checkpointer.py)
+    mode: Literal["sync", "async"] = "async"  # async: copy the state to host memory (pinned on CUDA), write it in the background while training continues (runtime/checkpoint/checkpointer.py)
 
     def __post_init__(self):
         if self.interval < 0 or self.keep < 0:

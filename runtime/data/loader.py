@@ -1,4 +1,4 @@
-"""Token sources and the per-rank loader (the `[data]` section: runtime/data_config.py).
+"""Token sources and the per-rank loader (the `[data]` section: runtime/data/config.py).
 
 Letters: B = rows (sequences) of one micro-batch on this rank, S = tokens of a sequence on this rank
 (seq_len / cp), L = seq_len.
@@ -8,10 +8,10 @@ Which tokens make up step t (a pure function of the data config, the seed and t,
     positions drawn uniformly (with replacement) from a NumPy generator seeded by (seed, t). Sampling by
     step instead of walking epochs keeps resume trivial: the loader's whole state is the next step.
   - `synthetic`: row r of step t is L+1 uniform token ids from a generator seeded by (seed, t, r).
-  - `[[data.sources]]` (a `bin` mixture): rows per source and their windows from runtime/mixture.py.
+  - `[[data.sources]]` (a `bin` mixture): rows per source and their windows from runtime/data/mixture.py.
   Inputs are a window's first L tokens, labels its last L (next-token prediction). A token file is flat or
-  a Megatron indexed dataset (runtime/indexed.py); with `data.document_mask` the micro-batches also carry
-  the documents of each row (runtime/documents.py).
+  a Megatron indexed dataset (runtime/data/indexed.py); with `data.document_mask` the micro-batches also carry
+  the documents of each row (runtime/data/documents.py).
 
 How step t is split over ranks and micro-batches (gradient accumulation):
   the global rows [0, batch_size) are cut into `grad_accum` consecutive micro-batches; inside micro-batch
@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from parallel.context_parallel import load_balanced_positions
-from runtime import corpus
-from runtime.documents import crossing_labels, document_micro_batches, window_documents
-from runtime.indexed import IndexedTokens, prefix_of
-from runtime.data_config import DataConfig, check_split
-from runtime.mixture import Mixture
+from runtime.data import corpus
+from runtime.data.documents import crossing_labels, document_micro_batches, window_documents
+from runtime.data.indexed import IndexedTokens, prefix_of
+from runtime.data.config import DataConfig, check_split
+from runtime.data.mixture import Mixture
 
 _DATA_STREAM = 0xDA7A  # mixed into every data seed so data draws never coincide with other seeded streams
 _EVAL_STREAM = 0xE7A1  # the held-out evaluation batches' draws
@@ -84,7 +84,7 @@ class TokenFile(NamedTuple):
 
 def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> TokenFile:
     """Memory-map a token file: a Megatron indexed dataset (`path` = its prefix, `.bin` or `.idx`, with
-    `.idx` present; runtime/indexed.py) or a flat file of ids with an optional `<path>.json` sidecar.
+    `.idx` present; runtime/data/indexed.py) or a flat file of ids with an optional `<path>.json` sidecar.
     `key`: the config key that named the file (data.path, eval.path), which errors start with."""
     if (prefix := prefix_of(path)) is not None:
         indexed = IndexedTokens(prefix, key)
@@ -284,7 +284,7 @@ class Loader:
 
     def batch(self, step: int) -> list[MicroBatch]:
         """The `grad_accum` micro-batches of `step` for this rank; a pure function of (config, seed, step).
-        With data.document_mask: DocumentMicroBatch (runtime/documents.py) instead."""
+        With data.document_mask: DocumentMicroBatch (runtime/data/documents.py) instead."""
         windows_BW = self._windows(step)  # W = L + 1; this rank's rows of the step, micro-batch-major
         pos_S = self.positions_S
         if self.config.document_mask:

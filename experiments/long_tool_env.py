@@ -1,4 +1,4 @@
-"""The long-horizon tool-use environment: the protocol of examples/tool_env.py over many goals, where a
+"""The long-horizon tool-use environment: the protocol of experiments/tool_env.py over many goals, where a
 mistake costs a turn of a generous budget and the reward (task success) barely sees it.
 
     S: tools: storm hours adder press    system: this episode's tools, one per goal kind, shuffled
@@ -48,8 +48,8 @@ always followed by a call that avoids the reminded mistake (so the hint-conditio
 import random
 from dataclasses import dataclass, field
 
-from examples.tool_env import GOALS, NOT_FOUND, OK, WRONG, Episode, play as play_rounds
-from examples.tool_env import answer_line as tool_env_answer_line, step as tool_env_step
+from experiments.tool_env import GOALS, NOT_FOUND, OK, WRONG, Episode, play as play_rounds
+from experiments.tool_env import answer_line as tool_env_answer_line, step as tool_env_step
 
 N_GOALS = 19
 SLACK = 10  # spare assistant turns for wrong calls
@@ -144,7 +144,7 @@ def transcript(rng: random.Random, p_invalid: float, p_reminder: float, p_redund
 
 
 def play(model, episodes: list[LongEpisode], sampling, *, seed: int, first_id: int = 0) -> list[dict[int, list[float]]]:
-    """examples/tool_env.play with this environment's rules and turn budget (one batched generate call
+    """experiments/tool_env.py `play` with this environment's rules and turn budget (one batched generate call
     per round and context length; KV cache within the call)."""
     return play_rounds(model, episodes, sampling, seed=seed, first_id=first_id, step_fn=step,
                        max_turns=MAX_ASSISTANT_TURNS)

@@ -5,7 +5,7 @@ dtypes; `read_box` reads one box of one tensor through safetensors' lazy `get_sl
 touches only the bytes of the rows (and, per row, the columns) it asks for. FP8 block-quantized
 weights (float8_e4m3fn with a float32 `<key>_scale_inv` per block of `weight_block_size`) are read
 over the enclosing whole blocks and dequantized as weight * scale_inv per block, in fp32. compressed-tensors
-INT4 weights (`<P>.weight_packed` + `weight_scale` + `weight_shape`, models/int4.py) appear as one entry
+INT4 weights (`<P>.weight_packed` + `weight_scale` + `weight_shape`, models/hf/int4.py) appear as one entry
 `<P>.weight` of dtype code "I4"; a box reads the enclosing whole 32-value groups of its packed words and
 scales. A K2.5 directory nests the text model under a key prefix (`language_model.`): `scan(path, prefix)`
 lists the text model's keys without it and keeps every other key in `others` (vision tower, projector).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models import int4
+from models.hf import int4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -2,7 +2,7 @@
 
 `check_init_from` runs on every rank before any process group exists (headers only), so a bad
 directory fails in one line with nothing written. `init_from_pretrained` then fills each rank's
-shards with only that rank's bytes (models/hf.py), without communication but for one small all-gather
+shards with only that rank's bytes (models/hf/checkpoint.py), without communication but for one small all-gather
 at the end: a tensor that cannot be read or holds NaN/inf on any rank stops every rank with one line
 (RunError, exit 2; the run-dir lock is released on the way out). A run directory that already holds a
 checkpoint resumes from it instead, and says so once.
@@ -10,9 +10,9 @@ checkpoint resumes from it instead, and says so once.
 
 import torch.distributed as dist
 
-from models.hf import check_checkpoint, load_state
-from models.hf_config import read_hf_config
-from runtime import checkpoint
+from models.hf.checkpoint import check_checkpoint, load_state
+from models.hf.config import read_hf_config
+from runtime.checkpoint import checkpoint
 from runtime.errors import RunError
 
 

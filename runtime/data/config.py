@@ -1,5 +1,5 @@
 """The `[data]` section: DataConfig, its `[[data.sources]]` tables and how a batch must split over ranks
-(no torch: the config tree imports it; runtime/data.py reads the tokens, runtime/mixture.py mixes sources).
+(no torch: the config tree imports it; runtime/data/loader.py reads the tokens, runtime/data/mixture.py mixes sources).
 """
 
 import math
@@ -40,8 +40,8 @@ class DataConfig:
     path: str = ""  # bin: the token file: a Megatron indexed dataset (prefix of .bin + .idx) or a flat .bin of uint16/uint32 ids
     dtype: Literal["auto", "uint16", "uint32"] = "auto"  # bin: flat token dtype; auto = from the sidecar <path>.json (indexed: from the .idx)
     document_mask: bool = False  # bin, indexed datasets: attend only within a document, RoPE positions restart per document, cross-document labels untrained
-    sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/mixture.py); instead of data.path
-    batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/rollouts.py)
+    sources: tuple[SourceConfig, ...] = ()  # bin: a weighted mixture, TOML [[data.sources]] tables of path, weight, name (runtime/data/mixture.py); instead of data.path
+    batch_tokens: int = 4096  # rollouts: token budget of a step (student + teacher tokens; see runtime/posttrain/rollouts.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.batch_size < 1:

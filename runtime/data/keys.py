@@ -1,7 +1,7 @@
 """Which [data] and [eval] keys the chosen mode reads: a key set away from its default that has no effect
 is refused in one line (JobConfig.__post_init__), never silently ignored. docs/data.md lists the pairs."""
 
-from runtime.data_config import DataConfig
+from runtime.data.config import DataConfig
 
 
 def unused_keys(data: DataConfig, eval_config) -> list[str]:

@@ -1,5 +1,5 @@
 """Which linears of a compressed-tensors checkpoint are INT4 (`quantization_config`), and its
-constants; no torch: reading a model config imports it (models/int4.py has the tensors).
+constants; no torch: reading a model config imports it (models/hf/int4.py has the tensors).
 
 Which linears are quantized is what `quantization_config` says, as written: a module is quantized when
 a config group's `targets` match it (a class name such as "Linear", an exact module name, or "re:REGEX"

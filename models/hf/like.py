@@ -4,7 +4,7 @@ The result serves wherever SRC served (Kimi K2.5 in an inference engine, at the 
     - config.json: SRC's, unchanged, except that `--experts-dtype bfloat16` drops the quantization block;
     - the trained text tensors under SRC's key prefix (`language_model.` for K2.5), in `dtype`, except
       where SRC stores a weight as compressed-tensors INT4: there re-quantized to INT4 (symmetric,
-      group 32, SRC's scale and shape dtypes) in the same packed format (models/int4.py);
+      group 32, SRC's scale and shape dtypes) in the same packed format (models/hf/int4.py);
     - every other tensor of SRC (vision tower, projector, multi-token-prediction layers) copied byte for byte;
     - every other file of SRC (tokenizer, chat template, modeling code, generation config) copied as is.
 SRC's text model must be the run's (same ModelConfig, first differing field named). Memory is bounded by
@@ -19,12 +19,12 @@ import shutil
 import torch
 from safetensors import safe_open
 
-from models import int4
+from models.hf import int4
 from models.config import ModelConfig
-from models.hf import _records, check_checkpoint
-from models.hf_config import read_hf_config
-from models.hf_files import DTYPES, INDEX, CheckpointFiles, TensorRecord, write_shards
-from models.hf_keys import hf_sources
+from models.hf.checkpoint import _records, check_checkpoint
+from models.hf.config import read_hf_config
+from models.hf.files import DTYPES, INDEX, CheckpointFiles, TensorRecord, write_shards
+from models.hf.keys import hf_sources
 from models.model import Transformer
 
 EXPERTS_DTYPES = ("int4", "bfloat16")  # int4: where SRC's experts are INT4; bfloat16: unquantized

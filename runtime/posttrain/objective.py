@@ -7,12 +7,12 @@ same rollouts; sft_coef = 0 by default), divided by the step's assistant-token c
 L_rl is the clipped policy gradient over every assistant token, divided by the step's assistant-token
 count; L_feedback is KL(student || stopgrad teacher) over the feedback turns' tokens only, divided by
 the step's target-token count (`feedback_norm = "targets"`) or by its assistant-token count
-("assistant": the feedback's weight then falls as flagged turns get rare; runtime/feedback.py has the
+("assistant": the feedback's weight then falls as flagged turns get rare; runtime/posttrain/feedback.py has the
 per-token losses). The student is the
 policy on the trajectory; the teacher is the model on tokens[:at] + hint + tokens[at:end], with
 the current weights (`live`), a frozen copy of the starting weights (`initial`) or an EMA (`ema`).
 
-Per micro-batch (runtime/rollout_batch.py builds it), the training loop's `forward_backward` runs:
+Per micro-batch (runtime/posttrain/rollout_batch.py builds it), the training loop's `forward_backward` runs:
   1. teacher forwards, no grad, routers in eval mode (teacher tokens do not move the expert bias):
      one pass over each trajectory's prefix fills a KV cache (communication under cp: the K/V
      all-gather), then each feedback item's hint + turn attends to its cached prefix and to itself
@@ -42,9 +42,10 @@ from models.document_attention import Documents
 from models.kv_cache import KVCache
 from models.output_head import LossPart
 from optim.qk_clip import padding_ignored
-from runtime import checkpoint, feedback, init_source
-from runtime.posttrain_config import PosttrainConfig
-from runtime.rollout_batch import RolloutMicroBatch, RolloutStep
+from runtime.checkpoint import checkpoint
+from runtime.posttrain import feedback, init_source
+from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.rollout_batch import RolloutMicroBatch, RolloutStep
 from runtime.staging import to_device
 from runtime.syncs import host_side
 
@@ -146,7 +147,7 @@ def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Te
     """The teacher's logits [m, V] of the targets whose teacher position is on this rank: one pass over the
     prefix rows fills a KV cache (through each layer's `kv_source`: under cp, the all-gathered whole rows),
     then every item row attends to its own cached prefix, right-aligned, and to itself
-    (runtime/rollout_batch.py); the head runs at the target positions only."""
+    (runtime/posttrain/rollout_batch.py); the head runs at the target positions only."""
     cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
     teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, documents=mb.teacher_documents,
             head=False)  # communication under cp: the K/V all-gather
@@ -291,7 +292,7 @@ class _ModelWeights:
 
 def check_init_from(path: str, model_config: dict) -> None:
     """ValueError naming posttrain.init_from unless `path` is a complete checkpoint of this model, apart from
-    the training-only keys (runtime/init_source.py); no collective."""
+    the training-only keys (runtime/posttrain/init_source.py); no collective."""
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         raise ValueError(f"posttrain.init_from: {path} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
     try:

@@ -101,7 +101,7 @@ def step(episode: Episode, line: str, *, answer_fn=None, format_answer=answer_li
     """Apply one assistant line (exactly as generated) and the environment's answer. A line without its
     newline (cut at the token limit) is a bad call; the tool turn then starts with the newline, so the
     assistant turn holds only generated tokens. `answer_fn`, `format_answer`, `max_turns`: another
-    environment's rules on the same protocol (examples/long_tool_env.py)."""
+    environment's rules on the same protocol (experiments/long_tool_env.py)."""
     episode.turns.append(("assistant", line))
     complete, words = line.endswith("\n"), line.split()
     if complete and words == ["A:", "done"]:
@@ -145,7 +145,7 @@ def transcript(rng: random.Random, p_invalid: float, p_reminder: float, n_goals:
 
 def rollout_record(episode: Episode, logprobs: dict[int, list[float]] | None = None, advantage: float = 0.0,
                    with_feedback: bool = True) -> dict:
-    """The episode as a rollout line for `data.source = "rollouts"` (runtime/rollouts.py): byte tokens,
+    """The episode as a rollout line for `data.source = "rollouts"` (runtime/posttrain/rollouts.py): byte tokens,
     turn ranges, advantage, the behaviour log-probs of the generated tokens (`logprobs[turn index]`, one
     per byte of the turn's line after the header; 0 elsewhere) and the hint on every turn that called an
     unavailable tool. An assistant turn's range holds the generated tokens only; its header belongs to
@@ -176,7 +176,7 @@ def play(model, episodes: list[Episode], sampling, *, seed: int, first_id: int =
     prompt, and episodes whose prompts have the same length are generated as one batch
     (runtime/generate.py needs equal-length prompts), stopping at a newline. Sequence ids (first_id + episode index, times the round) make every line's sampling stream
     distinct and independent of the batching. `step_fn` and `max_turns` are the environment's rules
-    (examples/long_tool_env.py passes its own). On a sharded model every rank must pass the same
+    (experiments/long_tool_env.py passes its own). On a sharded model every rank must pass the same
     episodes: the number of generate calls (each collective) depends on them."""
     sampling = dataclasses.replace(sampling, stop_tokens=(ord("\n"),))  # one line per assistant turn
     logprobs: list[dict[int, list[float]]] = [{} for _ in episodes]

@@ -1,5 +1,5 @@
 """This rank's tensors of each post-training step: student rows, teacher rows, and where every trained
-and target token lives (runtime/rollouts.py says which trajectories make up a step and its slots).
+and target token lives (runtime/posttrain/rollouts.py says which trajectories make up a step and its slots).
 
 A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   student row   [1, S]: the slot's trajectories packed end to end (document masking: attention stays in
@@ -37,9 +37,9 @@ import torch
 
 from models.document_attention import Documents
 from parallel.context_parallel import load_balanced_positions
-from runtime.documents import rope_positions
-from runtime.rollout_file import RolloutFile, TrajectoryStats
-from runtime.rollouts import StepPlan, Trajectory, deal
+from runtime.data.documents import rope_positions
+from runtime.posttrain.rollout_file import RolloutFile, TrajectoryStats
+from runtime.posttrain.rollouts import StepPlan, Trajectory, deal
 
 
 class RolloutMicroBatch(NamedTuple):
@@ -238,7 +238,7 @@ class RolloutLoader:
     def __init__(self, data, seed: int, *, vocab_size: int, max_seq_len: int, dp_rank: int = 0,
                  dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1,
                  trajectories: list[Trajectory] | None = None, pack: bool = True):
-        """Reads `data.path` by its line index, this rank validating its share (runtime/rollout_file.py;
+        """Reads `data.path` by its line index, this rank validating its share (runtime/posttrain/rollout_file.py;
         RunError naming the file and the line), unless `trajectories` are given (in memory, e.g. fresh
         on-policy rollouts). Either way the trajectories' numbers (`self.stats`, one TrajectoryStats
         for both) plan the steps. `pack=False`: one trajectory per row, padded (the layout packing

@@ -1,5 +1,5 @@
 """The `[posttrain]` section: the loss weights, the feedback KL mode and the teacher (no torch: the config
-tree imports it; runtime/posttrain.py has the objective, and its docstring what each key does)."""
+tree imports it; runtime/posttrain/objective.py has the objective, and its docstring what each key does)."""
 
 from dataclasses import dataclass
 from typing import Literal

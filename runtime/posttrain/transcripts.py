@@ -1,4 +1,4 @@
-"""Chat transcripts -> rollout records (runtime/rollouts.py format) through a tokenizer's own chat template.
+"""Chat transcripts -> rollout records (runtime/posttrain/rollouts.py format) through a tokenizer's own chat template.
 
 Used by launch/prepare_rollouts.py; `tokenizer` is any `transformers` tokenizer with a chat template
 (this module never imports transformers). Token ranges come from renderings of the whole conversation
@@ -368,7 +368,7 @@ def check_logprobs(conv: Conversation, rendered: Rendered) -> None:
 
 def to_record(conv: Conversation, rendered: Rendered, advantage: float,
               hints: dict[int, tuple[int, list[int]]]) -> dict:
-    """The rollout record (runtime/rollouts.py format): one turn per tracked message, in order (all
+    """The rollout record (runtime/posttrain/rollouts.py format): one turn per tracked message, in order (all
     messages: turn index = message index)."""
     tracked = [i for i, r in enumerate(rendered.ranges) if r is not None]
     turn_of = {i: k for k, i in enumerate(tracked)}

@@ -1,11 +1,11 @@
 """Does targeted feedback fix a wrong tool call faster than the trajectory reward alone? The on-policy
-experiment on the tool-use environment (examples/tool_env.py), on CPU.
+experiment on the tool-use environment (experiments/tool_env.py), on CPU.
 
-    python benchmarks/feedback_experiment.py [--quick] --json PATH [--plot PNG] [--work DIR]
-    python benchmarks/feedback_experiment.py --env long [--teacher initial|ema|live] [--mode full|topk] ...
-    python benchmarks/feedback_experiment.py --merge A.json,B.json,... --json PATH   (runs split by --first-seed)
+    python experiments/feedback_experiment.py [--quick] --json PATH [--plot PNG] [--work DIR]
+    python experiments/feedback_experiment.py --env long [--teacher initial|ema|live] [--mode full|topk] ...
+    python experiments/feedback_experiment.py --merge A.json,B.json,... --json PATH   (runs split by --first-seed)
 
-`--env long` (docs/feedback_long.md) runs the long-horizon environment (examples/long_tool_env.py: 20-30
+`--env long` (docs/feedback_long.md) runs the long-horizon environment (experiments/long_tool_env.py: 20-30
 assistant turns, a wrong call costs a turn of a generous budget) with its own defaults (LONG), a second
 flagged behaviour (the redundant call, `redundant_call_rate` in the JSON) and, before training, the
 pre-check: the initial teacher-student gap on the flagged turns per behaviour (`precheck` in the JSON).
@@ -18,7 +18,7 @@ pre-check: the initial teacher-student gap on the flagged turns per behaviour (`
    episodes per step and number of steps. Every step: the current policy plays `episodes` fresh
    episodes (tasks and sampling streams drawn from (seed, step)), they are scored (reward = task
    success, advantage = reward minus the batch mean), turned into rollout records with their behaviour
-   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain.py; the
+   log-probs, and one optimizer step of launch/posttrain.py's objective (runtime/posttrain/objective.py; the
    teacher is the base policy with the hint, `--teacher live` uses the current weights) is taken on them:
      reward_only    rl_coef 1, feedback_coef 0   L_rl with the trajectory advantage
      feedback       rl_coef 1, feedback_coef 1   L_rl + L_feedback on the flagged turns
@@ -52,15 +52,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from examples import long_tool_env, tool_env  # noqa: E402
-from examples.tool_env import HEADER, rollout_record  # noqa: E402
+from experiments import long_tool_env, tool_env  # noqa: E402
+from experiments.tool_env import HEADER, rollout_record  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
 from runtime.config import load_config  # noqa: E402
 from runtime.generate import SamplingConfig  # noqa: E402
-from runtime.rollout_batch import RolloutLoader  # noqa: E402
-from runtime.rollouts import trajectory_from_record  # noqa: E402
+from runtime.posttrain.rollout_batch import RolloutLoader  # noqa: E402
+from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 from runtime.schedule import build_scheduler  # noqa: E402
 from runtime.train import build_model, build_optimizer, train_step  # noqa: E402
@@ -90,7 +90,7 @@ class ExperimentConfig:
     feedback_norm: str = "targets"  # posttrain.feedback_norm: L_feedback / target tokens, or / assistant tokens
     temperature: float = 1.0
     line_tokens: int = 0  # most tokens generated per assistant line; 0: the environment's (short 16, long 12)
-    env: str = "short"  # "short": examples/tool_env.py (<= 5 turns); "long": examples/long_tool_env.py (20-30)
+    env: str = "short"  # "short": experiments/tool_env.py (<= 5 turns); "long": experiments/long_tool_env.py (20-30)
     p_redundant: float = 0.1  # long env's transcripts: after an ok, the same call is repeated (2nd behaviour)
     arms: tuple[str, ...] = tuple(ARMS)
 

@@ -9,14 +9,14 @@ and means W[o, j] = q[o, j] * scale[o, j // 32] (symmetric, no zero point). This
 `compressed_tensors`' `pack_to_int32` / `unpack_from_int32` for num_bits = 4 (checked against the
 library in tests/test_hf_int4.py); the few lines here keep the library out of the runtime.
 
-Which linears are quantized: models/int4_scheme.py (`read_scheme`), re-exported here with the constants.
+Which linears are quantized: models/hf/int4_scheme.py (`read_scheme`), re-exported here with the constants.
 """
 
 import sys
 
 import torch
 
-from models.int4_scheme import (  # noqa: F401 (the scheme and constants, as int4.X)
+from models.hf.int4_scheme import (  # noqa: F401 (the scheme and constants, as int4.X)
     BITS, FORMAT, GROUP, METHOD, PER_WORD, SUFFIXES, WORDS_PER_GROUP, Int4Scheme, read_scheme,
 )
 

@@ -15,9 +15,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from models import int4_scheme
+from models.hf import int4_scheme
 from models.config import ModelConfig
-from models.int4_scheme import Int4Scheme
+from models.hf.int4_scheme import Int4Scheme
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -69,7 +69,7 @@ class CheckpointFormat:
     rope_interleave: bool  # rotary dims stored as interleaved pairs (DeepSeek), not halves
     n_mtp_layers: int  # multi-token-prediction layers after the last layer (not loaded)
     fp8_block: tuple[int, int] | None  # weight_block_size of float8_e4m3fn weights, None if unquantized
-    int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/int4_scheme.py), None if not
+    int4: "Int4Scheme | None" = None  # compressed-tensors INT4 (models/hf/int4_scheme.py), None if not
     prefix: str = ""  # key prefix of the text model's tensors ("language_model." for K2.5)
     first_mtp_layer: int = 0  # config.json's num_hidden_layers: the MTP layers' keys start at this layer index
 

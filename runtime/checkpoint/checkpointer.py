@@ -1,6 +1,6 @@
 """When and how the training loop saves: sync or async checkpoints, at most one in flight (`checkpoint.mode`).
 
-    sync:  stall = gather the state dict + write every shard + fsync + publish (runtime/checkpoint.save)
+    sync:  stall = gather the state dict + write every shard + fsync + publish (runtime/checkpoint/checkpoint.py save)
     async: stall = copy the state to host memory (pinned on CUDA; the buffers are reused by every save)
            then a background thread runs DCP's write (dcp.async_save) while training continues; when every
            rank's write finished (DCP gathers the write results on rank 0 before it returns), rank 0 writes
@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from runtime import checkpoint
-from runtime.checkpoint import CheckpointConfig
+from runtime.checkpoint import checkpoint
+from runtime.checkpoint.checkpoint import CheckpointConfig
 
 ABANDON_AFTER_S = 5.0  # how long a failing run gives an in-flight write to finish or fail before leaving it
 

@@ -10,10 +10,10 @@ box of it (models/boxes.py). `load_state` reads exactly that box from the safete
 lazy slices: for stacked experts only the experts of the box, and of each only the rows/columns of
 the box; for FP8 weights the enclosing whole blocks and their scales; for compressed-tensors INT4
 weights (Kimi K2-Thinking / K2.5 routed experts) the enclosing 32-value groups of the packed int32
-words and their scales (models/int4.py). K2.5's text model sits under `language_model.`; its vision
+words and their scales (models/hf/int4.py). K2.5's text model sits under `language_model.`; its vision
 tower and projector are never read. No rank ever holds a full
 tensor it does not own, and there is no communication at all: every rank reads its own bytes.
-Key names and the rotary row order: models/hf_keys.py. config.json: models/hf_config.py.
+Key names and the rotary row order: models/hf/keys.py. config.json: models/hf/config.py.
 """
 
 import json
@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from models.boxes import dtensor_box
 from models.config import ModelConfig
-from models import int4
-from models.hf_config import MULTIMODAL_PREFIXES, CheckpointFormat, hf_config_dict, read_hf_config
-from models.hf_files import CheckpointFiles, TensorRecord, write_shards
-from models.hf_keys import NOT_LOADED, Source, checkpoint_rows, hf_sources, our_rows
+from models.hf import int4
+from models.hf.config import MULTIMODAL_PREFIXES, CheckpointFormat, hf_config_dict, read_hf_config
+from models.hf.files import CheckpointFiles, TensorRecord, write_shards
+from models.hf.keys import NOT_LOADED, Source, checkpoint_rows, hf_sources, our_rows
 from models.model import Transformer
 
 SHARD_BYTES = 4 * 2**30  # exported shard size: a few GB, like the published checkpoints
@@ -213,10 +213,10 @@ def save_pretrained(model: Transformer, path: str, *, dtype: torch.dtype = torch
                     rope_interleave: bool = True, shard_bytes: int = SHARD_BYTES, like: str | None = None,
                     experts_dtype: str = "int4") -> None:
     """Write `model` (one process, plain tensors) as a Hugging Face directory `transformers` loads; with
-    `like=SRC`, in the layout of SRC (K2.5 nesting, INT4 experts, SRC's other tensors: models/hf_like.py)."""
+    `like=SRC`, in the layout of SRC (K2.5 nesting, INT4 experts, SRC's other tensors: models/hf/like.py)."""
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     if like is not None:
-        from models.hf_like import write_like  # it builds on this module
+        from models.hf.like import write_like  # it builds on this module
 
         write_like(model.config, lambda name: state[name].detach(), path, like, dtype=dtype,
                    experts_dtype=experts_dtype, shard_bytes=shard_bytes)
