@@ -281,7 +281,7 @@ def run_meta(config: JobConfig) -> dict:
                 "training.schedule": t.schedule, "training.min_lr_ratio": t.min_lr_ratio,
                 "training.decay_fraction": t.decay_fraction}
     return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule,
-            **recorded_settings(config)}
+            "checkpoint.optim_format": checkpoint.OPTIM_FORMAT, **recorded_settings(config)}
 
 
 def _check_resumable(path: str, config: JobConfig) -> dict:
@@ -322,7 +322,8 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
     for path in reversed(found):
         try:
             saved = _check_resumable(path, config)
-            checkpoint.load(path, app_state, group)
+            flat = saved.get("checkpoint.optim_format") == checkpoint.OPTIM_FORMAT  # older: DCP's default format
+            checkpoint.load(path, {**app_state, "train": app_state["train"].in_format(flat)}, group)
         except checkpoint.Unloadable as e:
             say(f"checkpoint {path} does not load ({e}); trying an older one")
             continue

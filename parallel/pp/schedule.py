@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, REDUCE_GRAD
 
+from parallel import _torch_private
 from parallel.gradients import loss_fn
 from parallel.pp.part import StageInputs
 from parallel.pp.plan import V_SCHEDULES, n_stages, rank_stages
@@ -92,8 +93,15 @@ def _forward_only(schedule) -> None:
     """Evaluation's schedule does nothing for its backward actions (public hook of torch's runtime
     schedules): torch 2.13's `eval()` still runs them, and a V schedule's backward asserts there when the
     next stage sits on the same rank; its gradient reduction must not run either."""
-    for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD):
+    for kind in (FULL_BACKWARD, BACKWARD_INPUT):
+        schedule.register_custom_function(kind, _no_backward)
+    for kind in (BACKWARD_WEIGHT, REDUCE_GRAD):
         schedule.register_custom_function(kind, _nothing)
+
+
+def _no_backward(action, context) -> None:
+    """A skipped backward: only the (empty) gradient receive it would have waited for is forgotten."""
+    _torch_private.drop_backward_receive(context.schedule_ref, action.stage_index, action.microbatch_index)
 
 
 def _nothing(action, context) -> None:
