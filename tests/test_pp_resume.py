@@ -18,8 +18,9 @@ from multirank import run_ranks
 
 WORLD = 8
 JOB = ["--model.n_layers=6", "--data.source=synthetic", "--data.seq_len=32", "--data.batch_size=16",
-       "--training.warmup_steps=0", "--training.min_lr_ratio=1.0",  # a constant lr: 2 of 2 steps = 2 of 4 "--training.grad_accum=4", "--optim.qk_clip_tau=0.05", "--eval.interval=2",
-       "--eval.steps=1", "--checkpoint.interval=2", "--parallel.ranks_per_node=4"]
+       "--training.warmup_steps=0", "--training.min_lr_ratio=1.0",  # a constant lr: 2 steps of 2 are 2 of 4
+       "--training.grad_accum=4", "--optim.qk_clip_tau=0.05", "--eval.interval=2", "--eval.steps=1",
+       "--checkpoint.interval=2", "--parallel.ranks_per_node=4"]
 LAYOUTS = {  # 8 ranks each
     "pp1": ["--parallel.pp=1", "--parallel.dp_shard=4", "--parallel.cp=2", "--parallel.ep=8", "--parallel.edp_shard=1"],
     "pp2": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.cp=2", "--parallel.ep=4", "--parallel.edp_shard=1"],
