@@ -3,18 +3,21 @@ the runtime's own step on this rank (runtime/train.py `build_pipeline`, `build_o
 init, the schedule, clipping, the optimizer, QK-clip, the expert-bias update), what each step leaves to compare,
 and the single-process run of the same job.
 
-The job: the debug preset at 6 blocks (one dense, five MoE: 4 to 8 stages of 1 to 2 blocks), synthetic tokens,
-16 sequences of 32 per step, QK-clip at tau 1.5 (some heads clip every step; observed 2 to 7), 2 steps, clipping at
-norm 1 (active: the norm is ~3 to 5). What a step leaves: its loss, gradient norm, max logit and clipped heads; the
-first step's gradients after clipping (an optimizer pre-step hook: the clip factor and the gradients in one);
-after the last step every parameter, every router's expert bias (moved twice by the stage's token counts).
+The job: the debug preset at 6 blocks (one dense, five MoE: 4 to 8 stages of 0 to 3 blocks), synthetic tokens,
+16 sequences of 32 per step, QK-clip at tau 0.05 (heads clip every step: the debug model's logits are ~0.08),
+one step (a job may ask for more), clipping at norm 1 (active: the norm is ~5.5), AdamW's eps 1e-3 (its first
+steps are sign-like with eps 1e-8, which turns fp32 noise of tiny gradients into whole lr-sized moves; as
+tests/test_parallel_parity.py). What a step leaves: its loss, gradient norm, max logit and clipped heads, its host
+syncs; the first step's gradients after clipping (an optimizer pre-step hook: the clip factor and the gradients
+in one) and its router counts; after the last step every parameter, every router's expert bias (moved by the
+stage's token counts), a held-out eval_loss through the schedule's forward.
 
 Tolerances as the dual-mesh parity tests (tests/test_parallel_parity.py): fp32, the same math in another
 summation order (batch split over ranks and micro-batches, gradients summed by reduce-scatter), 2e-5 relative on
-gradients and 1e-5 on loss and norm. Parameters after two optimizer steps: 1e-5 relative to each parameter's
+gradients and 1e-5 on loss and norm. Parameters after the optimizer step: 1e-5 relative to each parameter's
 largest entry (Muon's orthogonalized update has magnitude lr x its scale whatever the gradient's, so a gradient
-error of ~1e-6 relative moves it by about as much; AdamW's steps are lr-sized sign-like moves of the same
-order).
+error of ~1e-6 relative moves it by about as much; AdamW's, with eps 1e-3, by at most lr x the error / eps).
+Observed on this CPU: loss <= 8e-8, norm <= 8e-7, max logit <= 7e-7, gradients <= 1e-6, parameters <= 3e-6.
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ from runtime.syncs import count_syncs, mark_optimizer_host_state
 WORLD, RPN = 8, 4
 GRAD_RTOL, NORM_RTOL, PARAM_RTOL = 2e-5, 1e-5, 1e-5
 JOB = ["--model.n_layers=6", "--data.source=synthetic", "--data.seq_len=32", "--data.batch_size=16",
-       "--training.steps=2", "--training.warmup_steps=0", "--training.grad_clip=1.0",
+       "--training.steps=1", "--training.warmup_steps=0", "--training.grad_clip=1.0",
        "--checkpoint.interval=0", "--eval.steps=2", "--optim.adam_eps=1e-3", "--optim.qk_clip_tau=0.05",
        f"--parallel.ranks_per_node={RPN}"]
 # pp 2 x (dense dp_shard 2 x cp 2 = experts ep 4), and pp 4 x (dense dp_shard 2 = experts ep 2)
