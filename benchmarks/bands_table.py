@@ -1,20 +1,20 @@
-"""The calibration and band tables of docs/performance.md, generated from the case files and the result files.
+"""The cross-validation and re-ranking tables of docs/performance.md, generated from the committed fit and results.
 
     python benchmarks/bands_table.py
 
-Prints two markdown tables; docs/performance.md holds them verbatim (tests/test_calibrate.py checks it, so
-the docs cannot drift from the results):
-  calibration  each published run of benchmarks/calibration/ (held-out ones marked): measured and projected
-               tokens/s/GPU and their ratio (benchmarks/calibrate.py)
-  re-ranking   per model and world size: the recommended dual-mesh row of
-               benchmarks/results/step_projection_<model>_bf16_calibrated.json (the fastest that fits an H200
-               by launch/estimate_memory.py; at 256 GPUs the shipped config's), the fastest row when that one
-               does not fit, and the PP16 rows with EP8 of pp_projection_<model>.json; cells are tokens/s/GPU
-               low / central / high (central MFU)
+Prints two markdown tables; docs/performance.md holds them verbatim (tests/unit/test_calibrate.py checks it, so the docs
+cannot drift from the results):
+  cross-validation  each published run of planning/calibration/cases/: measured tokens/s/GPU, the projection with
+                    the parameters fitted on all the other runs (leave-one-out) and its ratio, and the ratio under the
+                    fit on every run (planning/calibration/fitted.json, `benchmarks/calibrate.py --cross-validate`)
+  re-ranking        per model, world size and device (H200, H100): the fastest dual-mesh row that fits by the memory
+                    estimate (benchmarks/results/step_projection_<model>_<device>.json, the rows marked recommended)
+                    and the fastest PP row that fits by the coarse memory model (pp_projection_<model>_<device>.json);
+                    cells are tokens/s/GPU low / central / high (central MFU) from the cross-validated band
+                    (planning/bands.py), and whether the two bands overlap (then the model cannot rank them)
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -22,64 +22,77 @@ import sys
 if __package__ in (None, ""):  # `python benchmarks/bands_table.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import calibrate
-from benchmarks.lib.ep_projection import describe_knobs
+from planning.bands import overlap
+from planning.calibration.case import case_files, read_case
+from planning.ep_traffic import describe_knobs
+from planning.parameters import committed
 from runtime.cli import user_errors
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(BENCHMARKS, "results")
 MODELS = {"kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3"}
-PP_ROWS = ("pp16 1f1b ep8 ", "pp16 dualpipe ep8 ")  # the layouts Moonshot and DeepSeek ran, EP inside a node
-
-
-def case_files() -> list[tuple[str, bool]]:
-    """[(case file, held out)]: benchmarks/calibration/*.toml, then benchmarks/calibration/held_out/*.toml."""
-    root = os.path.join(BENCHMARKS, "calibration")
-    return ([(p, False) for p in sorted(glob.glob(os.path.join(root, "*.toml")))]
-            + [(p, True) for p in sorted(glob.glob(os.path.join(root, "held_out", "*.toml")))])
+DEVICES = {"h200": "H200", "h100": "H100"}
 
 
 def calibration_table() -> str:
-    lines = ["| published run (case file) | measured tokens/s/GPU | projected | ratio |", "|---|---|---|---|"]
-    for path, held_out in case_files():
-        r = calibrate.project_case(path)
-        name = os.path.relpath(path, os.path.join(BENCHMARKS, "calibration"))
-        mark = " **held out**" if held_out else ""
-        lines.append(f"| {r['name']} (`{name}`){mark} | {r['measured_tokens_per_gpu_s']:,.0f} | "
-                     f"{r['projected_tokens_per_gpu_s']:,.0f} | {r['ratio']:.3f} |")
+    fit = committed()
+    lines = ["| published run (case file) | measured tokens/s/GPU | projected, held out | ratio | ratio under the "
+             "fit on all |", "|---|---|---|---|---|"]
+    for path in case_files():
+        name = os.path.basename(path)
+        published = read_case(path)["published"]
+        ratio = fit["cross_validation"]["ratios"][name]
+        measured = published["tokens_per_gpu_s"]
+        lines.append(f"| {published['name']} (`{name}`) | {measured:,.0f} | {ratio * measured:,.0f} | {ratio:.3f} | "
+                     f"{fit['fitted_ratios'][name]:.3f} |")
     return "\n".join(lines)
 
 
 def band(row: dict) -> str:
     low, central, high = row["tokens_per_gpu_s_band"]
-    mfu = row["mfu_band"][1] if "mfu_band" in row else row["time_s"]["mfu_bf16"]
+    mfu = row["mfu_band"][1]
     return f"{low:,.0f} / {central:,.0f} / {high:,.0f} ({mfu:.1%})"
 
 
-def dual_mesh_cell(row: dict) -> str:
+def dual_mesh_cell(row: dict | None) -> str:
+    if row is None:
+        return "none fits"
     knobs = describe_knobs(row["dispatch"]).strip("[]")
-    memory = f"{row['estimate_gib']:.1f} GiB" if "estimate_gib" in row else "not estimated"
     layout = row["layout"].replace(" | ", ", ")  # a "|" would end the table cell
-    return f"{band(row)}; {layout}; {knobs}; {memory}"
+    return f"{band(row)}; {layout}; {knobs}; {row['estimate_gib']:.1f} GiB"
+
+
+def pp_cell(row: dict | None) -> str:
+    if row is None:
+        return "none fits"
+    return f"{band(row)}; {row['layout']}; {row['time_s']['memory_gib']:.0f} GiB (coarse)"
+
+
+def verdict(dual: dict | None, pp: dict | None) -> str:
+    if dual is None or pp is None:
+        return "-"
+    if overlap(dual["tokens_per_gpu_s_band"], pp["tokens_per_gpu_s_band"]):
+        return "not distinguishable"
+    return "PP faster" if pp["tokens_per_gpu_s_band"][0] > dual["tokens_per_gpu_s_band"][2] else "dual-mesh faster"
+
+
+def _rows(kind: str, model: str, device: str) -> list[dict]:
+    with open(os.path.join(RESULTS, f"{kind}_{model}_{device}.json")) as f:
+        return json.load(f)["rows"]
 
 
 def reranking_table() -> str:
-    lines = ["| model @ GPUs | recommended dual-mesh row: band (MFU); layout; dispatch; memory estimate "
-             "| fastest dual-mesh row, when it does not fit | PP16 1F1B, EP8 | PP16 DualPipe, EP8 |",
-             "|---|---|---|---|---|"]
+    lines = ["| model @ GPUs, card | fastest dual-mesh row that fits (memory estimate): band (MFU); layout; dispatch; "
+             "memory | fastest PP row that fits (coarse memory): band (MFU); layout; memory | the two |",
+             "|---|---|---|---|"]
     for model, title in MODELS.items():
-        with open(os.path.join(RESULTS, f"step_projection_{model}_bf16_calibrated.json")) as f:
-            rows = json.load(f)["rows"]
-        with open(os.path.join(RESULTS, f"pp_projection_{model}.json")) as f:
-            pp_rows = json.load(f)["rows"]
-        for world in sorted({r["world"] for r in rows}):
-            mine = [r for r in rows if r["world"] == world]
-            (best,) = [r for r in mine if r.get("recommended")]
-            fastest = min(mine, key=lambda r: r["time_s"]["step"])
-            faster = "-" if fastest is best else dual_mesh_cell(fastest)
-            pp = [next(band(r) for r in pp_rows if r["world"] == world and r["layout"].startswith(name))
-                  for name in PP_ROWS]
-            lines.append(f"| {title} @ {world} | {dual_mesh_cell(best)} | {faster} | {pp[0]} | {pp[1]} |")
+        for device, card in DEVICES.items():
+            rows, pp_rows = _rows("step_projection", model, device), _rows("pp_projection", model, device)
+            for world in sorted({r["world"] for r in rows}):
+                dual = next((r for r in rows if r["world"] == world and r.get("recommended")), None)
+                pp = next((r for r in pp_rows if r["world"] == world and r.get("recommended")), None)
+                lines.append(f"| {title} @ {world}, {card} | {dual_mesh_cell(dual)} | {pp_cell(pp)} | "
+                             f"{verdict(dual, pp)} |")
     return "\n".join(lines)
 
 

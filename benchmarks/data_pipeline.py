@@ -31,10 +31,10 @@ import torch.distributed as dist
 from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.cli import user_errors
-from runtime.config import load_config
-from runtime.data.loader import Loader
+from runtime.config_parser import load_config
 from runtime.data.indexed import IndexedWriter
-from runtime.paths import check_outputs
+from runtime.data.loader import Loader
+from runtime.paths import check_output_dir, check_outputs
 
 
 def make_files(directory: str, scale: int = 1) -> dict[str, str]:
@@ -117,6 +117,7 @@ def main(argv=None) -> dict:
     p.add_argument("--small", action="store_true", help="files 64x smaller, 1 step (tests)")
     args = p.parse_args(argv)
     check_outputs([("--json", args.json)])
+    check_output_dir("--dir", args.dir)
     torch.set_num_threads(args.threads)
     if args.small:
         args.steps, args.seq_len, args.batch_size = 1, 64, 8

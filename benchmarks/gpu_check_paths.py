@@ -7,7 +7,7 @@ error and goes on), and returns the figures it compared.
                     forward and backward in bf16, MLA (q/k 192, v 128) and GQA (128) shapes, against an
                     fp32 SDPA of the whole sequence. Yardstick: one plain bf16 SDPA call of the whole
                     sequence against the same fp32 reference; the chunked pieces may be at most
-                    CP_TOLERANCE x that (tests/test_attention.py measured <= 1.7x on the CPU kernels).
+                    CP_TOLERANCE x that (tests/ranks/test_attention.py measured <= 1.7x on the CPU kernels).
   grouped_mm_empty  grouped matmuls (models/experts.py, `torch._grouped_mm`) with some expert groups empty
                     and with all of them empty (x of 0 rows): the output has the right shape, empty
                     experts' weight gradients are exactly 0, and the other experts' output and gradients
@@ -22,7 +22,7 @@ Relative errors are Frobenius norms: ||got - ref|| / ||ref||.
 import torch
 import torch.nn.functional as F
 
-CP_TOLERANCE = 2.5  # x the single bf16 SDPA call's error (tests/test_attention.py: measured <= 1.7x)
+CP_TOLERANCE = 2.5  # x the single bf16 SDPA call's error (tests/ranks/test_attention.py: measured <= 1.7x)
 GROUPED_TOLERANCE = 2.0  # x the bf16 loop's error: two bf16 roundings of one result
 
 
@@ -149,7 +149,7 @@ def section_train_variants(ctx) -> dict:
 
     import torch.distributed as dist
 
-    from benchmarks.gpu_check import _train_steps, train_argv
+    from benchmarks.gpu_check_train import train_argv, train_steps
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
@@ -163,7 +163,7 @@ def section_train_variants(ctx) -> dict:
                 "qk_clip": ["--optim.qk_clip_tau=0.01"]}
     out, problems = {}, []
     for name, extra in variants.items():
-        result = _train_steps(ctx, base + extra, steps=1)
+        result = train_steps(ctx, base + extra, steps=1)
         result.pop("_config")
         out[name] = result
         if not all(math.isfinite(x) for x in result["losses"]):

@@ -26,7 +26,7 @@ from models.hf.checkpoint import load_state, save_pretrained  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 
 # ~462M parameters: 0.92 GB in bf16 (80 experts of 1024 x 512 in each of 3 MoE layers: 82% of it).

@@ -28,7 +28,8 @@ from safetensors import safe_open  # noqa: E402
 from benchmarks.hf_load import load_and_report  # noqa: E402
 from models import Transformer, preset  # noqa: E402
 from models.hf import int4  # noqa: E402
-from models.hf.checkpoint import _is_linear, save_pretrained  # noqa: E402
+from models.hf.check import is_linear  # noqa: E402
+from models.hf.checkpoint import save_pretrained  # noqa: E402
 from models.hf.files import INDEX, TensorRecord, write_shards  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
@@ -85,7 +86,7 @@ def convert(src: str, dst: str, fmt: str) -> None:
 
 
 def _fp8_records(key, shape, read) -> list[TensorRecord]:
-    if not (len(shape) == 2 and _is_linear(key) and key != "lm_head.weight"):
+    if not (len(shape) == 2 and is_linear(key) and key != "lm_head.weight"):
         return [TensorRecord(key, shape, torch.bfloat16, lambda: read().to(torch.bfloat16))]
     rows, cols = -(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)
     cache = {}

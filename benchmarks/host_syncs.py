@@ -22,7 +22,7 @@ import torch.distributed as dist
 from parallel.meshes import build_meshes
 from runtime import train as T
 from runtime.cli import user_errors
-from runtime.config import load_config
+from runtime.config_parser import load_config
 from runtime.paths import check_outputs
 from runtime.syncs import count_syncs, mark_optimizer_host_state
 

@@ -1,7 +1,7 @@
 """Time of the seeded init of ONE rank's shards for a preset and layout, on this machine's CPU.
 
 No process group: each parameter's local box comes from the layout's placements
-(launch/estimate_memory.rank_boxes) at the given rank's mesh coordinate, and
+(planning/memory/pretrain.rank_boxes) at the given rank's mesh coordinate, and
 `models.seeded_init.normal_box` draws exactly what that rank would draw (results are discarded, one
 parameter at a time, so memory stays at one shard of one parameter).
 
@@ -18,12 +18,12 @@ import torch
 
 if __package__ in (None, ""):  # `python benchmarks/init_time.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launch.estimate_memory import rank_boxes  # noqa: E402
+from planning.memory.pretrain import rank_boxes  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.layers import RMSNorm  # noqa: E402
 from models.seeded_init import normal_box  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 
 
 def drawn_boxes(config, layout, rank: int):

@@ -9,7 +9,7 @@ MemTracker (benchmarks/lib/memory_peak.py): the peak of all live tensors on rank
 gradients, optimizer state, FSDP buffers, activations, temporaries). Prints estimate, measured and
 their ratio per case.
 
-Post-training cases (launch/posttrain_memory.py): the debug model on a rollout file of equal
+Post-training cases (planning/memory/posttrain.py): the debug model on a rollout file of equal
 trajectories (POSTTRAIN_SHAPE: user and assistant turns in turn, the last one flagged), one step of
 launch/posttrain.py's objective (the prefix-shared teacher's two passes, student forward/backward over the
 packed row, clipping, optimizer step, EMA update) with the live and the ema teacher, each rank's slot
@@ -31,13 +31,13 @@ import torch._dynamo  # noqa: E402,F401  (FSDP2 imports it lazily; import once b
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402  (private, checked on torch 2.13.0)
 
 from benchmarks.lib.memory_peak import track_peak  # noqa: E402
-from launch.estimate_memory import Job, estimate  # noqa: E402
-from launch.posttrain_memory import RolloutShape, estimate as posttrain_estimate  # noqa: E402
+from planning.memory.pretrain import Job, estimate  # noqa: E402
+from planning.memory.posttrain import RolloutShape, estimate as posttrain_estimate_of  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime import train as T  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.paths import check_outputs  # noqa: E402
 
 COMMON = ["--data.source=synthetic", "--training.warmup_steps=1", "--checkpoint.interval=0"]
@@ -51,7 +51,7 @@ PRESETS = {
 }
 
 
-def _argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "float32") -> list[str]:
+def pretrain_argv(preset: str, checkpointing: str, run_dir: str, param_dtype: str = "float32") -> list[str]:
     return COMMON + PRESETS[preset] + [f"--training.activation_checkpoint={checkpointing}", f"--run.dir={run_dir}",
                                        f"--training.param_dtype={param_dtype}"]
 
@@ -66,7 +66,8 @@ def _job(world_size: int, argv: list[str]):
     return config, layout, meshes, device, model, T.build_optimizer(model, config), T.build_loader(config, meshes, layout)
 
 
-def _measure(rank, world_size, argv):
+def pretrain_peak(rank, world_size, argv):
+    """One rank's peak bytes over one real training step of `argv` (run on ranks by multirank.run_ranks)."""
     config, _, _, device, model, optimizer, loader = _job(world_size, argv)
     with track_peak(model, optimizers=(optimizer,)) as peak:
         T.forward_backward(model, loader.next_step(), config.data.tokens_per_step(), device)
@@ -116,20 +117,28 @@ POSTTRAIN_CASES = [(t, ck, w, ()) for w in (1, 2) for t in ("live", "ema") for c
     ("live", "full", 2, ("--model.vocab_size=4096", "--parallel.cp=2", "--parallel.dp_shard=1"))]
 
 
-def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> dict:
-    """Estimate vs measured peak of one post-training case (rank 0)."""
+def posttrain_estimate(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> tuple[list, dict]:
+    """(the job's argv, planning/memory/posttrain.py's estimate for rank 0) of one post-training case; writes its
+    rollout file."""
     os.makedirs(run_dir, exist_ok=True)
     rollouts = os.path.join(run_dir, "rollouts.jsonl")
     dp = load_config(posttrain_argv(run_dir, rollouts, 1, teacher, checkpointing, extra)).layout(world).dp
     argv = posttrain_argv(run_dir, rollouts, dp, teacher, checkpointing, extra)
     config = load_config(argv)
     write_rollouts(rollouts, POSTTRAIN_ROWS * dp, POSTTRAIN_SHAPE, config.model.vocab_size)
-    result = posttrain_estimate(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)
+    result = posttrain_estimate_of(Job(config, config.layout(world), 0, "cpu"), POSTTRAIN_SHAPE)
     assert result["posttrain"]["rows"] == POSTTRAIN_ROWS, result["posttrain"]
+    return argv, result
+
+
+def posttrain_row(run_dir: str, teacher: str, checkpointing: str, world: int, extra=()) -> dict:
+    """Estimate vs measured peak of one post-training case (rank 0)."""
+    argv, result = posttrain_estimate(run_dir, teacher, checkpointing, world, extra)
     est = result["total_gib"] * 2**30
     measured = run_ranks(_measure_posttrain, world, argv, timeout=600)[0]
+    param_dtype = load_config(argv).training.param_dtype
     return {"preset": "debug", "objective": "posttrain", "teacher": teacher, "world": world,
-            "activation_checkpoint": checkpointing, "param_dtype": config.training.param_dtype,
+            "activation_checkpoint": checkpointing, "param_dtype": param_dtype,
             "extra": " ".join(a for a in extra if "param_dtype" not in a), "peak_at": result["peak_at"],
             "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured}
 
@@ -190,7 +199,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="debug preset on 1 and 2 ranks only")
     ap.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--objective", default="pretrain", choices=("pretrain", "posttrain"),
-                    help="posttrain: the POSTTRAIN_CASES (launch/posttrain_memory.py's terms)")
+                    help="posttrain: the POSTTRAIN_CASES (planning/memory/posttrain.py's terms)")
     args = ap.parse_args(argv)
     check_outputs([("--json", args.json)])
     rows = []
@@ -199,10 +208,10 @@ def main(argv=None) -> list[dict]:
     for preset in () if args.objective == "posttrain" else ("debug",) if args.quick else tuple(PRESETS):
         for world in (1, 2) if args.quick else (1, 2, 4):
             for checkpointing in ("none", "full"):
-                argv_case = _argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)
+                argv_case = pretrain_argv(preset, checkpointing, "/tmp/memory_validation", args.param_dtype)
                 config = load_config(argv_case)
                 est = estimate(Job(config, config.layout(world), 0, "cpu"))["total_gib"] * 2**30
-                measured = run_ranks(_measure, world, argv_case, timeout=600)[0]
+                measured = run_ranks(pretrain_peak, world, argv_case, timeout=600)[0]
                 rows.append({"preset": preset, "world": world, "activation_checkpoint": checkpointing,
                              "param_dtype": args.param_dtype,
                              "estimate_mib": est / 2**20, "measured_mib": measured / 2**20, "ratio": est / measured})

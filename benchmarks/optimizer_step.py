@@ -198,7 +198,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def entry(rank: int, world_size: int, argv: list[str]) -> dict:
-    """For tests/multirank.py run_ranks(..., as_torchrun=True): same as the command line."""
+    """For tests/helpers/multirank.py run_ranks(..., as_torchrun=True): same as the command line."""
     return main(argv)
 
 

@@ -26,11 +26,11 @@ import torch
 from benchmarks.lib.memory_peak import track_peak
 from benchmarks.lib.synthetic_rollout import synthetic_record
 from models import Transformer, preset
-from runtime.posttrain import feedback
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
-from runtime.posttrain.objective import FeedbackObjective, feedback_kl
+from runtime.posttrain import feedback
 from runtime.posttrain.config import PosttrainConfig
+from runtime.posttrain.objective import FeedbackObjective, feedback_kl
 from runtime.posttrain.rollout_batch import RolloutLoader
 from runtime.posttrain.rollouts import trajectory_from_record
 
@@ -38,8 +38,9 @@ MIB = 2**20
 
 
 def whole_logits_student(model, mb, data, step, c: PosttrainConfig) -> torch.Tensor:
-    """The student before chunking: every position's logits [B, S, V], then the losses over them; backward
-    run, the loss returned (tests/test_output_head.py holds the chunked head to it too)."""
+    """The student before chunking, the baseline: every position's logits [B, S, V], then the losses over them;
+    backward run, the loss returned (tests/unit/test_output_head.py holds the chunked head to the same
+    computation)."""
     logits_TV = model(mb.inputs_BS, mb.positions_S, documents=mb.documents).flatten(0, 1)
     logp_n = feedback.token_logp(logits_TV[mb.trained_flat_n], mb.labels_n)
     old_n = torch.where(mb.has_old_n, mb.old_logp_n, logp_n.detach())

@@ -10,7 +10,7 @@ and CPU seconds of `plan_world` (specs and `make_plan`, with "auto" every candid
 No process group. For each world size W the sharded Muon's own planner (`optim.planner.plan.make_plan`, fed by
 `optim.planner.specs.model_specs`: the runtime's placements, nothing allocated) decides owners and
 buckets; its per-rank NS FLOPs and intra-/inter-node bytes go through the device model
-(`benchmarks/lib/device_model.py`: step = max(compute, comm) + first/last bucket + elementwise).
+(`planning/optimizer_step.py`: step = max(compute, comm) + first/last bucket + elementwise).
 
 Layout per W (8 GPUs per node):
   dense   dp_shard = 8 (inside a node: FSDP traffic on NVLink), dp_replicate = W / 8.
@@ -45,7 +45,6 @@ are sequential), and the lower bound total NS FLOPs / (W x peak).
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -58,22 +57,20 @@ if __package__ in (None, ""):  # `python benchmarks/projection.py`: make the rep
 import numpy as np
 import torch
 
-from benchmarks.lib.device_model import DEVICES, device_model, lower_bound, project
 from models import preset
 from models.boxes import all_boxes, placement_kind
-from optim.config import OptimConfig
 from optim.newton_schulz import NS_METHODS, ns_flops
-from optim.planner.plan import REPLICA_SPLIT, PlanOptions, make_plan
+from optim.planner.plan import REPLICA_SPLIT, make_plan
 from optim.planner.specs import model_specs
-from optim.sharded.muon import plan_options
 from parallel.layout import ParallelConfig
+from planning.devices import DEVICES, device_model
+from planning.optimizer_step import NS_DTYPE, gpu_plan_options, local_elements, lower_bound, project
 from runtime.cli import user_errors
 from runtime.paths import check_outputs
 
 WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
 TARGET_S = 0.2
 GPUS_PER_NODE = 8
-NS_DTYPE = torch.bfloat16  # communicated and orthogonalized in bf16; fp32 master weights and momentum
 
 
 EXPERT_LAYOUTS = ("wide", "narrow", "capped")
@@ -100,17 +97,6 @@ def total_ns_flops(specs, method: str = "standard") -> int:
                for s in specs)
 
 
-def gpu_plan_options(device, *, bucket_mb=256.0, replica_split="auto", ns_method="standard") -> PlanOptions:
-    """What the sharded Muon plans with on a GPU (`optim.sharded.muon.plan_options`: NS in bf16, holders
-    first), with the device model's rates for the cost model."""
-    options = plan_options(OptimConfig(ns_method=ns_method), torch.device("cuda"), bucket_mb=bucket_mb,
-                           replica_split=replica_split, ranks_per_node=GPUS_PER_NODE)
-    assert options.ns_dtype == NS_DTYPE
-    return dataclasses.replace(options, flops_per_s=device.sustained_tflops * 1e12,
-                               intra_node_bytes_per_s=device.nvlink_gbs * 1e9,
-                               inter_node_bytes_per_s=device.network_gbs * 1e9)
-
-
 def plan_world(config, world: int, device, *, expert_layout="wide", replica_split="auto", bucket_mb=256.0,
                ns_method="standard"):
     """(specs, plan) of Kimi K2 on `world` GPUs, planned with the device's own numbers."""
@@ -130,15 +116,6 @@ def _gather_groups(spec, per_coordinate: np.ndarray):
     G = int(np.prod([spec.mesh_ranks.shape[a] for a in outer]))
     return (np.transpose(spec.mesh_ranks, order).reshape(G, -1),
             np.transpose(per_coordinate, order).reshape(G, -1))
-
-
-def local_elements(specs, world: int) -> np.ndarray:
-    """Muon parameter elements each rank holds (for the elementwise term)."""
-    out = np.zeros(world)
-    for s in specs:
-        boxes = all_boxes(s.shape, s.mesh_ranks.shape, s.placements)
-        np.add.at(out, s.mesh_ranks.ravel(), np.prod(boxes[..., 1] - boxes[..., 0], axis=-1).ravel())
-    return out
 
 
 def gather_all_traffic(specs, world: int, method: str = "standard") -> dict:

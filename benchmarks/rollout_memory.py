@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from runtime.cli import user_errors
-from runtime.paths import check_outputs
+from runtime.paths import check_output_dir, check_outputs
 
 VOCAB, MAX_LEN = 163_840, 32_768
 
@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_outputs([("--json", args.json)])
+    check_output_dir("--dir", args.dir)
     if args.child:
         mode, path, ranks, batch_tokens, steps = args.child
         print(json.dumps(child_indexed(path, int(ranks), int(batch_tokens), int(steps)) if mode == "indexed"

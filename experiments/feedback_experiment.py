@@ -57,11 +57,11 @@ from experiments.tool_env import HEADER, rollout_record  # noqa: E402
 from launch import posttrain, pretrain  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
 from runtime.cli import user_errors  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.generate import SamplingConfig  # noqa: E402
 from runtime.posttrain.rollout_batch import RolloutLoader  # noqa: E402
 from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402
-from runtime.paths import check_outputs  # noqa: E402
+from runtime.paths import check_output_dir, check_outputs  # noqa: E402
 from runtime.schedule import build_scheduler  # noqa: E402
 from runtime.train import build_model, build_optimizer, train_step  # noqa: E402
 
@@ -501,6 +501,7 @@ def main(argv: list[str]) -> int:
         except ImportError:
             parser.error("--plot needs matplotlib (pip install -e '.[plot]')")
     check_outputs([("--json", args.json), ("--plot", args.plot)])
+    check_output_dir("--work", args.work)
     result = run(cfg, args.work)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

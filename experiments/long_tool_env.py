@@ -36,7 +36,7 @@ Bound on what one wrong call does to the reward: a wrong call (invalid, redundan
 no state but the turn count. So in an episode with at most SLACK - 1 other wrong turns, adding one
 wrong call anywhere leaves the reward exactly unchanged (the same goals are reached by the same later
 calls, one turn later, still within the budget); only an episode that already spent all SLACK spare
-turns can lose its reward (1 -> 0) to one more (tests/test_long_tool_env.py checks both sides).
+turns can lose its reward (1 -> 0) to one more (tests/unit/test_long_tool_env.py checks both sides).
 
 Feedback: an invalid turn gets "R: Reminder: available tools: ...", a redundant turn gets
 "R: Reminder: do not repeat a call that answered ok", each inserted just before that turn.

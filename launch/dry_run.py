@@ -13,7 +13,7 @@ It then materializes the model's last `--layers` blocks (plus embedding, final n
 width on the CPU and runs one forward/backward/optimizer step of them at a short sequence (`--seq`
 tokens), counting every collective (kind, mesh axes, bytes this rank contributes) and the step's peak
 tensor memory (the materialized shards and optimizer state, plus the most bytes the step's ops hold
-alive at once: benchmarks/lib/counters.py's live-storage count; the process's max RSS is reported too).
+alive at once: planning/recording.py's live-storage count; the process's max RSS is reported too).
 The counted bytes are converted to bytes on the wire (in-node / across nodes) by the conversion the
 whole-step projection uses, and compared with the projection's FSDP and per-layer EP terms for the same
 materialized model and the step's own routing (launch/dry_run_bytes.py).
@@ -34,8 +34,8 @@ tensors), planner_s, collectives ([{kind, op, mesh, source, bytes, count, wire_i
 of the materialized step: kind all_gather | reduce_scatter | all_reduce | all_to_all, source fsdp | ep |
 optimizer | other, bytes passed in, bytes sent to peers on this rank's node and on others),
 projection_comparison ([{kind, mesh, source, counted, projected, equal}]: [in-node, across] bytes of each
-FSDP and EP term against benchmarks/step_projection.py / ep_projection.py), step_dispatch, peak_memory_bytes,
-estimate (launch/estimate_memory.py for the same rank: states by the same keys, and its whole estimate),
+FSDP and EP term against planning/fsdp_traffic.py / ep_traffic.py), step_dispatch, peak_memory_bytes,
+estimate (planning/memory/pretrain.py, launch/estimate_memory.py's, for the same rank: states by the same keys, and its whole estimate),
 build_s / step_s. Exit status 2 with one line on a config or argument error.
 """
 
@@ -75,15 +75,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from launch import dry_run_bytes, estimate_memory  # noqa: E402
+from launch import dry_run_bytes  # noqa: E402
 from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from parallel.fake_backend import register_fake_backend  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
+from planning.memory import pretrain as memory_estimate  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime import comm  # noqa: E402
 from runtime.checkpoint import checkpoint  # noqa: E402
-from runtime.config import load_config  # noqa: E402
+from runtime.config_parser import load_config  # noqa: E402
 from runtime.cli import fail  # noqa: E402
 from runtime.paths import check_output_file, config_inputs  # noqa: E402
 from runtime import train  # noqa: E402
@@ -189,8 +190,8 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
         build_s = time.perf_counter() - start
         step = materialized_step(step_config, layout, meshes, layers, names)
         groups = {names.get(name, name): size for name, size in all_groups().items()}
-        estimate = estimate_memory.estimate(estimate_memory.Job(config, layout, rank, "h200"))
-        state = estimate_memory.sharded_state(estimate_memory.Job(config, layout, rank, "h200"))
+        estimate = memory_estimate.estimate(memory_estimate.Job(config, layout, rank, "h200"))
+        state = memory_estimate.sharded_state(memory_estimate.Job(config, layout, rank, "h200"))
         return {"world": world, "rank": rank, "groups": groups, "states_bytes": states,
                 "states_total_bytes": sum(sum(states[m].values()) for m in ("dense", "expert")), "planner_s": planner_s,
                 "checkpoint_model_entries": checkpoint_entries, "data": note, **step, "build_s": build_s,
@@ -265,7 +266,7 @@ def summary(r: dict) -> str:
     gib = 2**30
     ok = "equal" if r["states_total_bytes"] == r["estimate"]["states_total_bytes"] else "DIFFERENT"
     lines = [f"rank {r['rank']} of {r['world']}: {len(r['groups'])} process groups; states "
-             f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to estimate_memory.py's); planner {r['planner_s']:.1f} s; "
+             f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to the memory estimate's); planner {r['planner_s']:.1f} s; "
              f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
              f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
     mib = 2**20

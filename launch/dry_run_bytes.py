@@ -6,11 +6,11 @@ by (kind, mesh, source): kind all_gather | reduce_scatter | all_reduce | all_to_
 op name, no wire bytes), mesh the axes of its group, source who issued it (fsdp, ep, optimizer, other:
 the innermost caller found on the Python stack). Per row: `bytes` this rank passes in (its shard for an
 all-gather, its whole input otherwise) and `wire_intra_bytes` / `wire_inter_bytes` it sends to peers on
-its node and elsewhere, by benchmarks/lib/wire_bytes.py, the conversion the projection uses.
+its node and elsewhere, by planning/wire.py, the conversion the projection uses.
 
-`compare` puts the counted FSDP and EP rows next to the whole-step projection's FSDP terms (benchmarks/lib/fsdp_traffic.py)
+`compare` puts the counted FSDP and EP rows next to the whole-step projection's FSDP terms (planning/fsdp_traffic.py)
 (`fsdp_units` + `fsdp_traffic` of the materialized model, rank 0's groups) and
-benchmarks/lib/ep_projection.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
+planning/ep_traffic.py's per-layer EP term (`layer_stages` + `layer_link_bytes`) evaluated on the
 routing this rank's routers produced in the step, with the dry run's symmetric-traffic assumption made
 concrete: ep peer p routes like this rank with the experts of p and of this rank swapped, so p sends
 this rank exactly what this rank sends p (under the fake backend the EP dispatcher mirrors the counts:
@@ -22,24 +22,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.lib.counters import _LiveMemory as LiveMemory  # live storages of dispatched ops
-from benchmarks.lib.counters import _MATMULS, _total
-from benchmarks.lib.wire_bytes import KINDS, wire_bytes
+from planning import recording
 
-KIND = {"_allgather_base": "all_gather", "allgather": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
-        "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-        "_reduce_scatter_base": "reduce_scatter", "reduce_scatter": "reduce_scatter",
-        "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-        "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "all_reduce": "all_reduce",
-        "all_reduce_coalesced": "all_reduce", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all"}
 SOURCES = (("/torch/distributed/fsdp/", "fsdp"), ("/parallel/ep/", "ep"),
            ("/optim/", "optimizer"))
 
 
-MATMULS = _MATMULS | {torch.ops.aten._grouped_mm}  # op packets (benchmarks/lib/counters.py's, + grouped)
+MATMULS = recording.MATMULS | {torch.ops.aten._grouped_mm}  # op packets (planning/recording.py's, + grouped)
 
 
 def fp32_matmul(func, args, kwargs):
@@ -58,12 +49,12 @@ class CollectiveLog(TorchDispatchMode):
     def __init__(self, names: dict, ranks_per_node: int, legal=None):
         super().__init__()
         self.names, self.ranks_per_node, self.legal = names, ranks_per_node, legal or (lambda func, args: args)
-        self.rows, self.memory = {}, LiveMemory()
+        self.rows, self.memory = {}, recording.LiveMemory()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0].rstrip("_")
-        if func.namespace in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "barrier"):
-            self._add(func.namespace, name, args)
+        call = recording.decode(func, args)
+        if call is not None:
+            self._add(call)
             args = self.legal(func, args)
         kwargs = kwargs or {}
         if func.overloadpacket in MATMULS and func is func.overloadpacket.default and "out_dtype" not in kwargs \
@@ -74,37 +65,17 @@ class CollectiveLog(TorchDispatchMode):
         self.memory.track(args, out)
         return out
 
-    def _add(self, namespace, name, args):
-        kind = KIND.get(name, name)
-        if namespace == "c10d":
-            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-            group = dist.ProcessGroup.unbox(boxed[0]) if boxed else None
-            passed = args[0] if kind == "all_reduce" else args[1]
-            splits = args[4] if kind == "all_to_all" else None
-        else:
-            group = distributed_c10d._resolve_process_group(args[-1])
-            passed, splits = args[0], (args[2] if kind == "all_to_all" else None)
-        nbytes = _total(passed)
-        wire = self._wire(kind, passed, nbytes, group, splits)
-        label = self.names.get(group.group_name, f"group {group.group_name}") if group is not None else "?"
-        key = (kind, label, _source())
-        row = self.rows.setdefault(key, {"kind": kind, "op": name, "mesh": label, "source": key[2], "bytes": 0,
-                                         "count": 0, "wire_intra_bytes": 0, "wire_inter_bytes": 0})
-        row["bytes"] += nbytes
+    def _add(self, call: recording.Collective):
+        label = self.names.get(call.group.group_name, f"group {call.group.group_name}")
+        key = (call.kind, label, _source())
+        row = self.rows.setdefault(key, {"kind": call.kind, "op": call.op.rstrip("_"), "mesh": label,
+                                         "source": key[2], "bytes": 0, "count": 0, "wire_intra_bytes": 0,
+                                         "wire_inter_bytes": 0})
+        intra, inter = call.links(self.ranks_per_node)
+        row["bytes"] += call.passed
         row["count"] += 1
-        row["wire_intra_bytes"] += wire[0]
-        row["wire_inter_bytes"] += wire[1]
-
-    def _wire(self, kind, passed, nbytes, group, splits) -> tuple[float, float]:
-        """(intra, inter) bytes on the wire (benchmarks/lib/wire_bytes.py); (0, 0) for a kind it does not model."""
-        if group is None or kind not in KINDS:
-            return 0, 0
-        split_bytes = None
-        if kind == "all_to_all" and splits:
-            row = nbytes // max(1, passed.shape[0])
-            split_bytes = [row * s for s in splits]
-        ranks = dist.get_process_group_ranks(group)
-        return wire_bytes(kind, nbytes, ranks, ranks.index(dist.get_rank()), self.ranks_per_node, split_bytes)
+        row["wire_intra_bytes"] += intra
+        row["wire_inter_bytes"] += inter
 
     def table(self) -> list[dict]:
         return sorted(self.rows.values(), key=lambda r: (r["mesh"], r["kind"], r["source"]))
@@ -156,7 +127,7 @@ def symmetric_routing(experts_TK: torch.Tensor, me: int, n_ranks: int, local: in
 def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
     """{(kind, mesh label, source): [intra, inter]}: the projection's FSDP terms of `job`'s model (the
     materialized one) and its per-layer EP term on `routings`, for this rank."""
-    from benchmarks.lib import ep_projection, fsdp_traffic
+    from planning import ep_traffic, fsdp_traffic
     from models import Transformer
     from parallel.ep.plan import Placement
     from runtime.train import DTYPES
@@ -185,8 +156,8 @@ def projected_terms(job, layout, meshes, names: dict, routings: list) -> dict:
         row = out.setdefault(("all_to_all", names.get(ep_group.group_name), "ep"), [0, 0])
         for routing in routings:
             routing = symmetric_routing(routing, me, layout.ep, placement.local_experts)
-            stages = ep_projection.layer_stages(job.model, layout, routing, param_bytes, placement)
-            intra, inter = ep_projection.layer_link_bytes(stages, placement, me, t.activation_checkpoint, layout)
+            stages = ep_traffic.layer_stages(job.model, layout, routing, param_bytes, placement)
+            intra, inter = ep_traffic.layer_link_bytes(stages, placement, me, t.activation_checkpoint, layout)
             row[0], row[1] = row[0] + intra, row[1] + inter
     return out
 

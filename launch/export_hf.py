@@ -11,7 +11,7 @@ halves as gate_proj and up_proj). Checkpoints from before w1 and w3 were fused e
 process, no process group: tensors are read from DCP one at a time (DCP reassembles each from every
 rank's shards), so memory stays bounded by the largest tensor. `--out`'s missing parents are created. A
 bad argument (a run dir without checkpoints, an `--out` that is a file, not empty or inside an input,
-`--shard-gb` <= 0) or a checkpoint that does not load exits with status 2 and one line; a failed export
+`--shard-gb` <= 0, inside a run directory or a checkpoint) or a checkpoint that does not load exits with status 2 and one line; a failed export
 removes what it wrote. `--like SRC_DIR` writes in the layout of the directory training started from (Kimi
 K2.5: its nesting, INT4 experts re-quantized, vision tower and projector copied byte for byte, its
 config.json and other files: models/hf/like.py). `--tokenizer DIR`: runtime/data/tokenizer_dir.py loads it
@@ -32,9 +32,10 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import tokenizer_files  # noqa: E402
 from launch.precheck import ToolParser  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.hf.checkpoint import SHARD_BYTES, write_hf  # noqa: E402
+from models.hf.checkpoint import write_hf  # noqa: E402
+from models.hf.files import SHARD_BYTES  # noqa: E402
 from models.hf.like import EXPERTS_DTYPES, check_like, write_like  # noqa: E402
-from runtime.paths import check_not_input  # noqa: E402
+from runtime.paths import check_output_dir  # noqa: E402
 from runtime.checkpoint import checkpoint  # noqa: E402
 from runtime.cli import report  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
@@ -81,8 +82,7 @@ def check_out(out: str, inputs: dict[str, str] | None = None) -> str | None:
             raise ValueError(f"--out {out} exists and is not empty: give a new or an empty directory")
     elif os.path.exists(out):
         raise ValueError(f"--out {out} is a file: give a new or an empty directory")
-    check_not_input(f"--out {out}", out, [(f"{flag} {path}", path) for flag, path in (inputs or {}).items()],
-                    directory=True)
+    check_output_dir("--out", out, [(f"{flag} {path}", path) for flag, path in (inputs or {}).items()])
     if os.path.isdir(out):
         return None
     top = os.path.abspath(out)

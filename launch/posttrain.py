@@ -3,8 +3,9 @@
 The same config, layouts, optimizers, checkpoints, metrics and training loop as launch/pretrain.py,
 with the post-training objective (runtime/posttrain/objective.py) on rollout data (`data.source = "rollouts"`).
 Before any collective every rank builds or checks the rollout file's line index (runtime/posttrain/rollout_file.py);
-then each rank validates its share of the lines, and one all-gather that every rank reaches makes a
-bad line anywhere one line naming the file and the line, on every rank (exit status 2).
+then, before the run dir is locked (a bad file leaves none behind), each rank validates its share of the
+lines, and one all-gather that every rank reaches makes a bad line anywhere one line naming the file and
+the line, on every rank (exit status 2). The run reads the file through the descriptor it validated.
 """
 
 import dataclasses
@@ -25,9 +26,9 @@ from launch import pretrain  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.checkpoint import pretrained  # noqa: E402
 from runtime.posttrain import init_source  # noqa: E402
-from runtime.config import help_text  # noqa: E402
+from runtime.config_parser import help_text  # noqa: E402
 from runtime.posttrain.objective import FeedbackObjective, check_init_from, copy_weights, load_model_weights  # noqa: E402
-from runtime.posttrain.rollout_file import line_offsets  # noqa: E402
+from runtime.posttrain.rollout_file import RolloutFile, line_offsets  # noqa: E402
 from runtime.train import build_model  # noqa: E402
 
 
@@ -80,11 +81,23 @@ def build_objective(config, model, meshes, layout, device) -> FeedbackObjective:
     return FeedbackObjective(config.posttrain, cp_group, teacher)
 
 
+def open_rollouts(config) -> RolloutFile:
+    """Collective: the rollout file validated by every rank's share (RunError naming the line otherwise);
+    rank 0 notes trajectories that cost more than data.batch_tokens."""
+    rollouts = RolloutFile(config.data.path, config.model.vocab_size, config.model.max_seq_len,
+                           seed=config.training.seed, batch_tokens=config.data.batch_tokens)
+    note = rollouts.budget_note()
+    if note and dist.get_rank() == 0:
+        print(note, flush=True)
+    return rollouts
+
+
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text("launch/posttrain.py"))
         return 0
-    return pretrain.main(argv, check=check_environment, build_objective=build_objective, path_source="rollouts")
+    return pretrain.main(argv, check=check_environment, build_objective=build_objective, path_source="rollouts",
+                         open_data=open_rollouts)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,14 @@ here, before they import torch, the models and the parallel code (seconds on a l
 Run as a script, each entry point that reads a config calls one function of this module above its heavy
 imports; its `main` then runs the same checks again (load_config, and for a training job the layout)
 with the same messages, so a caller of `main` sees no difference. Nothing here imports torch: the config
-tree (runtime/config.py and what it imports) is torch-free, and tests/test_precheck.py keeps it so.
+tree (runtime/config_parser.py and what it imports) is torch-free, and tests/entry/test_precheck.py keeps it so.
 
   training_job(argv, path_source)  launch/pretrain.py, posttrain.py: the config and its layout for
                                    WORLD_SIZE; `config error: ...` from rank 0 (`stop`), exit 2
   tool_config(argv, prefix)        launch/dry_run.py, estimate_memory.py: `--config PATH` with the
                                    `--section.key=value` overrides; `<prefix>: ...`, exit 2 (the tools'
                                    own flags are their ToolParser's: dry_run's parsed next, before the
-                                   imports; estimate_memory's after, as its parser takes
-                                   posttrain_memory's flags)
+                                   imports; estimate_memory's after)
   ToolParser(prefix=...)           every tool's argparse in launch/: a bad flag is one line
                                    `<prefix>: ...` (the prefix of the tool's other errors), exit 2, no
                                    usage lines first, as a config typo of the training jobs; evaluate.py
@@ -28,7 +27,8 @@ import time
 
 from parallel.layout import Layout
 from runtime.cli import EXIT_USER_ERROR, fail, one_line
-from runtime.config import JobConfig, load_config
+from runtime.config import JobConfig
+from runtime.config_parser import load_config
 
 
 def world() -> tuple[int, int]:
@@ -64,9 +64,10 @@ def training_job(argv: list[str], path_source: str = "bin") -> None:
         sys.exit(stop(rank, f"config error: {e}", EXIT_USER_ERROR))
 
 
-def tool_config(argv: list[str], prefix: str = "error") -> None:
+def tool_config(argv: list[str], prefix: str = "error", explain=None) -> None:
     """launch/dry_run.py and estimate_memory.py, before their imports: `--config PATH` with the
-    `--section.key=value` overrides of `argv`; exit 2 with `prefix: message` on a config error."""
+    `--section.key=value` overrides of `argv`; exit 2 with `prefix: message` on a config error (the message
+    passed through the tool's `explain`, when it has one, as its `main` does)."""
     if "--help" in argv or "-h" in argv:
         return
     parser = argparse.ArgumentParser(add_help=False)
@@ -78,7 +79,7 @@ def tool_config(argv: list[str], prefix: str = "error") -> None:
     try:
         load_config(["--config", args.config, *overrides])
     except ValueError as e:
-        fail(e, prefix)
+        fail(explain(str(e)) if explain else e, prefix)
 
 
 class ToolParser(argparse.ArgumentParser):

@@ -28,8 +28,8 @@ from runtime.data import tokenizer_dir  # noqa: E402
 from runtime.cli import os_error_message, report  # noqa: E402
 from runtime.paths import check_output_file  # noqa: E402
 from runtime.posttrain.rollouts import trajectory_from_record  # noqa: E402
-from runtime.posttrain.transcripts import (check_logprobs, check_template, insert_hint, parse_conversation, render_conversation,  # noqa: E402
-                                 to_record, user_turns)
+from runtime.posttrain.transcripts import (check_logprobs, check_template, insert_hint,  # noqa: E402
+                                           parse_conversation, render_conversation, to_record, user_turns)
 
 GRPO_EPS = 1e-6
 

@@ -1,8 +1,10 @@
 """Entry point: `torchrun --nproc_per_node N launch/pretrain.py [--config PATH] [--section.key=value ...]`.
 
 load config -> check the layout and data (every rank, before any process group) -> init the process
-group -> lock the run dir -> build meshes -> train -> tear down in `finally`. Run as a script, the config
-and layout are checked first, before torch loads (launch/precheck.py): a typo costs no import.
+group -> open the data that needs the ranks to check it (post-training's rollouts) -> lock the run dir
+-> build meshes -> train -> tear down in `finally`. Run as a script, the config and layout are checked
+first, before torch loads (launch/precheck.py): a typo costs no import. A launch refused by any of these
+checks leaves no run dir behind; the run dir's `kind` file is written when the first step starts.
 
 Exit status: 0 done; 2 bad input, config or run dir; 3 diverged; 4 a collective timed out or a peer died
 (runtime/comm.py); 143 preempted (checkpoint saved). Every stop prints one line, from rank 0 only, except
@@ -28,15 +30,16 @@ import torch.distributed as dist  # noqa: E402
 from parallel.meshes import build_meshes, describe  # noqa: E402
 from runtime.cli import EXIT_USER_ERROR  # noqa: E402
 from runtime.comm import init_process_group  # noqa: E402
-from runtime.config import help_text  # noqa: E402
+from runtime.config import TrainingConfig  # noqa: E402
+from runtime.config_parser import help_text  # noqa: E402
 from parallel.ep.direct import check_fp8_device  # noqa: E402
 from runtime.data.loader import Loader, check_token_ids, token_files  # noqa: E402
 from runtime.errors import RunError  # noqa: E402
-from runtime.paths import check_run_dir_apart, check_run_kind, record_run_kind  # noqa: E402
+from runtime.paths import check_profile_dir, check_run_dir_apart, check_run_kind, job_kind  # noqa: E402
 from runtime.posttrain.config import PosttrainConfig  # noqa: E402
 from runtime.checkpoint.pretrained import check_init_from  # noqa: E402
 from runtime.checkpoint.run_lock import check_run_dir, run_lock  # noqa: E402
-from runtime.train import train  # noqa: E402
+from runtime.train import compile_backend, describe_compile, train  # noqa: E402
 
 STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -60,20 +63,27 @@ def check_environment(config) -> None:
     check_init_from(config)  # model.init_from: files, keys, shapes (headers only)
 
 
-def run_kind(config) -> str:
-    return "post-training" if config.data.source == "rollouts" else "pretraining"
-
-
 def check_run(config) -> None:
     """run.dir can be made, holds no run of the other kind, and what the run writes there (checkpoints/,
     metrics.jsonl) is none of its inputs (runtime/paths.py): ValueError naming the keys otherwise."""
     check_run_dir(config.run.dir)
-    check_run_kind(config.run.dir, run_kind(config))
+    check_run_kind(config.run.dir, job_kind(config))
     data = config.data
     keys = [("data.path", data.path), ("eval.path", config.eval.path), ("model.init_from", config.model_init_from),
             ("posttrain.init_from", config.posttrain.init_from)]
     keys += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(data.sources)]
     check_run_dir_apart(config.run.dir, [(f"{key}={path}", path) for key, path in keys])
+    if config.profile.enabled:
+        check_profile_dir(config.run.dir, config.profile.dir)
+
+
+def check_compile_backend(config, layout) -> None:
+    """ValueError when training.compile_backend is set but nothing compiles (it would be ignored)."""
+    backend = config.training.compile_backend
+    if backend != TrainingConfig().compile_backend and compile_backend(config, layout) is None:
+        raise ValueError(f"training.compile_backend={backend!r} has no effect: nothing compiles here "
+                         f"({describe_compile(config, layout)[len('compile: '):]}); drop it, or compile with "
+                         f"training.compile=true")
 
 
 def check_token_sources(config) -> None:
@@ -110,9 +120,12 @@ def set_allocator_defaults(environ=os.environ) -> None:
         environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def main(argv: list[str], *, check=check_environment, build_objective=None, path_source: str = "bin") -> int:
+def main(argv: list[str], *, check=check_environment, build_objective=None, path_source: str = "bin",
+         open_data=None) -> int:
     """`check(config)` raises ValueError on a bad device or data source; `build_objective`: see runtime/train.py;
-    `path_source`: what a data.path given without data.source is (runtime/config.py load_config)."""
+    `path_source`: what a data.path given without data.source is (runtime/config_parser.py load_config);
+    `open_data(config)`: collective, after the process group exists and before the run dir is locked (so a
+    bad file leaves no run dir): the data the loader reads (RunError when it is bad), passed to `train`."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
@@ -121,6 +134,7 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
     try:
         config, layout = precheck.job(argv, world_size, path_source)
         check(config)
+        check_compile_backend(config, layout)
     except ValueError as e:  # ConfigError and data/device errors: every rank fails the same way, before any collective
         return stop(rank, f"config error: {e}", EXIT_USER_ERROR)
     except RunError as e:  # e.g. an unreadable checkpoint marker met by a check
@@ -133,13 +147,14 @@ def main(argv: list[str], *, check=check_environment, build_objective=None, path
     store = rendezvous_store(rank, world_size) if "MASTER_ADDR" in os.environ else dist.HashStore()
     init_process_group(config.comm, backend, store, rank, world_size, device, config.run.dir)
     try:
+        data = open_data(config) if open_data is not None else None
         with run_lock(config.run.dir, rank):
             meshes = build_meshes(layout, device_type)
             if rank == 0:
-                record_run_kind(config.run.dir, run_kind(config))
                 print(f"outputs: {os.path.abspath(config.run.dir)} (run.dir: metrics.jsonl, checkpoints/)", flush=True)
                 print(describe(layout, config.model), flush=True)
-            train(config, layout, meshes, device, build_objective)
+                print(describe_compile(config, layout), flush=True)
+            train(config, layout, meshes, device, build_objective, data=data)
     except RunError as e:  # raised identically on every rank (a CommFailure: each rank its own line)
         code = stop(rank, str(e), e.exit_code, every_rank=getattr(e, "every_rank", False))
         if getattr(e, "abandoned_write", False):  # a checkpoint thread stuck in a collective: exit without it

@@ -18,7 +18,7 @@ exists. Where no flash kernel fits (e.g. fp32 on CUDA), one SDPA call with a low
 Private ATen ops (this module only; checked on torch 2.13): `torch._fused_sdp_choice` (which SDPA kernel
 torch would run), `_scaled_dot_product_flash_attention_for_cpu`
 (+ `_backward`) on the CPU, `_scaled_dot_product_flash_attention` (+ `_backward`) on CUDA (fp16/bf16).
-The CPU pair is exercised by tests/test_attention.py; the CUDA pair follows torch's own ring attention
+The CPU pair is exercised by tests/ranks/test_attention.py; the CUDA pair follows torch's own ring attention
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py) and has not run on a GPU here.
 
 Shape letters: B batch, H heads, Q queries, K keys (prefix + Q), E head width.

@@ -27,9 +27,9 @@ document and per CP chunk. The BlockMask is the same for every layer: `prepared`
 micro-batch (runtime/train.py), outside the compiled blocks (building it costs 12-47 ms and cannot be
 traced inside one), and it travels with the documents into them. Inside a compiled block flex is traced
 into the block's graph; its mask_mod is a closure over the document ids, which dynamo takes as graph
-inputs, so new document boundaries recompile nothing (tests/test_compile.py). Its predicate is checked on
-the CPU in eager mode against the block path (tests/test_document_mask.py), and its compiled form in no_grad
-inside a compiled block (tests/test_compile.py; FlexAttention has no CPU backward in torch 2.13); the kernel
+inputs, so new document boundaries recompile nothing (tests/ranks/test_compile.py). Its predicate is checked on
+the CPU in eager mode against the block path (tests/ranks/test_document_mask.py), and its compiled form in no_grad
+inside a compiled block (tests/ranks/test_compile.py; FlexAttention has no CPU backward in torch 2.13); the kernel
 has NOT run on a GPU here (none was available).
 
 Under `training.compile` on the CPU the block path stays eager: its key ranges and its mask-free shortcut

@@ -104,7 +104,7 @@ def _(x_TI, w_EOI, offsets_E):
 def grouped_mm_backward(grad_TO: torch.Tensor, x_TI: torch.Tensor, w_EOI: torch.Tensor,
                         offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [T, I], dw [E, O, I]): the two grouped matmuls eager autograd runs for `_grouped_mm`
-    (dx = grad w[e] per group, dw[e] = grad_e^T x_e; bit-equal, tests/test_compile.py)."""
+    (dx = grad w[e] per group, dw[e] = grad_e^T x_e; bit-equal, tests/ranks/test_compile.py)."""
     grad_TO = _contiguous_grad(grad_TO)
     return (torch._grouped_mm(grad_TO, w_EOI, offs=offsets_E),
             torch._grouped_mm(grad_TO.t(), x_TI, offs=offsets_E))

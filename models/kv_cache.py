@@ -10,8 +10,9 @@ this is used for; a preallocated buffer would avoid the copies on GPU).
 
 Post-training's teacher (runtime/posttrain/objective.py) fills a cache in one pass over a trajectory, through the
 attention's own `kv_source` (`sources`: under context parallelism each layer's cache then holds the
-whole sequence's gathered latents, not this rank's chunks), and reads prefixes of it back as a new
-cache with one row per feedback item (`KVCache.rows`).
+whole sequence's gathered latents, not this rank's chunks), and reads prefixes of it back as the cached
+part of new rows (`KVCache.rows`): one row per feedback item, or the items packed in one row, each
+item's cached prefix just before its own tokens.
 """
 
 import torch
@@ -44,12 +45,14 @@ class KVCache:
         """`sources`: one `kv_source` per layer (see LayerCache), or None."""
         self.layers = [LayerCache(None if sources is None else sources[i]) for i in range(n_layers)]
 
-    def rows(self, index_RT: torch.Tensor) -> "KVCache":
+    def rows(self, index_RT: torch.Tensor, positions_T: torch.Tensor | None = None) -> "KVCache":
         """A cache of R rows whose row r holds this cache's flat cached tokens (row * T_cached + position)
-        `index_RT[r]`, at positions 0..T-1 (the caller's attention mask decides which of them a query sees).
-        Each layer's rows are gathered when that layer runs, so one layer's copy exists at a time."""
+        `index_RT[r]`, at row positions `positions_T` (default 0..T-1); the new tokens of a forward take
+        the positions it is given, and together they fill the row's positions 0..T+S-1 (the caller's
+        attention mask decides which of them a query sees). Each layer's rows are gathered when that
+        layer runs, so one layer's copy exists at a time."""
         out = KVCache(0)
-        out.layers = [CachedRows(layer, index_RT) for layer in self.layers]
+        out.layers = [CachedRows(layer, index_RT, positions_T) for layer in self.layers]
         return out
 
     def next_position(self) -> int:
@@ -58,13 +61,24 @@ class KVCache:
 
 
 class CachedRows:
-    """A layer's cache read as rows of its cached tokens (`KVCache.rows`); `extend` appends the new
-    tokens for this forward only (nothing is kept)."""
+    """A layer's cache read as rows of its cached tokens (`KVCache.rows`); `extend` places the new tokens
+    at their positions among them, for this forward only (nothing is kept)."""
 
-    def __init__(self, layer: LayerCache, index_RT: torch.Tensor):
+    def __init__(self, layer: LayerCache, index_RT: torch.Tensor, positions_T: torch.Tensor | None = None):
         self.layer, self.index_RT = layer, index_RT
+        if positions_T is None:
+            positions_T = torch.arange(index_RT.shape[1], device=index_RT.device)
+        self.positions_T = positions_T
 
     def extend(self, *new: torch.Tensor, positions_S: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cached = [t.flatten(0, 1)[self.index_RT] for t in self.layer.tensors]
-        positions_T = torch.arange(self.index_RT.shape[1], device=positions_S.device)
-        return (*(torch.cat([c, n], dim=1) for c, n in zip(cached, new)), torch.cat([positions_T, positions_S]))
+        """(*tensors [R, T + S, ...] in row order, positions 0..T+S-1): the cached tokens at `positions_T`,
+        the new ones at `positions_S` (together every position once)."""
+        R, T = self.index_RT.shape
+        L = T + positions_S.shape[0]
+        rows = []
+        for cached, n in zip(self.layer.tensors, new):
+            row = n.new_empty((R, L, *n.shape[2:]))
+            row[:, self.positions_T] = cached.flatten(0, 1)[self.index_RT]
+            row[:, positions_S] = n
+            rows.append(row)
+        return (*rows, torch.arange(L, device=positions_S.device))

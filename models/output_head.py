@@ -7,7 +7,7 @@ chunk of rows at a time, that returns fp32 sums [K]. Their sum over chunks and p
 backward recomputes each chunk's logits (one more head forward) instead of keeping them.
 
 Why: at 16k local tokens and a 163,840-token vocabulary, the logits and their gradient alone are 10 GB
-in bf16 and the fp32 losses over them several times that (launch/posttrain_memory.py). Chunked, the
+in bf16 and the fp32 losses over them several times that (planning/memory/posttrain.py). Chunked, the
 loss path holds `chunk x V`, and only the rows a loss reads are computed (not the prompt and tool tokens).
 
 The weight's gradient is accumulated in fp32 over the chunks (each chunk's product in the weight's dtype,

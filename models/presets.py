@@ -6,7 +6,7 @@ These presets route over all experts and use plain RoPE (for training from scrat
 implements DeepSeek-V3's group-limited routing (n_expert_groups / n_limited_groups) and YaRN
 (rope_factor ...), which `--model.init_from` reads from a checkpoint's config.json (models/hf/config.py).
 Not modelled: the multi-token-prediction module (not counted).
-Published sizes (count_params lands within 2%, see tests/test_models.py):
+Published sizes (count_params lands within 2%, see tests/unit/test_models.py):
   deepseek_v3_671b  671B total, 37B active (DeepSeek-V3 report, main model without MTP)
   kimi_k2_1t        1.04T total, 32.6B active (Kimi K2 report)
   moonlight_16b     15.29B total, 2.24B active without the embedding and output head (Moonlight

@@ -60,7 +60,7 @@ def adamw_multi_tensor(
     (`torch.optim.adamw.adamw(foreach=True)`: one _foreach_ op per elementwise step, a handful of
     kernels for all tensors on GPU instead of ~8 per tensor). Elementwise, so it runs on local shards.
     Same arithmetic as the single-tensor path up to rounding; on CPU (torch 2.13) bitwise equal
-    (tests/test_muon_reference.py)."""
+    (tests/unit/test_muon_reference.py)."""
     if not params:
         return
     adamw(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],

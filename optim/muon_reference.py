@@ -15,7 +15,7 @@ Per-head and per-expert blocks are orthogonalized (and lr-scaled) on their own; 
 shards or gathered blocks, so both produce the same numbers up to the summation order of batched
 matmuls: in fp32 that is last-bit noise (<= 1.4e-7 relative measured); in bf16, CPUs with AMX-bf16
 round a batched matmul differently with the batch size, so sharded and reference agree only to bf16
-rounding (tests/test_sharded_muon.py bounds it by the bf16-vs-fp32 difference of the same case).
+rounding (tests/ranks/test_sharded_muon.py bounds it by the bf16-vs-fp32 difference of the same case).
 """
 
 from collections.abc import Iterable

@@ -100,7 +100,7 @@ def gram_dtype(dtype: torch.dtype) -> torch.dtype:
     """What Gram NS iterates in for inputs of `dtype`: fp16 for bf16 (R = X X^T squares the condition
     number; bf16's 8-bit significand loses small singular values that fp16's 11 bits keep: on
     ill-conditioned 112 x 32 blocks, Polar Express, Gram in bf16 lands 23% farther from the polar
-    factor than standard NS in bf16, in fp16 within 1%; tests/test_newton_schulz.py), else `dtype`.
+    factor than standard NS in bf16, in fp16 within 1%; tests/unit/test_newton_schulz.py), else `dtype`.
     Entries stay in fp16's range: R <= 1, Q <= the product of the a coefficients (< 1e3)."""
     return torch.float16 if dtype == torch.bfloat16 else dtype
 
@@ -168,7 +168,7 @@ def gram_restarts(steps: int, dtype: torch.dtype) -> tuple[int, ...]:
     """Iterations that start from a fresh R = X X^T: none in fp32/fp64; in half precision the 3rd
     and every GRAM_RESTART_EVERY-th after it (for 5 iterations: one restart after the 2nd, Dao AI
     Lab's choice for their 5-step coefficients)."""
-    if torch.finfo(dtype).bits > 16:  # fp32 and fp64: no restart needed (tests/test_newton_schulz.py)
+    if torch.finfo(dtype).bits > 16:  # fp32 and fp64: no restart needed (tests/unit/test_newton_schulz.py)
         return ()
     return tuple(range(2, steps, GRAM_RESTART_EVERY))
 

@@ -23,7 +23,7 @@ not weight traffic.
 The recompute's context can be entered again: torch's checkpoint recomputes a region once per backward
 pass that reads its saved tensors, so a backward split in two (`autograd.grad` for the inputs, then
 again for the weights, as zero-bubble pipeline schedules do) recomputes twice, each time restoring the
-counters and replaying the same EP tape from its start (tests/test_activation_checkpoint.py).
+counters and replaying the same EP tape from its start (tests/ranks/test_activation_checkpoint.py).
 
 Communication inside a recomputed region runs again in backward: the ep dispatch and combine
 all-to-alls (under `full`, also the count exchange and its one host sync) and the cp K/V all-gather;

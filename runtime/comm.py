@@ -75,6 +75,15 @@ def checkpoint_group(config: CommConfig):
     return dist.new_group(backend="gloo", timeout=_seconds(config.checkpoint_timeout_s))
 
 
+def host_group():
+    """Collective: a gloo group of all ranks for small agreements on host values (post-training's check that
+    its rollout file is unchanged, runtime/posttrain/rollout_file.py), under the training groups' timeouts
+    (`CommWatch`); None without a process group."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def group_names(meshes) -> dict[str, str]:
     """{process group name: "dense.dp_shard / expert.ep ..."} for every axis of the run's meshes."""
     names: dict[str, list[str]] = {}

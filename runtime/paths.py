@@ -6,9 +6,17 @@ an output that IS one of them (the same file by inode, so through symlinks and h
 same resolved path) or an existing file inside an input directory: no tool writes over what it reads.
 `check_not_input` is that one guard; for an output DIRECTORY (an export, a run's checkpoints) it refuses
 any overlap with an input: the output inside an input directory, or an input inside the output.
+
+No tool writes into a run directory (one that holds a run's `kind` file, or its `.lock` beside
+checkpoints/ or metrics.jsonl) or a checkpoint (one that holds a `COMPLETE` marker) either:
+`check_not_in_run`, which `check_output_file` runs for every file output and `check_output_dir` for
+output directories (an export, a benchmark's scratch folder, a new run.dir). A run rewrites what is in
+its directory, and `checkpoint.keep` rotates a checkpoint out: a file written there would be lost with it.
 """
 
 import os
+
+from runtime.checkpoint.dirs import MARKER
 
 
 def check_output_file(flag: str, path: str, example: str, inputs=()) -> None:
@@ -22,6 +30,48 @@ def check_output_file(flag: str, path: str, example: str, inputs=()) -> None:
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
         raise ValueError(f"{flag} {path}: {parent} {what}")
     check_not_input(f"{flag} {path}", path, inputs)
+    check_not_in_run(f"{flag} {path}", parent)
+
+
+def check_output_dir(flag: str, path: str, inputs=(), own_run: str | None = None) -> None:
+    """ValueError, naming `flag`, if writing into the directory `path` would write over one of `inputs`
+    (`check_not_input`) or into a run directory or a checkpoint (`check_not_in_run`; `own_run`: the run
+    dir this output belongs to, which may hold it outside its checkpoints)."""
+    check_not_input(f"{flag} {path}", path, inputs, directory=True)
+    check_not_in_run(f"{flag} {path}", path, own_run)
+
+
+def _run_evidence(directory: str) -> str | None:
+    """What shows `directory` is a run dir: its `kind` file, or (a run dir from before that file) its run
+    lock `.lock` beside checkpoints/ or metrics.jsonl; None for any other directory."""
+    if os.path.isfile(os.path.join(directory, KIND_FILE)):
+        return f"a run's {KIND_FILE} file"
+    if os.path.isfile(os.path.join(directory, ".lock")):
+        found = [f for f in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(directory, f))]
+        if found:
+            return f"a run's .lock and {found[0]}"
+    return None
+
+
+def check_not_in_run(name: str, directory: str, own_run: str | None = None) -> None:
+    """ValueError, starting with `name`, if `directory` (where an output goes) is, or lies inside, a run
+    directory (`_run_evidence`) or a checkpoint (it holds a COMPLETE marker).
+    `own_run`: a run dir that may hold the output (a run's own profile traces), but not in its checkpoints."""
+    here = os.path.realpath(directory)
+    own = os.path.realpath(own_run) if own_run else None
+    while True:
+        if os.path.isfile(os.path.join(here, MARKER)):
+            raise ValueError(f"{name} is inside the checkpoint {here} (it holds a {MARKER} marker): checkpoint.keep "
+                             f"deletes the whole checkpoint, with what else is in it, when its run rotates it out; "
+                             f"write outside run and checkpoint directories")
+        held = _run_evidence(here)
+        if held is not None and here != own:
+            raise ValueError(f"{name} is inside the run directory {here} (it holds {held}): a run rewrites its "
+                             f"directory and rotates its checkpoints out; write outside run and checkpoint directories")
+        parent = os.path.dirname(here)
+        if parent == here:
+            return
+        here = parent
 
 
 def check_not_input(name: str, path: str, inputs, directory: bool = False) -> None:
@@ -99,9 +149,25 @@ def check_run_dir_apart(run_dir: str, inputs) -> None:
     check_not_input(f"run.dir={run_dir} (its checkpoints/)", os.path.join(run_dir, "checkpoints"), inputs,
                     directory=True)
     check_not_input(f"run.dir={run_dir} (its metrics.jsonl)", os.path.join(run_dir, "metrics.jsonl"), inputs)
+    check_not_in_run(f"run.dir={run_dir}", os.path.dirname(os.path.abspath(run_dir)))  # not nested in another run
 
 
-KIND_FILE = "kind"  # in a run dir: "pretraining" or "post-training", written when the run first starts
+def check_profile_dir(run_dir: str, profile_dir: str) -> None:
+    """ValueError unless the run's traces (run.dir/profile.dir) stay out of its checkpoints/ (rotated out
+    with them) and out of any other run dir or checkpoint."""
+    path = os.path.join(run_dir, profile_dir)
+    if _inside(path, os.path.join(run_dir, "checkpoints")):
+        raise ValueError(f"profile.dir={profile_dir} is inside run.dir={run_dir}'s checkpoints/, which checkpoint.keep "
+                         f"rotates out: give a folder of run.dir outside checkpoints/")
+    check_not_in_run(f"profile.dir={profile_dir}", path, own_run=run_dir)
+
+
+KIND_FILE = "kind"  # in a run dir: "pretraining" or "post-training", written when the run's first step starts
+
+
+def job_kind(config) -> str:
+    """The kind of run a job config makes: "post-training" for rollout data, else "pretraining"."""
+    return "post-training" if config.data.source == "rollouts" else "pretraining"
 
 
 def run_kind(run_dir: str) -> str | None:

@@ -22,6 +22,7 @@ SIGTERM saves a checkpoint after the current step and stops (exit 143); a checkp
 from a non-finite state.
 """
 
+import collections
 import dataclasses
 import math
 import os
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import Transformer
-from models.document_attention import prepared
+from models.document_attention import flex_path, prepared
 from models.splits import muon_splits
 from optim.qk_clip import clip_metrics, enable_recording, qk_clip_, reset_recording, step_max_logits
 from optim.sharded.muon import ShardedMuon
@@ -41,6 +42,7 @@ from parallel.ep.dispatcher import read_drop_counts
 from parallel.layout import Layout
 from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
+from parallel.compile import compile_regions, eager_modules, region_boundaries
 from parallel.parallelize import parallelize
 from parallel.pp.part import split_stages
 from parallel.pp.schedule import Pipeline
@@ -55,6 +57,7 @@ from runtime.eval_config import recorded_settings, settings_change
 from runtime.evaluate import evaluate
 from runtime.guards import DivergenceGuard, Preemption
 from runtime.metrics import MetricsLogger, flops_per_token, peak_flops
+from runtime.paths import job_kind, record_run_kind
 from runtime.checkpoint.pretrained import init_from_pretrained
 from runtime.profile import maybe_profile
 from runtime.posttrain.rollout_batch import RolloutLoader
@@ -115,6 +118,34 @@ def _materialize(model: nn.Module, config: JobConfig, layout: Layout, device: to
     return model
 
 
+def compile_backend(config: JobConfig, layout: Layout) -> str | None:
+    """The backend the blocks are compiled with, or None (eager): `Layout.compile_backend_used` on this
+    run's device (post-training's layout runs eager unless training.compile=true, which it refuses)."""
+    return layout.compile_backend_used(config.training.device_type())
+
+
+def describe_compile(config: JobConfig, layout: Layout) -> str:
+    """The start-up line saying whether blocks compile, with which backend, and into which regions."""
+    t, backend = config.training, compile_backend(config, layout)
+    if backend is None:
+        why = ("post-training runs eager" if config.data.source == "rollouts" else
+               "training.compile=false" if t.compile == "false" else
+               "training.compile=auto: only the direct EP path compiles, and an EP dispatch knob is on"
+               if layout.ep_config.on() else
+               f"training.compile=auto compiles on cuda only, this is {t.device_type()}")
+        return f"compile: off ({why})"
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    boundaries = region_boundaries(model, DTYPES[t.param_dtype], t.activation_checkpoint)
+    block_path = config.data.document_mask and not flex_path(t.device_type())
+    eager = eager_modules(model, layout.ep, block_path)
+    kinds = collections.Counter(
+        " + ".join("whole" if r is block else name for name, r in block.named_modules() if r in regions) or "eager"
+        for block in model.layers for regions in [set(compile_regions(block, boundaries, eager))])
+    shapes = "; ".join(f"{n} block{'s' * (n > 1)}: {kind}" for kind, n in kinds.items())
+    return f"compile: on ({backend}, fullgraph; {shapes})"
+
+
 def build_optimizer(model: nn.Module, config: JobConfig, meshes: Meshes | None = None) -> ShardedMuon:
     """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest.
     Under pipeline parallelism Muon plans over this rank's stage only (`meshes.stage`)."""
@@ -126,14 +157,18 @@ def build_optimizer(model: nn.Module, config: JobConfig, meshes: Meshes | None =
                        pp_group=meshes.pp.get_group() if stage is not None else None)
 
 
-def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train", say=None) -> Loader:
+def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train", say=None,
+                 data=None, group=None) -> Loader:
     """This rank's rows (dense data-parallel rank) and CP chunks of every global batch of `split`
     ("train", or "eval" / "eval/<source>": the held-out batches of runtime/evaluate.py); post-training
-    rollouts train only. `say(line)`: where a mixture notes a source that wraps around."""
+    rollouts train only: `data` the rollouts opened at launch (runtime/posttrain/rollout_file.py; None opens
+    data.path), `group` where the ranks agree each step that the file is unchanged. `say(line)`: where a
+    mixture notes a source that wraps around."""
     if config.data.source == "rollouts" and split == "train":
         return RolloutLoader(config.data, config.training.seed, vocab_size=config.model.vocab_size,
                              max_seq_len=config.model.max_seq_len, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
-                             cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum)
+                             cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
+                             rollouts=data, group=group)
     data, holdout, key = config.token_splits()[split]
     return Loader(data, config.training.seed, dp_rank=meshes.dp_rank(), dp_degree=layout.dp,
                   cp_rank=meshes.cp_rank(), cp_degree=layout.cp, grad_accum=config.training.grad_accum,
@@ -330,7 +365,8 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
         step = checkpoint.checkpoint_step(path)
         resume_schedule(app_state["scheduler"], step, config.optim.lr)
         say(f"resumed from {path}")
-        for change in (_schedule_change(saved, config, step), settings_change(saved, config)):
+        for change in (_schedule_change(saved, config, step), settings_change(saved, config),
+                       app_state["data"].changes(saved)):
             if change:
                 say(change)
         return step
@@ -348,7 +384,7 @@ def save_checkpoint(step: int, config: JobConfig, app_state: dict, log: MetricsL
     if not checkpoint.all_finite(train_state.model, train_state.optimizers):
         log.info(f"step {step}: the model or optimizer state is not finite; checkpoint step_{step} not written")
         return
-    checkpointer.save(step, app_state, run_meta(config))
+    checkpointer.save(step, app_state, {**run_meta(config), **app_state["data"].record()})
 
 
 def checkpoint_or_stop(done: int, skipped: bool, preempted: bool, config: JobConfig, app_state: dict,
@@ -382,9 +418,11 @@ def _adamw_line(optimizer: ShardedMuon, config: JobConfig) -> str:
     return f"optimizer: {config.optim.name}, AdamW for all {n:,} parameters (no Muon plan)"
 
 
-def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective=None) -> None:
+def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective=None,
+          data=None) -> None:
     """Train until `training.steps`; raises RunError (Diverged, Preempted, CommFailure, ...) to stop early.
-    `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken).
+    `build_objective(config, model, meshes, layout, device)`: the objective (default: NextToken); `data`:
+    what the entry point opened for the loader (`build_loader`).
     A failed collective becomes a one-line CommFailure per rank (runtime/comm.py); every other stop waits
     for the in-flight checkpoint write."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -393,7 +431,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
     checkpointer = Checkpointer(config.checkpoint, checkpoint.checkpoint_dir(config.run.dir), group=group,
                                 pin_memory=device.type == "cuda")
     try:
-        _train(config, layout, meshes, device, build_objective, checkpointer, watch)
+        _train(config, layout, meshes, device, build_objective, checkpointer, watch, data)
     except (RunError, KeyboardInterrupt) as e:
         cause = e.__cause__ if isinstance(e, RunError) else None  # a checkpoint write a dead peer failed
         failure = watch.failure(cause) if cause is not None else None
@@ -413,7 +451,7 @@ def train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devic
 
 
 def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.device, build_objective,
-           checkpointer: Checkpointer, watch: comm.CommWatch) -> None:
+           checkpointer: Checkpointer, watch: comm.CommWatch, data=None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
     pipeline, stage_group = None, (meshes.stage.get_group() if layout.pp > 1 else None)
@@ -429,7 +467,9 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
         if rank == 0:
             print(plan, flush=True)
     scheduler = build_scheduler(optimizer, config.training)
-    loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True))
+    agreement = comm.host_group() if config.data.source == "rollouts" else None  # the rollout file unchanged
+    loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True), data=data,
+                          group=agreement)
     app_state = {"train": checkpoint.ModelOptimState(model, [optimizer]), "scheduler": scheduler,
                  "data": loader, "rng": checkpoint.RNGState(), **objective.state()}
     watch.begin()  # every group exists now: comm.init_timeout_s until the first step is done
@@ -440,6 +480,8 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
             print(f"nothing to do: step {start} of {config.training.steps} done ({config.run.dir}); raise "
                   f"training.steps to continue", flush=True)
         return
+    if rank == 0:
+        record_run_kind(config.run.dir, job_kind(config))  # the run dir now holds a run of this kind
     log = MetricsLogger(config.run.dir, rank, config.training.steps, start_step=start, device=device,
                         flops_per_token=flops_per_token(config.model, config.data.seq_len),
                         peak_flops=peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None,

@@ -1,4 +1,5 @@
-"""Import everything forked ranks need once, in the parent, so each fork starts warm."""
+"""Import everything forked ranks need once, in the parent, so each fork starts warm; put the repository root
+and tests/helpers/ on the path."""
 
 import os
 import sys
@@ -13,5 +14,6 @@ import torch.distributed.tensor  # noqa: F401
 # them and made small tests ~50x slower.
 torch.set_num_threads(1)
 
+# the repository root (the packages) and tests/helpers/ (the shared fixtures: multirank, parity_cases, ...)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))

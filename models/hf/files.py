@@ -24,12 +24,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.hf import int4
+from models.hf.keys import Source, our_rows
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
           "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 CODES = {v: k for k, v in DTYPES.items()}
+
+SHARD_BYTES = 4 * 2**30  # exported shard size: a few GB, like the published checkpoints
 
 
 @dataclass
@@ -285,3 +288,25 @@ def _write_file(records: list[TensorRecord], path: str) -> None:
             tensor = r.fetch()
             assert tuple(tensor.shape) == r.shape and tensor.dtype == r.dtype, (r.key, tensor.shape, tensor.dtype)
             f.write(tensor.contiguous().view(torch.uint8).numpy().data)  # no copy
+
+
+def tensor_records(name: str, source: Source, shape, fetch, dtype) -> list[TensorRecord]:
+    """One record per checkpoint key of our tensor `name`; the records are written in order, so the
+    tensor is fetched at its first record and released at its last."""
+    out_dtype = torch.float32 if name.endswith("expert_bias") else dtype  # the router bias stays fp32
+    loaded = {}
+
+    def part(index, last: bool) -> torch.Tensor:
+        if "t" not in loaded:
+            t = fetch(name).to(out_dtype)
+            loaded["t"] = t[our_rows(source.rope_rows, t.shape[0])] if source.rope_rows else t
+        t = loaded.pop("t") if last else loaded["t"]
+        return t if index is None else t[index]
+
+    if not source.stacked:
+        return [TensorRecord(source.key, shape, out_dtype, lambda: part(None, True))]
+    n, keys, key_shape = shape[0], source.row_keys, source.key_shape(shape)
+    rows = key_shape[0]  # expert e's key i holds our rows [i * rows, (i + 1) * rows) of dim 1
+    return [TensorRecord(key.format(e=e), key_shape, out_dtype,
+                         lambda e=e, i=i: part((e, slice(i * rows, (i + 1) * rows)), e == n - 1 and i == len(keys) - 1))
+            for e in range(n) for i, key in enumerate(keys)]

@@ -7,7 +7,7 @@ A quantized linear `P` of shape [out, in] is stored as three tensors:
     P.weight_shape   int [2] = [out, in]
 and means W[o, j] = q[o, j] * scale[o, j // 32] (symmetric, no zero point). This is
 `compressed_tensors`' `pack_to_int32` / `unpack_from_int32` for num_bits = 4 (checked against the
-library in tests/test_hf_int4.py); the few lines here keep the library out of the runtime.
+library in tests/ranks/test_hf_int4.py); the few lines here keep the library out of the runtime.
 
 Which linears are quantized: models/hf/int4_scheme.py (`read_scheme`), re-exported here with the constants.
 """

@@ -1,4 +1,4 @@
-"""Export in the layout of a source directory: `save_pretrained(model, out, like=SRC)`, `export_hf.py --like SRC`.
+"""Export in the layout of a source directory: `save_like(model, out, SRC)`, `export_hf.py --like SRC`.
 
 The result serves wherever SRC served (Kimi K2.5 in an inference engine, at the same footprint):
     - config.json: SRC's, unchanged, except that `--experts-dtype bfloat16` drops the quantization block;
@@ -19,11 +19,11 @@ import shutil
 import torch
 from safetensors import safe_open
 
-from models.hf import int4
 from models.config import ModelConfig
-from models.hf.checkpoint import _records, check_checkpoint
+from models.hf import int4
+from models.hf.check import check_checkpoint
 from models.hf.config import read_hf_config
-from models.hf.files import DTYPES, INDEX, CheckpointFiles, TensorRecord, write_shards
+from models.hf.files import DTYPES, INDEX, SHARD_BYTES, CheckpointFiles, TensorRecord, tensor_records, write_shards
 from models.hf.keys import hf_sources
 from models.model import Transformer
 
@@ -64,7 +64,7 @@ def write_like(config: ModelConfig, fetch, out: str, like: str, *, dtype: torch.
     records, written = [], set()
     for name, source in hf_sources(meta, fmt.rope_interleave).items():
         quantized = experts_dtype == "int4" and files.dtype_code(source.keys(1)[0]) == "I4"
-        for r in _records(name, source, shapes[name], fetch, torch.float32 if quantized else dtype):
+        for r in tensor_records(name, source, shapes[name], fetch, torch.float32 if quantized else dtype):
             written.add(r.key)
             plain = [dataclasses.replace(r, key=fmt.prefix + r.key)]
             records += _int4_records(files, fmt.prefix, r) if quantized else plain
@@ -72,6 +72,15 @@ def write_like(config: ModelConfig, fetch, out: str, like: str, *, dtype: torch.
     write_shards(records, out, shard_bytes)
     _write_config(like, out, drop_quantization=experts_dtype == "bfloat16" and fmt.int4 is not None, dtype=dtype)
     _copy_other_files(like, out)
+
+
+def save_like(model: Transformer, out: str, like: str, *, dtype: torch.dtype = torch.float32,
+              experts_dtype: str = "int4", shard_bytes: int = SHARD_BYTES) -> None:
+    """`model` (one process, plain tensors) written in the layout of `like` (models/hf/checkpoint.py
+    `save_pretrained` writes the plain DeepSeek-V3 layout)."""
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    write_like(model.config, lambda name: state[name].detach(), out, like, dtype=dtype, experts_dtype=experts_dtype,
+               shard_bytes=shard_bytes)
 
 
 def _int4_records(files: CheckpointFiles, prefix: str, record: TensorRecord) -> list[TensorRecord]:

@@ -54,21 +54,22 @@ def model_specs(config, layout, dtype: torch.dtype = torch.float32) -> list[Para
     world = layout.world_size
     dense_ranks = np.arange(world).reshape(layout.dp_replicate, layout.dp_shard * layout.cp)
     expert_ranks = rank_mesh(layout, EXPERT_AXES)  # follows parallel.expert_inner, like the runtime's mesh
-    expert_placements = _expert_placements(config.n_routed_experts, layout)
+    placements = expert_placements(config.n_routed_experts, layout)
     specs = []
     for name, param in model.named_parameters():
         if name not in splits:
             continue
         if name in experts:
             specs.append(ParamSpec(name, tuple(param.shape), dtype, splits[name], expert_ranks, EXPERT_NAMES,
-                                   expert_placements))
+                                   placements))
         else:
             specs.append(ParamSpec(name, tuple(param.shape), dtype, splits[name], dense_ranks, DENSE_NAMES,
                                    (Replicate(), Shard(0))))
     return specs
 
 
-def _expert_placements(n_experts: int, layout) -> tuple:
+def expert_placements(n_experts: int, layout) -> tuple:
+    """Placements of a stacked expert weight on the expert mesh (edp_replicate, edp_shard, ep)."""
     if layout.expert_shard_dim(n_experts) == 1:  # the rule parallel/fsdp.py applies
         return (Replicate(), Shard(1), Shard(0))
     if layout.ep == 1:

@@ -2,7 +2,7 @@
 
 Muon for the parameters the model declares as matrices (`muon_splits`), per head / per expert /
 whole; AdamW for the rest; the same numbers as `ReferenceMuon` on full tensors (see
-tests/test_sharded_muon.py). Parameters are DTensors (FSDP2 on the dense or the expert mesh, any
+tests/ranks/test_sharded_muon.py). Parameters are DTensors (FSDP2 on the dense or the expert mesh, any
 Replicate / Shard / _StridedShard placements) or, for a single process, plain tensors; nothing is
 configured per parameter.
 

@@ -19,7 +19,7 @@ DISPATCH_DTYPES = ("compute", FP8)
 RECOMPUTE_MODES = ("resend", "keep")
 
 # EP knobs that were removed (the calibrated projection put them in no recommended row, docs/performance.md):
-# a config that still sets one fails naming it (runtime/config.py), with what to use instead
+# a config that still sets one fails naming it (runtime/config_parser.py), with what to use instead
 REMOVED_EP_KNOBS = {
     "ep_interleave": "removed (two halves per MoE block); to overlap the all-to-alls with the experts use "
                      "parallel.ep_overlap_chunks = 2",

@@ -19,7 +19,7 @@ Every step is differentiable (index ops and autograd all-to-alls), so the backwa
 gradient of a pair's row crosses nodes once each way (under parallel.ep_combine_grad_dtype the node
 combine's and the fan-in's gradients as FP8 rows, parallel/ep/direct.py: rounded twice). Exact up to the
 summation order of the K weighted outputs (node partial sums, then across nodes): fp32 results equal
-the direct path's to a few ulps (tests/test_ep_dispatch.py).
+the direct path's to a few ulps (tests/ranks/test_ep_dispatch.py).
 
 A GPU backend (DeepEP's internode dispatch/combine, or a symmetric-memory dispatcher) slots in here:
 it replaces steps 1-4 behind the same `route(moe, x_TD, weights_TK, experts_TK) -> out_TD` signature.

@@ -26,7 +26,7 @@ outputs' gradient, in backward) crosses so and the forward combine stays in the 
 DeepSeek-V3 (arXiv:2412.19437, "Low-Precision Storage and Communication") quantizes "the activation
 gradient before MoE down-projections" for that backward dispatch and keeps both combines in BF16, as
 here. Not exact: e4m3 keeps 3 mantissa bits (a relative rounding of up to 2^-4 per value);
-tests/test_ep_dispatch.py bounds each knob's effect by the bf16-vs-fp32 difference.
+tests/ranks/test_ep_dispatch.py bounds each knob's effect by the bf16-vs-fp32 difference.
 
 Shape letters: T token copies this rank sent (sorted by expert), R rows received, D model dim,
 F expert hidden dim, E experts, L local experts (E/ep), P ep ranks, B = D + 4 bytes of a packed FP8 row.

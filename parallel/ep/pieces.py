@@ -24,7 +24,7 @@ each piece's combine gradient crosses as FP8 rows (box["grad_fp8"]: encoded by t
 decoded by the start node's). Under parallel.ep_recompute = "keep" a recompute
 replays the kept receive buffers and issues nothing (parallel/ep/keep.py).
 Exact: each copy's output depends on its own row only, and the weight gradients sum the same
-products in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py). The dispatcher's
+products in n groups (fp32: equal to a few ulps, tests/ranks/test_ep_dispatch.py). The dispatcher's
 `timeline`, when a list, receives (event, piece, time) records: tests/benchmarks read the overlap from it.
 
 Node-deduplicated, its node hop in pieces (`parallel.ep_dedup` with `ep_overlap_chunks` = n > 1): one
@@ -50,7 +50,7 @@ experts (FSDP gathers them once per micro-batch, not once per piece). For one Mo
 Host syncs per layer: 1 (step 2) + n (each piece's fan-out counts, known only once the piece's ids
 arrive; on a GPU the next piece's node hop is already queued, so it stays in flight during the wait).
 Exact: each pair's row depends on its own token only, and the weight gradients sum the same products
-in n groups (fp32: equal to a few ulps, tests/test_ep_dispatch.py).
+in n groups (fp32: equal to a few ulps, tests/ranks/test_ep_dispatch.py).
 
 Shape letters: N token copies of this rank (sorted by expert), D model dim, E experts, P ep ranks,
 L local experts, n pieces, M rows of one piece sent, R rows of one piece received; in the dedup section

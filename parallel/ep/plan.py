@@ -198,8 +198,8 @@ def host_syncs_per_layer(ep_config) -> int:
     """Host readbacks of split sizes per MoE layer forward under EP with the knobs `ep_config`
     (parallel/ep/config.py): the direct dispatch 1 (its count exchange), overlapped 1 (one for all
     pieces), dedup 2 (the node hop's, then the fan-out's), dedup in n pieces 1 + n (the node hop's, then
-    each piece's fan-out: parallel/ep/pieces.py), fixed capacity 0 (tests/test_ep_dispatch.py and
-    tests/test_host_syncs.py count them)."""
+    each piece's fan-out: parallel/ep/pieces.py), fixed capacity 0 (tests/ranks/test_ep_dispatch.py and
+    tests/ranks/test_host_syncs.py count them)."""
     if ep_config.ep_capacity_factor > 0:
         return 0
     if ep_config.ep_dedup:

@@ -1,5 +1,5 @@
 """The one table of refused EP knob combinations (docs/expert_parallel.md "Refused combinations" is
-checked against it by tests/test_ep_refusals.py).
+checked against it by tests/unit/test_ep_refusals.py).
 
 Each row names the keys it reads, says in one line what it refuses (`rule`, the docs' row) and makes
 the one-line ValueError (`message`, naming every key and value involved). `check` runs the rows in

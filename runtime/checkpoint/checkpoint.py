@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 
@@ -118,23 +119,59 @@ def _fsync_dir(path: str) -> None:
 
 
 def _publish(tmp: str, final: str, step: int, meta: dict) -> None:
-    """Rank 0: mark `tmp` complete (the marker holds `meta`) and rename it to `final`."""
+    """Rank 0: mark `tmp` complete (the marker holds `meta` and the files the save wrote) and rename it to
+    `final`."""
     marker = os.path.join(tmp, MARKER)
+    files = sorted(os.listdir(tmp) + [MARKER])
     with open(marker, "w") as f:
-        json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **meta}, f)
+        json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **meta,
+                   "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(final):  # re-saving a step (e.g. after a resume): the new one replaces it
-        shutil.rmtree(final)
+        left = remove(final)
+        if left:  # what was not the checkpointer's stays, under another name
+            os.rename(final, f"{final}.replaced")
+            _say_left(final, left, f"{os.path.basename(final)}.replaced")
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final))
 
 
 def prune(directory: str, retention: CheckpointConfig) -> None:
-    """Rank 0: delete the complete checkpoints that `retention.kept` does not keep."""
+    """Rank 0: delete the complete checkpoints that `retention.kept` does not keep: the files their saves
+    wrote, and the directory once empty; anything else in it stays, named in one line."""
     found = {checkpoint_step(path): path for path in complete_checkpoints(directory)}
-    for step in set(found) - retention.kept(list(found)):
-        shutil.rmtree(found[step])
+    for step in sorted(set(found) - retention.kept(list(found))):
+        left = remove(found[step])
+        if left:
+            _say_left(found[step], left, os.path.basename(found[step]))
+
+
+WRITTEN = re.compile(r"^(\.metadata|__\d+\.metadata|__\d+_\d+\.distcp|COMPLETE)$")  # DCP's and ours (older markers)
+
+
+def remove(path: str) -> list[str]:
+    """Delete the files of checkpoint `path` that its save wrote (its marker lists them; DCP's file names
+    for older ones), the marker first (a crash midway leaves an incomplete checkpoint, never a complete
+    one without its shards), then the directory if nothing else is in it; returns the rest."""
+    try:
+        listed = read_meta(path).get("files")
+    except Unloadable:
+        listed = None
+    ours = set(listed) if isinstance(listed, list) else {name for name in os.listdir(path) if WRITTEN.match(name)}
+    for name in [MARKER] + sorted(ours - {MARKER}):
+        if name in ours and os.path.isfile(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    left = sorted(os.listdir(path))
+    if not left:
+        os.rmdir(path)
+    return left
+
+
+def _say_left(path: str, left: list[str], now: str) -> None:
+    shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    print(f"checkpoint.keep: removed checkpoint {path} but not what its save did not write: {shown} (now in "
+          f"{os.path.join(os.path.dirname(path), now)}); move it out of the run dir", flush=True)
 
 
 def save(step: int, directory: str, app_state: dict, *, retention: CheckpointConfig | None = None,

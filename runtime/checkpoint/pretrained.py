@@ -10,7 +10,8 @@ checkpoint resumes from it instead, and says so once.
 
 import torch.distributed as dist
 
-from models.hf.checkpoint import check_checkpoint, load_state
+from models.hf.check import check_checkpoint
+from models.hf.checkpoint import load_state
 from models.hf.config import read_hf_config
 from runtime.checkpoint import checkpoint
 from runtime.errors import RunError

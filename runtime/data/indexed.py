@@ -2,7 +2,7 @@
 memory map and written by `IndexedWriter` (launch/tokenize_text.py --format indexed).
 
 The `.idx` layout, little-endian, as megatron-core's `megatron/core/datasets/indexed_dataset.py` writes it
-(`_IndexWriter`; tests/test_indexed.py checks both directions against megatron-core itself):
+(`_IndexWriter`; tests/unit/test_indexed.py checks both directions against megatron-core itself):
 
     9 bytes  b"MMIDIDX\\x00\\x00"          header
     uint64   1                           version

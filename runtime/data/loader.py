@@ -101,18 +101,32 @@ def open_bin(path: str, dtype: str = "auto", key: str = "data.path") -> TokenFil
         prefix = path.removesuffix(".bin")
         raise ValueError(f"{key}: no such file {path!r} (nor an indexed dataset {prefix}.idx + {prefix}.bin)")
     meta = read_sidecar(path, key) or {}
+    dtype_key = "--dtype" if key.startswith("--") else "data.dtype"  # a tool's flag, or the config key
+    if not meta and _json_text(path):
+        raise ValueError(f"{key}: {path} is JSON text (a rollout file for launch/posttrain.py?), not a token file: "
+                         f"give token ids (launch/tokenize_text.py writes them, with a sidecar naming the dtype)")
     if dtype == "auto":
         if "dtype" not in meta:
-            raise ValueError(f"data.dtype: 'auto' needs the sidecar {path}.json; set data.dtype to uint16 or uint32")
+            raise ValueError(f"{dtype_key}: 'auto' needs the sidecar {path}.json of {key}={path}; set {dtype_key} "
+                             f"to uint16 or uint32")
         dtype = meta["dtype"]
     elif meta.get("dtype", dtype) != dtype:
-        raise ValueError(f"data.dtype={dtype} but the sidecar {path}.json says {meta['dtype']}")
+        raise ValueError(f"{dtype_key}={dtype} but the sidecar {path}.json says {meta['dtype']}")
     itemsize, size = np.dtype(dtype).itemsize, os.path.getsize(path)
     if size == 0:
         raise ValueError(f"{key}: {path} is empty (0 tokens)")
     if size % itemsize != 0:
         raise ValueError(f"{key}: {path} has {size} bytes, not a multiple of {itemsize} ({dtype})")
     return TokenFile(np.memmap(path, dtype=dtype, mode="r"), int(meta.get("vocab_size", 0)), None)
+
+
+def _json_text(path: str) -> bool:
+    """Whether the file starts like JSON text: `{` or `[` and 64 bytes of printable text, which token ids
+    (uint16 / uint32, little-endian) would not be unless every id of the head had only printable bytes."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    text = head.decode("ascii", errors="replace")
+    return text.lstrip()[:1] in ("{", "[") and all(c.isprintable() or c in "\n\r\t" for c in text)
 
 
 def open_tokens(config: DataConfig, key: str = "data.path") -> TokenFile | None:
@@ -342,3 +356,12 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+    def record(self) -> dict:
+        """What a checkpoint records of the data read beyond the config (nothing: the token sources' settings
+        are recorded with the config, runtime/eval_config.recorded_settings)."""
+        return {}
+
+    def changes(self, saved: dict) -> str | None:
+        """A line naming how the data changed since the checkpoint `saved`: the config's settings say it."""
+        return None

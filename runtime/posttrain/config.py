@@ -28,3 +28,16 @@ class PosttrainConfig:
         for key, ok in checks.items():
             if not ok:
                 raise ValueError(f"posttrain.{key}={getattr(self, key)} must be {expected.get(key, '>= 0')}")
+
+    def unread(self, vocab_size: int) -> list[str]:
+        """One line per key that is set but has no effect with the other keys (or that the vocabulary caps)."""
+        default, out = PosttrainConfig(), []
+        for key, needed, read in (("top_k", "posttrain.mode=topk", self.mode == "topk"),
+                                  ("vocab_chunk", "posttrain.mode=full", self.mode == "full"),
+                                  ("ema_decay", "posttrain.teacher=ema", self.teacher == "ema")):
+            if getattr(self, key) != getattr(default, key) and not read:
+                out.append(f"posttrain.{key}={getattr(self, key)} is read only with {needed}")
+        if self.mode == "topk" and self.top_k > vocab_size:
+            out.append(f"posttrain.top_k={self.top_k} is above model.vocab_size={vocab_size}: the teacher's top-k would "
+                       f"be the whole vocabulary (posttrain.mode=full is the exact KL)")
+        return out

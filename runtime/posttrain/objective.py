@@ -146,14 +146,14 @@ def _padding_ignored(model: nn.Module, pad_BS: torch.Tensor, has_padding: bool):
 def prefix_shared_teacher(teacher: nn.Module, mb: RolloutMicroBatch) -> torch.Tensor:
     """The teacher's logits [m, V] of the targets whose teacher position is on this rank: one pass over the
     prefix rows fills a KV cache (through each layer's `kv_source`: under cp, the all-gathered whole rows),
-    then every item row attends to its own cached prefix, right-aligned, and to itself
-    (runtime/posttrain/rollout_batch.py); the head runs at the target positions only."""
+    then each item attends to its own cached prefix, placed in its item row before its tokens, and to
+    itself (runtime/posttrain/rollout_batch.py); the head runs at the target positions only."""
     cache = KVCache(len(teacher.layers), sources=[block.attention.kv_source for block in teacher.layers])
     teacher(mb.teacher_inputs_BS, mb.teacher_positions_S, cache=cache, documents=mb.teacher_documents,
             head=False)  # communication under cp: the K/V all-gather
     documents = Documents(mb.item_doc_IL, mb.item_rope_IS)
-    h_ISD = teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cache.rows(mb.item_cache_IT), documents=documents,
-                    head=False)
+    cached = cache.rows(mb.item_cache_IT, mb.item_cache_positions_T)
+    h_ISD = teacher(mb.item_inputs_IS, mb.item_positions_S, cache=cached, documents=documents, head=False)
     return teacher.logits_at(h_ISD, mb.teacher_flat_m)
 
 

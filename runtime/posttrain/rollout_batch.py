@@ -1,5 +1,6 @@
 """This rank's tensors of each post-training step: student rows, teacher rows, and where every trained
-and target token lives (runtime/posttrain/rollouts.py says which trajectories make up a step and its slots).
+and target token lives. `RolloutLoader.batch` asks the rollouts once a step for the step's plan and this
+rank's trajectories (runtime/posttrain/rollout_file.py), then builds each slot's tensors here.
 
 A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   student row   [1, S]: the slot's trajectories packed end to end (document masking: attention stays in
@@ -11,23 +12,30 @@ A slot (one micro-batch of one dp rank) becomes, on each cp rank of its group:
   teacher       the prefix-shared teacher: each trajectory with feedback up to A, the largest `at` of
                 its items, packed into a prefix row [1, Sp] like the student's and split over cp;
                 the teacher's pass over it fills a KV cache of the whole row (under cp: gathered).
-                Then one item row [I, Si] per feedback item, `hint + tokens[at:end]` at RoPE positions
-                at, at+1, ..., which attends to its trajectory's cached tokens[:at] and to itself
-                (`item_cache`, `item_doc`: the cached prefix right-aligned in Tp slots, the slots
-                before it hidden by the document mask), padded to the slot's longest item. Item k of
-                the slot is forwarded whole by cp rank k % cp. Teacher tokens per trajectory:
-                A + sum(H + end - at) instead of sum(at + H + end - at) with one full row per item.
-                No prefix row and I = 0 on every rank when the step has no feedback.
+                Then the items: `hint + tokens[at:end]` of item k at RoPE positions at, at+1, ...,
+                attending to its trajectory's cached tokens[:at] and to itself. Item k of the slot is
+                forwarded whole by cp rank k % cp, its items packed in one item row [1, Si]: in the
+                row's positions, item after item, its cached prefix (`item_cache_IT`: T slots gathered
+                from the prefix cache at `item_cache_positions_T`) then its own tokens (at
+                `item_positions_S`), the document mask (`item_doc_IL`, one document per item) keeping
+                each item to its own prefix and tokens; no padding but a row of one token on a cp rank
+                without items. `pack=False`: one item per row, its prefix right-aligned in Tp slots (the
+                slots before it hidden by the mask), padded to the slot's longest item. Teacher tokens
+                per trajectory: A + sum(H + end - at) instead of sum(at + H + end - at) with one full
+                row per item. No prefix row and I = 0 on every rank when the step has no feedback.
   trained       flat indices into the local B*S positions of assistant tokens, with label, advantage
                 and behaviour log-prob.
   targets       the slot's target tokens in one canonical order. A target's student position j-1 and
-                its teacher position (row of its item, index j+H-1-at) may sit on different cp ranks;
+                its teacher position (its item's first query + j+H-1-at) may sit on different cp ranks;
                 each rank lists the targets it holds on the teacher side (`teacher_flat`, in order) and,
                 for those it holds on the student side, which cp rank and list slot their teacher data
                 comes from (`source_rank`, `source_slot`). The objective all-gathers that data over cp.
+  positions     every position this rank forwards (its student chunks, its prefix chunks, its item rows'
+                queries) and how many are padding: `padding_fraction` sums both over every rank, so
+                it covers each forwarded position once on any layout.
 
 Letters: B rows, S local positions (L/cp), n trained tokens here, m targets here, P cp ranks, I item
-rows, T cached slots of an item row (Tp), L' = Tp + Si.
+rows, T cached slots of the item rows, L' = T + Si.
 """
 
 from typing import NamedTuple
@@ -38,8 +46,8 @@ import torch
 from models.document_attention import Documents
 from parallel.context_parallel import load_balanced_positions
 from runtime.data.documents import rope_positions
-from runtime.posttrain.rollout_file import RolloutFile, TrajectoryStats
-from runtime.posttrain.rollouts import StepPlan, Trajectory, deal
+from runtime.posttrain.rollout_file import InMemoryRollouts, RolloutFile, Rollouts
+from runtime.posttrain.rollouts import Feedback, Trajectory
 
 
 class RolloutMicroBatch(NamedTuple):
@@ -57,9 +65,10 @@ class RolloutMicroBatch(NamedTuple):
     teacher_pad_BS: torch.Tensor  # bool
     teacher_documents: Documents | None
     item_inputs_IS: torch.Tensor  # int64 [I, Si] this cp rank's items: hint + tokens[at:end]
-    item_positions_S: torch.Tensor  # int64 Tp + arange(Si): after the cached slots
-    item_cache_IT: torch.Tensor  # int64 into Bp*Lp (whole prefix rows): each item's cached tokens[:at], right-aligned
-    item_doc_IL: torch.Tensor  # int64 [I, Tp + Si] 0 hidden slot, 1 its prefix and tokens, 2 padding
+    item_positions_S: torch.Tensor  # int64 their positions in the item rows (among the cached slots)
+    item_cache_IT: torch.Tensor  # int64 into Bp*Lp (whole prefix rows): each item's cached tokens[:at]
+    item_cache_positions_T: torch.Tensor  # int64 their positions in the item rows
+    item_doc_IL: torch.Tensor  # int64 [I, T + Si] document of every position: its item (packed) or 1, 0 hidden
     item_rope_IS: torch.Tensor  # int64 RoPE positions at + arange(Si)
     teacher_flat_m: torch.Tensor  # int64 into I*Si: targets whose teacher position is here, canonical order
     teacher_labels_m: torch.Tensor  # int64 their target tokens (sampled mode)
@@ -139,8 +148,8 @@ def _local(rows: _Rows, positions_S: torch.Tensor) -> dict:
 
 def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_prefix_rows: int, n_item_rows: int,
                       cp: int, cp_rank: int, pack: bool = True) -> RolloutMicroBatch:
-    """One slot's tensors on cp rank `cp_rank` (pure); `pack`: trajectories (and teacher prefixes) packed
-    in one row with document masking, else one per row."""
+    """One slot's tensors on cp rank `cp_rank` (pure); `pack`: trajectories, teacher prefixes and items
+    packed in one row each with document masking, else one per row."""
     student = _rows([t.tokens for t in trajs], n_rows, cp, pack)
     length = student.tokens_BL.shape[1]
     positions_S, local = _local_index(length, cp, cp_rank)
@@ -152,47 +161,90 @@ def build_micro_batch(trajs: list[Trajectory], n_rows: int, n_prefix_rows: int, 
     for r in range(cp):
         slot[t_owner == r] = np.arange(int((t_owner == r).sum()))
     mine_t, mine_s = t_owner == cp_rank, s_owner == cp_rank
-    teacher, Si = _teacher_rows(trajs, n_prefix_rows, n_item_rows, cp, cp_rank, pack)
+    teacher, first_query, item_pad = _teacher_rows(trajs, n_prefix_rows, n_item_rows, cp, cp_rank, pack)
     here = _local(student, positions_S)
-    counted = [here["pad"], teacher["teacher_pad_BS"], teacher["item_doc_IL"][:, -Si:] != 1]
+    counted = [here["pad"], teacher["teacher_pad_BS"], torch.as_tensor(item_pad)]
     as_t = torch.as_tensor
     return RolloutMicroBatch(
         inputs_BS=here["inputs"], positions_S=positions_S, pad_BS=here["pad"], documents=here["documents"],
         **trained, **teacher,
-        teacher_flat_m=as_t(item_k[mine_t] // cp * Si + q[mine_t]), teacher_labels_m=as_t(labels[mine_t]),
+        teacher_flat_m=as_t(first_query[item_k[mine_t] // cp] + q[mine_t]), teacher_labels_m=as_t(labels[mine_t]),
         teacher_counts_P=[int((t_owner == r).sum()) for r in range(cp)],
         target_flat_m=as_t(rows_s[mine_s] * S + local[p[mine_s]]), target_labels_m=as_t(labels[mine_s]),
         source_rank_m=as_t(t_owner[mine_s]), source_slot_m=as_t(slot[mine_s]),
         positions=sum(x.numel() for x in counted), padding=sum(int(x.sum()) for x in counted))
 
 
+def _prefix_length(t: Trajectory) -> int:
+    """The teacher's shared prefix of `t`: up to the largest `at` of its items."""
+    return max(item.at for item in t.feedback)
+
+
+def _item_tokens(t: Trajectory, item: Feedback) -> np.ndarray:
+    """What the teacher forwards for `item` after its cached prefix tokens[:at]: hint + tokens[at:end]."""
+    return np.concatenate([item.hint, t.tokens[item.at:t.turns[item.turn].end]])
+
+
 def _teacher_rows(trajs: list[Trajectory], n_prefix_rows: int, n_item_rows: int, cp: int, cp_rank: int,
-                  pack: bool) -> tuple[dict, int]:
-    """(the teacher's tensors of this cp rank, Si): prefix rows and item rows (module docstring)."""
+                  pack: bool) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(the teacher's tensors of this cp rank, the flat query index where each of its items starts, the
+    item rows' padding [I, Si]): prefix rows and item rows (module docstring)."""
     fed = [t for t in trajs if t.feedback]
-    prefix = _rows([t.tokens[:t.prefix_length()] for t in fed], n_prefix_rows, cp, pack)
+    prefix = _rows([t.tokens[:_prefix_length(t)] for t in fed], n_prefix_rows, cp, pack)
     Lp = prefix.tokens_BL.shape[1]
     p_positions_S, _ = _local_index(Lp, cp, cp_rank)
-    items = [(b, t, item) for b, t in enumerate(fed) for item in t.feedback][cp_rank::cp]
-    segments = [t.item_tokens(item) for _, t, item in items]
-    Tp = max((item.at for _, _, item in items), default=0) + 1  # >= 1 slot: every query sees a key
-    Si = max((len(x) for x in segments), default=1)
-    tokens_IS = np.zeros((n_item_rows, Si), dtype=np.int64)
-    cache_IT = np.zeros((n_item_rows, Tp), dtype=np.int64)
-    doc_IL = np.zeros((n_item_rows, Tp + Si), dtype=np.int64)
-    rope_IS = np.tile(np.arange(Si), (n_item_rows, 1))
-    for i, ((b, _, item), seg) in enumerate(zip(items, segments)):
-        hidden = Tp - item.at
-        tokens_IS[i, :len(seg)] = seg
-        cache_IT[i, hidden:] = prefix.row_b[b] * Lp + prefix.offset_b[b] + np.arange(item.at)
-        doc_IL[i, hidden:Tp + len(seg)], doc_IL[i, Tp + len(seg):] = 1, 2
-        rope_IS[i] += item.at
+    items = [(b, item) for b, t in enumerate(fed) for item in t.feedback][cp_rank::cp]
+    segments = [_item_tokens(fed[b], item) for b, item in items]
+    cached = [prefix.row_b[b] * Lp + prefix.offset_b[b] + np.arange(item.at) for b, item in items]
+    rows = (_packed_items if pack else _item_per_row)(segments, cached, min(n_item_rows, 1) if pack else n_item_rows)
     here = _local(prefix, p_positions_S)
     as_t = torch.as_tensor
-    return {"teacher_inputs_BS": here["inputs"], "teacher_positions_S": p_positions_S,
-            "teacher_pad_BS": here["pad"], "teacher_documents": here["documents"],
-            "item_inputs_IS": as_t(tokens_IS), "item_positions_S": Tp + torch.arange(Si),
-            "item_cache_IT": as_t(cache_IT), "item_doc_IL": as_t(doc_IL), "item_rope_IS": as_t(rope_IS)}, Si
+    tensors = {"teacher_inputs_BS": here["inputs"], "teacher_positions_S": p_positions_S,
+               "teacher_pad_BS": here["pad"], "teacher_documents": here["documents"],
+               **{name: as_t(x) for name, x in rows.items() if name.startswith("item_")}}
+    return tensors, rows["first_query"], rows["pad_IS"]
+
+
+def _packed_items(segments: list[np.ndarray], cached: list[np.ndarray], n_rows: int) -> dict:
+    """Every item in one row (none when n_rows is 0): item k's cached prefix, then its tokens, then the
+    next item's; a row without items holds one padding token, its own document."""
+    at = np.array([len(c) for c in cached], dtype=np.int64)
+    size = np.array([len(x) for x in segments], dtype=np.int64)
+    start = np.cumsum(at + size) - at - size  # where item k's cached prefix starts in the row
+    queries = [start[k] + at[k] + np.arange(size[k]) for k in range(len(segments))]
+    positions = np.concatenate(queries) if segments else np.zeros(min(n_rows, 1), dtype=np.int64)
+    length = int((at + size).sum()) if segments else len(positions)
+    doc = np.full(length, len(segments), dtype=np.int64)
+    for k in range(len(segments)):
+        doc[start[k]:start[k] + at[k] + size[k]] = k
+    rope = np.concatenate([at[k] + np.arange(size[k]) for k in range(len(segments))] or [positions * 0])
+    tokens = np.concatenate(segments) if segments else positions * 0
+    cache_positions = np.concatenate([start[k] + np.arange(at[k]) for k in range(len(segments))] or [positions[:0]])
+    rows = slice(0, n_rows)
+    return {"item_inputs_IS": tokens[None][rows], "item_positions_S": positions,
+            "item_cache_IT": np.concatenate(cached or [positions[:0]])[None][rows],
+            "item_cache_positions_T": cache_positions, "item_doc_IL": doc[None][rows],
+            "item_rope_IS": rope[None][rows], "first_query": np.cumsum(size) - size,
+            "pad_IS": (doc[positions] == len(segments))[None][rows]}
+
+
+def _item_per_row(segments: list[np.ndarray], cached: list[np.ndarray], n_rows: int) -> dict:
+    """One item per row (the reference layout): its cached prefix right-aligned in Tp slots (those before
+    it hidden: document 0), its tokens (document 1) and padding to the longest item (document 2)."""
+    Tp = max((len(c) for c in cached), default=0) + 1  # >= 1 slot: every query sees a key
+    Si = max((len(x) for x in segments), default=1)
+    tokens_IS = np.zeros((n_rows, Si), dtype=np.int64)
+    cache_IT = np.zeros((n_rows, Tp), dtype=np.int64)
+    doc_IL = np.zeros((n_rows, Tp + Si), dtype=np.int64)
+    rope_IS = np.tile(np.arange(Si), (n_rows, 1))
+    for i, (seg, c) in enumerate(zip(segments, cached)):
+        tokens_IS[i, :len(seg)] = seg
+        cache_IT[i, Tp - len(c):] = c
+        doc_IL[i, Tp - len(c):Tp + len(seg)], doc_IL[i, Tp + len(seg):] = 1, 2
+        rope_IS[i] += len(c)
+    return {"item_inputs_IS": tokens_IS, "item_positions_S": Tp + np.arange(Si), "item_cache_IT": cache_IT,
+            "item_cache_positions_T": np.arange(Tp), "item_doc_IL": doc_IL, "item_rope_IS": rope_IS,
+            "first_query": Si * np.arange(len(segments)), "pad_IS": doc_IL[:, Tp:] != 1}
 
 
 def _trained(trajs: list[Trajectory], local: np.ndarray, S: int, rows: _Rows) -> dict:
@@ -237,16 +289,19 @@ class RolloutLoader:
 
     def __init__(self, data, seed: int, *, vocab_size: int, max_seq_len: int, dp_rank: int = 0,
                  dp_degree: int = 1, cp_rank: int = 0, cp_degree: int = 1, grad_accum: int = 1,
-                 trajectories: list[Trajectory] | None = None, pack: bool = True):
-        """Reads `data.path` by its line index, this rank validating its share (runtime/posttrain/rollout_file.py;
-        RunError naming the file and the line), unless `trajectories` are given (in memory, e.g. fresh
-        on-policy rollouts). Either way the trajectories' numbers (`self.stats`, one TrajectoryStats
-        for both) plan the steps. `pack=False`: one trajectory per row, padded (the layout packing
+                 trajectories: list[Trajectory] | None = None, rollouts: Rollouts | None = None, group=None,
+                 pack: bool = True):
+        """Reads `rollouts` (runtime/posttrain/rollout_file.py), else `trajectories` (in memory, e.g. fresh on-policy
+        rollouts), else opens `data.path` (this rank validating its share; RunError naming the file and the
+        line). `group`: where the ranks agree each step that the file is unchanged (gloo; None: no process
+        group). `pack=False`: one trajectory (and teacher item) per row, padded (the layout packing
         replaced, kept as the tests' reference)."""
-        self.trajs = trajectories if trajectories is not None else RolloutFile(data.path, vocab_size, max_seq_len)
-        self.path = data.path if trajectories is None else "(in memory)"
-        self.stats = TrajectoryStats.of(trajectories) if trajectories is not None else self.trajs.stats
-        self.plan = StepPlan(self.stats.cost.tolist(), seed, data.batch_tokens)
+        if rollouts is None and trajectories is not None:
+            rollouts = InMemoryRollouts(trajectories, seed, data.batch_tokens)
+        elif rollouts is None:
+            rollouts = RolloutFile(data.path, vocab_size, max_seq_len, seed=seed, batch_tokens=data.batch_tokens)
+        self.rollouts, self.group = rollouts, group
+        self.plan, self.stats = rollouts.plan, rollouts.stats
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp_degree, cp_rank, cp_degree
         self.grad_accum, self.pack = grad_accum, pack
         self.step = 0
@@ -259,22 +314,23 @@ class RolloutLoader:
                  f"at most {budget:,} tokens a step, except {len(over):,} trajectories over data.batch_tokens "
                  f"(up to {max(over):,} tokens), each a step of its own")
         tokens = int(self.stats.tokens.sum())
-        return f"rollouts data.path={self.path}: {tokens:,} tokens, {len(costs):,} trajectories, {steps}"
+        return (f"rollouts data.path={self.rollouts.describe()}: {tokens:,} tokens, {len(costs):,} trajectories, "
+                f"{steps}")
 
     def batch(self, step: int) -> RolloutStep:
         """The step's micro-batches for this rank; a pure function of (file, seed, batch_tokens, step).
-        The row counts every rank shares and the step's totals come from the trajectories' numbers
-        (`self.stats`): only this rank's slots are parsed."""
-        ids = self.plan.step(step)
-        slots = deal(ids, self.plan.costs, self.grad_accum * self.dp)
+        One call to the rollouts gives the step's slots and this rank's trajectories (collective on
+        `group` for a file); the row counts every rank shares and the step's totals come from the
+        trajectories' numbers (`self.stats`)."""
+        mine = [m * self.dp + self.dp_rank for m in range(self.grad_accum)]
+        planned = self.rollouts.step(step, self.grad_accum * self.dp, mine, self.group)
         items = self.stats.feedback
-        n_rows = max(1, max(len(s) for s in slots))
-        n_prefix = max(int((items[s] > 0).sum()) for s in slots)
-        n_items = max(-(-int(items[s].sum()) // self.cp) for s in slots)
-        mine = [slots[m * self.dp + self.dp_rank] for m in range(self.grad_accum)]
-        micro = [build_micro_batch([self.trajs[i] for i in s], n_rows, n_prefix, n_items, self.cp, self.cp_rank,
-                                   self.pack) for s in mine]
-        st = self.stats
+        n_rows = max(1, max(len(s) for s in planned.slots))
+        n_prefix = max(int((items[s] > 0).sum()) for s in planned.slots)
+        n_items = max(-(-int(items[s].sum()) // self.cp) for s in planned.slots)
+        micro = [build_micro_batch(trajs, n_rows, n_prefix, n_items, self.cp, self.cp_rank, self.pack)
+                 for trajs in planned.trajectories]
+        st, ids = self.stats, planned.ids
         trained, target, cost, teacher = (int(x[ids].sum()) for x in (st.trained, st.target, st.cost, st.teacher))
         return RolloutStep(micro, trained, target, cost, teacher)
 
@@ -288,3 +344,11 @@ class RolloutLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+    def record(self) -> dict:
+        """What a checkpoint records of the data read (the rollout file's identity)."""
+        return self.rollouts.record()
+
+    def changes(self, saved: dict) -> str | None:
+        """A line naming how the rollouts changed since the checkpoint `saved` (its marker), or None."""
+        return self.rollouts.changes(saved)

@@ -1,4 +1,5 @@
-"""Rollout data for post-training (`data.source = "rollouts"`): reading, validating and batching.
+"""Rollout data for post-training (`data.source = "rollouts"`): the format, the checks of a line, and the plan
+of the steps (runtime/posttrain/rollout_file.py reads a file through them; rollout_batch.py builds the tensors).
 
 File format (JSON lines, one trajectory per line; blank lines are skipped):
   {"tokens": [int], "turns": [{"role": "system"|"user"|"assistant"|"tool", "start": int, "end": int}],
@@ -24,7 +25,7 @@ epoch boundaries, but a step never holds a trajectory twice: it ends where the o
 it holds (a budget larger than the file makes steps of one epoch each). Otherwise the losses, means over
 the step's tokens, would weigh the repeated trajectories more (26 copies of one, 25 of the other).
 
-How a step is split (runtime/posttrain/objective.py turns a slot into tensors): the step's trajectories, longest
+How a step is split (runtime/posttrain/rollout_batch.py turns a slot into tensors): the step's trajectories, longest
 first, are dealt in snake order to grad_accum x dp slots (micro-batch m, dp rank d is slot m*dp + d).
 Padding never changes a loss: a slot's trajectories are packed in one row with document masking and
 the row is padded at its end (causal attention never looks ahead), and padded positions carry no label. Each rank knows the whole step, so the global token counts that the

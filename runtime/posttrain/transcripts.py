@@ -87,10 +87,15 @@ def _messages(value) -> list[dict]:
         if m.get("role") not in ROLES:
             raise ValueError(f"messages[{i}].role={m.get('role')!r} is not one of {list(ROLES)}")
     last = value[-1]
-    if last["role"] == "assistant" and not any(last.get(k) for k in ("content", "tool_calls", "reasoning_content")):
+    if last["role"] == "assistant" and _empty(last):
         raise ValueError(f"messages[{len(value) - 1}]: the final assistant message is empty (no content, tool_calls "
                          f"or reasoning_content): it would train an end-of-turn-only turn; drop it or the conversation")
     return value
+
+
+def _empty(message: dict) -> bool:
+    """An assistant message with nothing generated but its end of turn."""
+    return not any(message.get(k) for k in ("content", "tool_calls", "reasoning_content"))
 
 
 def _optional_number(record: dict, key: str) -> float | None:
@@ -122,8 +127,13 @@ def _feedback(value, messages: list[dict]) -> dict[int, str]:
         index = _assistant_index(item["message"], f"feedback[{k}].message", messages)
         if index in out:
             raise ValueError(f"feedback[{k}].message={index} already has feedback")
-        if not isinstance(item["hint"], str) or not item["hint"]:
-            raise ValueError(f"feedback[{k}].hint: expected a non-empty string, got {item['hint']!r}")
+        if not isinstance(item["hint"], str) or not item["hint"].strip():
+            raise ValueError(f"feedback[{k}].hint: expected a string with text (not only white space), "
+                             f"got {item['hint']!r}")
+        if _empty(messages[index]):
+            raise ValueError(f"feedback[{k}].message={index} is an empty assistant message (no content, tool_calls or "
+                             f"reasoning_content): its only target would be the end-of-turn token; flag a message "
+                             f"with text")
         out[index] = item["hint"]
     return out
 
