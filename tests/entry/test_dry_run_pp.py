@@ -35,18 +35,14 @@ def test_each_stage_s_states_equal_the_estimate_s_to_the_byte(tmp_path, capfd):
     assert capfd.readouterr().out.count("(equal to the memory estimate's)") == 2
 
 
-def test_the_k2_h100_config_s_worst_stage_dry_run_equals_its_estimate_and_fits():
+def test_the_k2_h100_config_s_worst_stage_dry_run_equals_its_estimate_and_fits(tmp_path):
     """Rank 48: pipeline rank 3 of 16 (blocks 10-13), the config's worst stage by the estimate."""
     from planning.devices import DEVICES
 
-    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"k2_h100_dry_{os.getpid()}.json")
-    try:
-        run_ranks(_dry_run, 1, ["--config", H100, "--world", "256", "--ranks", "48", "--json", out], timeout=300,
-                  as_torchrun=True)
-        r = json.load(open(out))
-    finally:
-        if os.path.exists(out):
-            os.remove(out)
+    out = tmp_path / "dry.json"
+    run_ranks(_dry_run, 1, ["--config", H100, "--world", "256", "--ranks", "48", "--json", str(out)], timeout=300,
+              as_torchrun=True)
+    r = json.load(open(out))
     _states_equal(r)
     assert r["pp_rank"] == 3 and r["stages"].endswith("stage 3: blocks 10-13")
     assert DEVICES["h100"].runtime_gib == DEVICES["h200"].runtime_gib  # the dry run's estimate is h200's
