@@ -117,10 +117,7 @@ def job_from_args(args, overrides: list[str]) -> pretrain.Job:
                          f"over the mean)")
     if args.json:
         check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
-    layout = config.layout(world)
-    if layout.pp > 1 and config.data.source == "rollouts":
-        raise ValueError(f"parallel.pp={layout.pp}: post-training runs without pipeline parallelism (the estimate "
-                         f"of its terms is per whole-model rank); set parallel.pp=1")
+    layout = config.layout(world)  # refuses post-training under parallel.pp > 1, as the launch does
     return pretrain.Job(config, layout, args.rank, args.device, args.routing_skew)
 
 
@@ -139,7 +136,7 @@ def main(argv=None) -> dict:
         result = pretrain.estimate_stages(job)
     else:
         result = pretrain.estimate(job)
-    print(format_stages(result) if "stages" in result else format_table(result))
+    print(format_stages(result) if "stages" in result else format_table(result), flush=True)
     if args.json:
         try:
             with open(args.json, "w") as f:

@@ -1,6 +1,6 @@
 """What one pipeline rank holds for the memory estimate (planning/memory/pretrain.py): its stages' blocks, as the
 runtime splits them (parallel/pp/plan.py), and the micro-batches whose activations it keeps at its peak, read off
-torch 2.13's schedules (torch/distributed/pipelining/schedules.py; tests/unit/test_pp_memory.py walks their
+torch 2.13's schedules (torch/distributed/pipelining/schedules.py; tests/ranks/test_pp_memory.py walks their
 action lists and checks every count below).
 
 A rank keeps a micro-batch's activations of a stage from that stage's forward to its backward (the weight pass

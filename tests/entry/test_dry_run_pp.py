@@ -74,8 +74,8 @@ def test_the_estimate_prints_each_pipeline_rank_and_the_worst(tmp_path, capfd):
 
 def test_post_training_under_pipeline_parallelism_is_one_line(capfd):
     argv = ["--config", os.path.join(REPO, "configs", "posttrain_example.toml"), "--world", "2", "--parallel.pp=2",
-            "--parallel.dp_shard=1"]
+            "--parallel.dp_shard=1", "--training.grad_accum=2"]
     (code,) = run_ranks(_estimate, 1, argv, as_torchrun=True)
     err = capfd.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("error: parallel.pp=2: post-training runs without"), err
+    assert err.startswith("error: parallel.pp=2 with post-training (data.source='rollouts'): not composed"), err
