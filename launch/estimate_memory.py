@@ -151,7 +151,7 @@ def format_stages(r: dict) -> str:
     lines = []
     for p, row in enumerate(r["stages"]):
         s = row["stage"]
-        blocks = ", ".join(f"{c[0]}-{c[-1]}" if c else "none" for c in s["chunks"])
+        blocks = ", ".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) if c else "none" for c in s["chunks"])
         extra = "".join([" + embedding" if s["embedding"] else "", " + head" if s["head"] else ""])
         flight = " or ".join("/".join(map(str, m)) for m in s["moments"])
         lines.append(f"pipeline rank {p:>2}: blocks {blocks}{extra}; micro-batches in flight {flight}: "

@@ -60,7 +60,7 @@ def _estimate(rank, world_size, argv):
 
 def test_the_estimate_prints_each_pipeline_rank_and_the_worst(tmp_path, capfd):
     out = tmp_path / "estimate.json"
-    argv = ["--config", CONFIG, "--parallel.pp=2", "--parallel.dp_shard=2", "--training.grad_accum=2",
+    argv = ["--config", CONFIG, "--world", "4", "--parallel.pp=2", "--parallel.dp_shard=2", "--training.grad_accum=2",
             "--parallel.pp_schedule=1f1b", "--device", "cpu", "--json", str(out)]
     (result,) = run_ranks(_estimate, 1, argv, as_torchrun=True)
     printed = capfd.readouterr().out.splitlines()
