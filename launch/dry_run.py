@@ -28,9 +28,16 @@ same routing, and the pipelined one (parallel.ep_overlap_chunks) sizes its piece
 peers send, so it runs unpipelined (`step_dispatch` says so). Losses, norms and updates are meaningless; shapes, groups and
 bytes are real.
 
-JSON: world, rank, groups (name -> size), states_bytes ({dense, expert} x {params, grads, optimizer}
-of the WHOLE model on this rank, from the parallelized model's local shards and the optimizer's state
-tensors), planner_s, collectives ([{kind, op, mesh, source, bytes, count, wire_intra_bytes, wire_inter_bytes}]
+Under pipeline parallelism (parallel.pp > 1) a played rank builds its pipeline rank's stages instead of the
+whole model (parallel/pp/part.py, each parallelized on the stage's meshes, Muon planned over the stage's
+ranks), and its states equal the memory estimate's for those stages (planning/memory/pretrain.py
+`rank_holding`). The step is not run there (`step_not_run`): the schedule's stages exchange activations point
+to point, which the fake backend does not deliver.
+
+JSON: world, rank, pp_rank, stages (this rank's pipeline stages, or "whole model"), groups (name -> size),
+states_bytes ({dense, expert} x {params, grads, optimizer} of everything this rank holds, from the parallelized
+model's local shards and the optimizer's state tensors), planner_s, collectives ([{kind, op, mesh, source, bytes,
+count, wire_intra_bytes, wire_inter_bytes}]
 of the materialized step: kind all_gather | reduce_scatter | all_reduce | all_to_all, source fsdp | ep |
 optimizer | other, bytes passed in, bytes sent to peers on this rank's node and on others),
 projection_comparison ([{kind, mesh, source, counted, projected, equal}]: [in-node, across] bytes of each
@@ -59,7 +66,8 @@ def parse(argv):
                              prefix="config error",
                              epilog="Any other --section.key=value overrides the config (the keys of launch/pretrain.py --help).")
     ap.add_argument("--config", required=True)
-    ap.add_argument("--world", type=int, default=None, help="world size (default: the config's dense degrees)")
+    ap.add_argument("--world", type=int, default=None,
+                    help="world size (default: parallel.pp x the config's dense degrees)")
     ap.add_argument("--ranks", default="0", help="comma-separated ranks to play, e.g. 0,128,255")
     ap.add_argument("--layers", type=int, default=1, help="blocks materialized at full width for the step (the last ones)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence of the step")
@@ -80,6 +88,8 @@ from models import Transformer  # noqa: E402
 from models.experts import GroupedExperts  # noqa: E402
 from parallel.fake_backend import register_fake_backend  # noqa: E402
 from parallel.meshes import build_meshes  # noqa: E402
+from parallel.pp import plan as pp_plan  # noqa: E402
+from parallel.pp.part import split_stages  # noqa: E402
 from planning.memory import pretrain as memory_estimate  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from runtime import comm  # noqa: E402
@@ -94,7 +104,7 @@ def job_config(args, overrides):
     """(config for the run on CPU, world, ranks, note on data); ValueError naming the flag or key."""
     config = load_config(["--config", args.config, *overrides])
     p = config.parallel
-    world = args.world if args.world is not None else math.prod((p.dp_replicate, p.dp_shard, p.cp))
+    world = args.world if args.world is not None else p.pp * math.prod((p.dp_replicate, p.dp_shard, p.cp))
     if world < 1:
         raise ValueError(f"--world {world}: must be >= 1 (the config infers a degree: give --world)")
     try:
@@ -107,7 +117,7 @@ def job_config(args, overrides):
         raise ValueError(f"--layers {args.layers}: must be in 1..{config.model.n_layers} (model.n_layers)")
     if args.json:
         check_output_file("--json", args.json, "dry_run.json", config_inputs(args.config, config))
-    config.layout(world)  # ConfigError: the one line launch/pretrain.py prints
+    config.layout(world)  # ConfigError, the one line launch/pretrain.py prints
     note = "the config's token file"
     if config.data.source == "bin" and not os.path.exists(config.data.path):
         note = f"synthetic tokens ({config.data.path} is not on this machine)"
@@ -172,13 +182,9 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
         start = time.perf_counter()
         meshes = build_meshes(layout, "cpu")
         names = comm.group_names(meshes)
-        with torch.device("meta"):
-            model = Transformer(config.model)
-        t = config.training
-        parallelize(model, meshes, layout, param_dtype=train.DTYPES[t.param_dtype],
-                    reduce_dtype=train.DTYPES[t.reduce_dtype])
+        model = meta_model(config, layout, meshes)
         planner_start = time.perf_counter()
-        optimizer = train.build_optimizer(model, config)
+        optimizer = train.build_optimizer(model, config, meshes)  # under pp: planned over the stage's ranks
         planner_s = time.perf_counter() - planner_start
         states = states_bytes(model, optimizer)
         loader = train.build_loader(config, meshes, layout)
@@ -186,16 +192,46 @@ def play_rank(config, step_config, world: int, rank: int, layers: int, note: str
         checkpoint_entries = len(app_state["train"].state_dict()["model"])
         del model, optimizer, app_state
         build_s = time.perf_counter() - start
-        step = materialized_step(step_config, layout, meshes, layers, names)
+        step = (materialized_step(step_config, layout, meshes, layers, names) if layout.pp == 1 else
+                {"step_not_run": PIPELINE_STEP})
         groups = {names.get(name, name): size for name, size in all_groups().items()}
-        estimate = memory_estimate.estimate(memory_estimate.Job(config, layout, rank, "h200"))
-        state = memory_estimate.sharded_state(memory_estimate.Job(config, layout, rank, "h200"))
-        return {"world": world, "rank": rank, "groups": groups, "states_bytes": states,
+        job = memory_estimate.Job(config, layout, rank, "h200")
+        estimate, state = memory_estimate.estimate(job), memory_estimate.sharded_state(job)
+        held = stage_lines(layout, config.model.n_layers, meshes.pp_rank())
+        return {"world": world, "rank": rank, "pp_rank": meshes.pp_rank(), "stages": held,
+                "groups": groups, "states_bytes": states,
                 "states_total_bytes": sum(sum(states[m].values()) for m in ("dense", "expert")), "planner_s": planner_s,
                 "checkpoint_model_entries": checkpoint_entries, "data": note, **step, "build_s": build_s,
                 "estimate": {"states_bytes": state, "states_total_bytes": sum(state.values()), **estimate}}
     finally:
         dist.destroy_process_group()
+
+
+PIPELINE_STEP = ("not run under parallel.pp > 1: the schedule's stages exchange activations point to point, which "
+                 "the fake backend does not deliver (the states above are the stage's, built by the real code)")
+
+
+def meta_model(config, layout, meshes):
+    """The model on the meta device, parallelized as the launch does: the whole model, or under pipeline
+    parallelism this rank's stages (parallel/pp/part.py, each parallelized on the stage's meshes) as one module
+    under the whole model's names. No memory."""
+    t = config.training
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    parts = [model]
+    if layout.pp > 1:
+        model, parts = split_stages(model, layout, meshes.pp_rank())
+    for part in parts:
+        parallelize(part, meshes, layout, param_dtype=train.DTYPES[t.param_dtype],
+                    reduce_dtype=train.DTYPES[t.reduce_dtype])
+    return model
+
+
+def stage_lines(layout, n_layers: int, pp_rank: int) -> str:
+    """This rank's pipeline stages and their blocks (parallel/pp/plan.py), or "whole model"."""
+    if layout.pp == 1:
+        return "whole model"
+    return pp_plan.describe_stages(layout.pp_config, layout.world_size, n_layers)[1 + pp_rank].strip()
 
 
 def materialized_step(config, layout, meshes, layers: int, names: dict) -> dict:
@@ -263,9 +299,11 @@ def main(argv=None) -> list[dict]:
 def summary(r: dict) -> str:
     gib = 2**30
     ok = "equal" if r["states_total_bytes"] == r["estimate"]["states_total_bytes"] else "DIFFERENT"
-    lines = [f"rank {r['rank']} of {r['world']}: {len(r['groups'])} process groups; states "
-             f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to the memory estimate's); planner {r['planner_s']:.1f} s; "
-             f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
+    head = (f"rank {r['rank']} of {r['world']} ({r['stages']}): {len(r['groups'])} process groups; states "
+            f"{r['states_total_bytes'] / gib:.3f} GiB ({ok} to the memory estimate's); planner {r['planner_s']:.1f} s; ")
+    if "step_not_run" in r:
+        return head + f"wall {r['wall_s']:.1f} s\n  step {r['step_not_run']}"
+    lines = [head + f"step of {r['step_layers']} block(s) at seq {r['step_seq_len']}: {r['step_s']:.1f} s, peak "
              f"{r['peak_memory_bytes'] / gib:.2f} GiB; wall {r['wall_s']:.1f} s"]
     mib = 2**20
     lines += [f"  {c['kind']:<15} {c['source']:<10} {c['mesh']:<40} {c['count']:>4} x  {c['bytes'] / mib:10.1f} MiB "
@@ -276,7 +314,6 @@ def summary(r: dict) -> str:
               f"{c['counted'][1] / mib:.3f}: {'equal' if c['equal'] else 'DIFFERENT'}"
               for c in r["projection_comparison"]]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError):

@@ -6,7 +6,9 @@
         [--rollout-tokens L] [--feedback-items K] [--hint-tokens H] [--turn-tokens T] [--assistant-fraction A]
 
 The command line of planning/memory/: a pretraining config (data.source other than "rollouts") is estimated by
-planning/memory/pretrain.py, a post-training config by planning/memory/posttrain.py, which adds the teacher's
+planning/memory/pretrain.py (under parallel.pp > 1 one line per pipeline rank, at --rank's coordinate inside its
+stage, then the worst one's parts; --json: {"stages": [...], "worst": p}), a post-training config by
+planning/memory/posttrain.py, which adds the teacher's
 and the feedback losses' terms for the rollouts' shape the flags give (the file is not read). What each
 counts: those modules' docstrings; docs/cluster.md#memory-before-launch.
 
@@ -53,7 +55,7 @@ def parser() -> precheck.ToolParser:
                                     "launch/pretrain.py --help).")
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None,
-                    help="world size (default: the product of the config's dense degrees)")
+                    help="world size (default: parallel.pp x the product of the config's dense degrees)")
     ap.add_argument("--device", choices=pretrain.DEVICE_CHOICES, default="h200",
                     help="planning/devices.py (memory as torch reports it); cpu: no limit")
     ap.add_argument("--rank", type=int, default=0)
@@ -105,7 +107,7 @@ def job_from_args(args, overrides: list[str]) -> pretrain.Job:
     if args.world is None and -1 in degrees:
         raise ValueError(f"--world: the config infers parallel.dp_replicate, dp_shard or cp (-1: "
                          f"{', '.join(map(str, degrees))}); give the world size")
-    world = math.prod(degrees) if args.world is None else args.world
+    world = p.pp * math.prod(degrees) if args.world is None else args.world
     if world < 1:
         raise ValueError(f"--world {world}: must be >= 1")
     if not 0 <= args.rank < world:
@@ -115,7 +117,8 @@ def job_from_args(args, overrides: list[str]) -> pretrain.Job:
                          f"over the mean)")
     if args.json:
         check_output_file("--json", args.json, "estimate.json", config_inputs(args.config, config))
-    return pretrain.Job(config, config.layout(world), args.rank, args.device, args.routing_skew)
+    layout = config.layout(world)  # refuses post-training under parallel.pp > 1, as the launch does
+    return pretrain.Job(config, layout, args.rank, args.device, args.routing_skew)
 
 
 def main(argv=None) -> dict:
@@ -127,8 +130,13 @@ def main(argv=None) -> dict:
         shape = rollout_shape(args, job.config)  # None unless data.source = "rollouts"
     except ValueError as e:  # ConfigError is one: it names the dotted key
         fail(explain(str(e)))
-    result = pretrain.estimate(job) if shape is None else posttrain.estimate(job, shape)
-    print(format_table(result))
+    if shape is not None:
+        result = posttrain.estimate(job, shape)
+    elif job.layout.pp > 1:
+        result = pretrain.estimate_stages(job)
+    else:
+        result = pretrain.estimate(job)
+    print(format_stages(result) if "stages" in result else format_table(result), flush=True)
     if args.json:
         try:
             with open(args.json, "w") as f:
@@ -136,6 +144,19 @@ def main(argv=None) -> dict:
         except OSError as e:
             fail(f"--json {args.json}: cannot write ({e.strerror or e})")
     return result
+
+
+def format_stages(r: dict) -> str:
+    """One line per pipeline rank (its stages' blocks, peak, moment), then the worst one's table."""
+    lines = []
+    for p, row in enumerate(r["stages"]):
+        s = row["stage"]
+        blocks = ", ".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) if c else "none" for c in s["chunks"])
+        extra = "".join([" + embedding" if s["embedding"] else "", " + head" if s["head"] else ""])
+        flight = " or ".join("/".join(map(str, m)) for m in s["moments"])
+        lines.append(f"pipeline rank {p:>2}: blocks {blocks}{extra}; micro-batches in flight {flight}: "
+                     f"{row['total_gib']:7.2f} GiB at {row['peak_at']}")
+    return "\n".join([*lines, f"worst: pipeline rank {r['worst']}", format_table(r["stages"][r["worst"]])])
 
 
 def format_table(r: dict) -> str:

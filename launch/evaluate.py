@@ -93,7 +93,7 @@ def held_out_loss(model, data: DataConfig, *, steps: int, holdout: float, seed: 
                     path_key=path_key)  # the eval split: the run's held-out part and its own stream of draws
     device = next(model.parameters()).device
     return evaluate(model, loader, steps, data.tokens_per_step(),
-                    lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
+                    lambda batch, tokens: sum(micro_batch_loss(model, micro, tokens, device) for micro in batch))
 
 
 class Plan(NamedTuple):

@@ -110,24 +110,32 @@ class Transformer(nn.Module):
                      same generator state gives the same unsharded model; cheap, for tests.
           neither    the default RNG (DTensor parameters use DTensor's own RNG).
         """
-        draw = _normal_drawer(generator, seed)
-        std = self.config.init_std
-        for prefix, module in self.named_modules():
-            if isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                out_std = self.config.dim**-0.5 if module is self.output else std
-                draw(module.weight, out_std, f"{prefix}.weight")
-            elif isinstance(module, GroupedExperts):
-                for name, param, rows in module.init_streams():
-                    draw(param, std, f"{prefix}.{name}", rows)
-            elif isinstance(module, Router):
-                module.expert_bias.zero_()
-                module.tokens_per_expert.zero_()
+        init_modules(self, self.config, self.output, generator, seed)
 
     def routers(self) -> list[Router]:
         """The MoE routers, in layer order (for `update_expert_bias` and load metrics)."""
         return [m for m in self.modules() if isinstance(m, Router)]
+
+
+@torch.no_grad()
+def init_modules(model: nn.Module, config: ModelConfig, output: nn.Module | None, generator=None, seed=None) -> None:
+    """`Transformer.init_weights` on `model` (a Transformer, or a part of one under its whole-model names:
+    parallel/pp/part.py), `output` its output head if it holds it. Every draw is keyed by the whole-model
+    name under `seed`, so a part gets exactly the values the whole model would."""
+    draw = _normal_drawer(generator, seed)
+    std = config.init_std
+    for prefix, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            out_std = config.dim**-0.5 if module is output else std
+            draw(module.weight, out_std, f"{prefix}.weight")
+        elif isinstance(module, GroupedExperts):
+            for name, param, rows in module.init_streams():
+                draw(param, std, f"{prefix}.{name}", rows)
+        elif isinstance(module, Router):
+            module.expert_bias.zero_()
+            module.tokens_per_expert.zero_()
 
 
 def _normal_drawer(generator: torch.Generator | None, seed: int | None):

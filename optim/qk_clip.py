@@ -15,10 +15,10 @@ RoPE rotates q and k linearly per position, so scaling whole rows commutes with 
 Use in a training step (runtime/train.py):
   1. after forward/backward: `max_LH = step_max_logits(model)`: one MAX all-reduce of the [layers, heads]
      maxima over all ranks (data-, context- and expert-parallel ranks all ran attention on their own
-     tokens); `clip_metrics(max_LH, tau)` (the step's largest logit and clipped-head count, on device)
+     tokens; pipeline stages each fill their own layers' rows); `clip_metrics(max_LH, tau)` (the step's largest logit and clipped-head count, on device)
      joins the step's one host readback (loss, grad norm), so QK-clip adds no host sync of its own;
   2. after the optimizer step: `qk_clip_(model, max_LH, tau, alpha)`: clip factors on device, and each
-     rank multiplies the rows of its own shard in place (box from the DTensor placements); no
+     rank multiplies the rows of its own shard (of its own layers) in place (box from the DTensor placements); no
      communication, no host readback.
 Padded positions (post-training rows are padded at the end) are left out of the maxima inside
 `padding_ignored(model, pad_BS)`.
@@ -91,13 +91,23 @@ def reset_recording(model: nn.Module) -> None:
             recorder.max_logit_H.fill_(-torch.inf)
 
 
+def layer_indices(model: nn.Module) -> list[int]:
+    """The whole-model index of each block of `model.layers` (a pipeline stage holds some: parallel/pp/part.py)."""
+    return [int(name) for name, _ in model.layers.named_children()]
+
+
 def step_max_logits(model: nn.Module) -> torch.Tensor:
-    """The step's max logit per layer and head, fp32 [L, H], MAX over all ranks (collective); -inf where
-    nothing was recorded."""
-    maxima = [_recorder(a).max_logit_H for a in attention_modules(model)]
+    """The step's max logit per layer and head, fp32 [L, H] over ALL the model's L layers, MAX over all ranks
+    (collective); -inf where nothing was recorded. Under pipeline parallelism a rank fills the rows of its
+    stages' layers and -inf elsewhere, so the one MAX over the world is per layer across the stages."""
+    attentions = attention_modules(model)
+    maxima = [_recorder(a).max_logit_H for a in attentions]
     device = next(m for m in maxima if m is not None).device if any(m is not None for m in maxima) else "cpu"
-    max_LH = torch.stack([m if m is not None else torch.full((a.n_heads,), -torch.inf, device=device)
-                          for m, a in zip(maxima, attention_modules(model))])
+    n_heads = attentions[0].n_heads if attentions else model.config.n_heads
+    max_LH = torch.full((model.config.n_layers, n_heads), -torch.inf, device=device)
+    for layer, m in zip(layer_indices(model), maxima):
+        if m is not None:
+            max_LH[layer] = m
     if dist.is_initialized():
         dist.all_reduce(max_LH, op=dist.ReduceOp.MAX)  # communication: L*H floats, once per step
     return max_LH
@@ -131,8 +141,8 @@ def qk_clip_(model: nn.Module, max_LH: torch.Tensor, tau: float, alpha: float = 
     every head over tau gets its factor; rows whose factor is 1 (heads under tau, and every row of a
     layer or GQA group without a violating head) are multiplied by exactly 1, so stay bitwise unchanged.
     Local (no communication) and free of host syncs: the factors stay on the device."""
-    for attention, max_H in zip(attention_modules(model), max_LH):
-        _clip_layer_(attention, clip_factors(max_H, tau), alpha)
+    for layer, attention in zip(layer_indices(model), attention_modules(model)):
+        _clip_layer_(attention, clip_factors(max_LH[layer], tau), alpha)
 
 
 def _clip_layer_(attention: nn.Module, gamma_H: torch.Tensor, alpha: float) -> None:

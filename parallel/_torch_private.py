@@ -7,7 +7,9 @@ meshes that share its ranks; torchtitan 0.3.0 uses the same calls (`unflatten`, 
 Others: `fake_process_group`, `registered_backends` (parallel/fake_backend.py: the fake backend, which torch
 registers only in torch.testing._internal), `foreach_norm` / `foreach_mul_` (parallel/gradients.py: one
 kernel per list of tensors, as torch.nn.utils.clip_grad_norm_ does), `assert_async`
-(parallel/context_parallel.py: a device-side assert without a host sync).
+(parallel/context_parallel.py: a device-side assert without a host sync), `drop_backward_receive`
+(parallel/pp/schedule.py: a forward-only pass of torch's pipeline runtime forgets the gradient receives it
+posted, as a backward action would have).
 """
 
 import torch
@@ -62,3 +64,10 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def drop_backward_receive(schedule, stage_index: int, mb_index: int) -> None:
+    """Forget the (empty) gradient receive torch's pipeline runtime posted for this stage and micro-batch
+    (`_PipelineScheduleRuntime.bwd_recv_ops`, an internal dict; checked on torch 2.13.0). Its backward actions
+    pop it; a forward-only pass that skips them must, or the next pass fails with "Recv twice"."""
+    schedule.bwd_recv_ops.pop((stage_index, mb_index), None)

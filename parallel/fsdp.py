@@ -18,7 +18,8 @@ parallel/gradients.py for the loss convention that makes the sum the single-proc
 
 Wrapping units: one per expert group (GroupedExperts, expert mesh), one per TransformerBlock
 (the rest of the block, dense mesh), the embedding, the final norm with the output head, and the
-root. `fully_shard` keeps parameter names (FQNs) unchanged.
+root. Under pipeline parallelism each stage is sharded on its own meshes (its stage's ranks) and is
+its own root, holding the embedding or the head only if it is the first or the last stage. `fully_shard` keeps parameter names (FQNs) unchanged.
 
 Mixed precision (FSDP2 `MixedPrecisionPolicy`, the same on both meshes): sharded parameters, their
 gradients and the optimizer state stay fp32; each unit all-gathers its weights cast to
@@ -41,21 +42,28 @@ from parallel.meshes import Meshes
 
 
 def apply_fsdp(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
-               reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Shard `model` in place (after `apply_expert_parallel`, so expert weights are already DTensors on ep)."""
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> None:
+    """Shard `model` in place (after `apply_expert_parallel`, so expert weights are already DTensors on ep).
+    `model`: a Transformer, or one pipeline stage of it (parallel/pp/part.py: the embedding, the norm and
+    the head only where the stage holds them; the stage is then its own root unit).
+    `reshard_after_forward` (parallel.reshard_after_forward): False keeps each unit's gathered weights from
+    its forward to its backward (no second all-gather; the memory of the unsharded weights meanwhile)."""
     policy = mixed_precision_policy(param_dtype, reduce_dtype)
     router_policy = mixed_precision_policy(torch.float32, reduce_dtype)
     expert_dim = layout.expert_shard_dim(model.config.n_routed_experts)
+    dense = {"mesh": meshes.dense_fsdp, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
     for block in model.layers:
         for module in nested_units(block, param_dtype):
             if isinstance(module, GroupedExperts):
-                _shard_experts(module, meshes, expert_dim, policy)
+                _shard_experts(module, meshes, expert_dim, policy, reshard_after_forward)
             else:
-                fully_shard(module, mesh=meshes.dense_fsdp, mp_policy=router_policy)
-        fully_shard(block, mesh=meshes.dense_fsdp, mp_policy=policy)  # skips the units above
-    fully_shard(model.tok_embeddings, mesh=meshes.dense_fsdp, mp_policy=policy)
-    fully_shard([model.norm, model.output], mesh=meshes.dense_fsdp, mp_policy=policy)
-    fully_shard(model, mesh=meshes.dense_fsdp, mp_policy=policy)
+                fully_shard(module, **{**dense, "mp_policy": router_policy})
+        fully_shard(block, **dense)  # skips the units above
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **dense)
+    if model.output is not None:
+        fully_shard([model.norm, model.output], **dense)
+    fully_shard(model, **dense)
     _sum_gradients(model)
 
 
@@ -75,11 +83,13 @@ def mixed_precision_policy(param_dtype: torch.dtype, reduce_dtype: torch.dtype) 
                                 reduce_dtype=reduce_dtype)
 
 
-def _shard_experts(experts: GroupedExperts, meshes: Meshes, dim: int, policy: MixedPrecisionPolicy) -> None:
+def _shard_experts(experts: GroupedExperts, meshes: Meshes, dim: int, policy: MixedPrecisionPolicy,
+                   reshard_after_forward: bool = True) -> None:
     # Shard(1) = a matrix dim (F for w1/w3, D for w2) when there are fewer local experts than
     # edp_shard ranks: Shard(0) would leave ranks with empty shards (and padding traffic).
     placement_fn = None if dim == 0 else (lambda param: Shard(1))
-    fully_shard(experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn, mp_policy=policy)
+    fully_shard(experts, mesh=meshes.expert_fsdp, shard_placement_fn=placement_fn, mp_policy=policy,
+                reshard_after_forward=reshard_after_forward)
 
 
 def _sum_gradients(model: nn.Module) -> None:

@@ -87,16 +87,20 @@ def global_loss(local_loss: torch.Tensor, group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grad_norm(parameters, group=None) -> torch.Tensor:
-    """Global L2 norm of the gradients of `parameters`, DTensors on any meshes that span `group`
-    (default: world). Each rank adds the squares of its local shards; a shard replicated over
-    mesh axes of total size n is held by n ranks, so it is counted 1/n times. One `_foreach_norm`
-    per (device, dtype, replica count) group of local shards (fp32 per-shard norms, as
-    torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64, then one
-    all-reduce of one scalar (communication). No host sync. The foreach kernels are private torch
-    (parallel/_torch_private.py); torch.nn.utils.clip_grad_norm_ uses them too."""
+def grad_norm(parameters, group=None, stage_group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients of `parameters`, DTensors on any meshes that span `stage_group`
+    (default: `group`, default: world). Each rank adds the squares of its local shards; a shard replicated
+    over mesh axes of total size n is held by n ranks, so it is counted 1/n times (a plain tensor: by every
+    rank of `stage_group`). One `_foreach_norm` per (device, dtype, replica count) group of local shards
+    (fp32 per-shard norms, as torch.nn.utils.clip_grad_norm_ computes them), their squares summed in fp64,
+    then one all-reduce of one scalar over `group` (communication). No host sync.
+    Pipeline parallelism: `stage_group` is this rank's stage, `group` the world; stages hold disjoint
+    parameters, so the one world-wide sum is the sum over each stage's ranks, then over the stages.
+    The foreach kernels are private torch (parallel/_torch_private.py); torch.nn.utils.clip_grad_norm_
+    uses them too."""
+    holders = group if stage_group is None else stage_group
     sq = None  # created on the gradients' device: a CPU scalar copied over would be a blocking copy
-    for (device, _, replicas), shards in _local_grads(parameters, group).items():
+    for (device, _, replicas), shards in _local_grads(parameters, holders).items():
         part = torch.stack(_torch_private.foreach_norm(shards)).double().square().sum() / replicas
         sq = part if sq is None else sq + part.to(sq.device)
     if sq is None:
@@ -128,16 +132,16 @@ def _replicas(grad: torch.Tensor, group) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, group=None, stage_group=None) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm (same rule as
     torch.nn.utils.clip_grad_norm_: factor min(1, max_norm / (norm + 1e-6))). Returns the norm
-    before clipping. One `_foreach_mul_` per (device, dtype) group of local shards, in place: no
-    communication, no host sync."""
+    before clipping (`grad_norm`: `stage_group` under pipeline parallelism). One `_foreach_mul_` per
+    (device, dtype) group of local shards, in place: no communication, no host sync."""
     parameters = [p for p in parameters if p.grad is not None]
-    total_norm = grad_norm(parameters, group)
+    total_norm = grad_norm(parameters, group, stage_group)
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     by_device = {}
-    for (device, dtype, _), shards in _local_grads(parameters, group).items():
+    for (device, dtype, _), shards in _local_grads(parameters, group if stage_group is None else stage_group).items():
         by_device.setdefault((device, dtype), []).extend(shards)
     for (device, _), shards in by_device.items():
         _torch_private.foreach_mul_(shards, scale.to(device))

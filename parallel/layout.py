@@ -23,6 +23,11 @@ FSDP group across nodes; "edp_shard" keeps the expert all-gathers and reduce-sca
 (edp_shard <= 8) and sends the ep all-to-all across nodes. benchmarks/step_projection.py compares
 both (docs/performance.md, "Whole-step projection").
 
+Pipeline parallelism (parallel/pp/) is the outermost axis: the world is pp stages of world / pp
+consecutive ranks each, and both layouts above multiply to the ranks of one stage. Its knobs are
+inherited from `PipelineConfig` (parallel/pp/config.py) and ride along as one `layout.pp_config`;
+`Layout.validate` checks them with the rest (parallel/pp/plan.py `check_pipeline`).
+
 There is no tensor parallelism, so attention heads never constrain a layout: context parallelism
 all-gathers K/V (every rank keeps all heads) and Muon's per-head split is the optimizer's business.
 """
@@ -32,6 +37,8 @@ from typing import Literal
 
 from parallel.ep import refusals
 from parallel.ep.config import EPConfig
+from parallel.pp.config import PipelineConfig
+from parallel.pp.plan import check_pipeline, compiles_auto
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp")
 EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
@@ -40,9 +47,10 @@ DEGREES = DENSE_AXES + EXPERT_AXES
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelConfig(EPConfig):
+class ParallelConfig(EPConfig, PipelineConfig):
     """The `[parallel]` section: degrees of the dense and expert layouts (-1 = infer from the world size),
-    and the EP knobs (inherited from EPConfig, parallel/ep/config.py)."""
+    the EP knobs (inherited from EPConfig, parallel/ep/config.py) and the pipeline knobs (inherited from
+    PipelineConfig, parallel/pp/config.py)."""
 
     dp_replicate: int = 1  # dense: HSDP replicas (gradients all-reduced across them)
     dp_shard: int = -1  # dense: FSDP shard group size (dense weights are sharded over dp_shard x cp)
@@ -60,6 +68,7 @@ class ParallelConfig(EPConfig):
                 raise ValueError(f"parallel.{name}={value}: degrees must be positive or -1 (infer)")
         _check_expert_inner(self.expert_inner)
         self.check()
+        PipelineConfig.check(self)
 
     def resolve(self, world_size: int, *, activation_checkpoint: str = "none", compile: str = "false",
                 compile_backend: str = "inductor") -> "Layout":
@@ -68,11 +77,26 @@ class ParallelConfig(EPConfig):
         if world_size < 1:
             raise ValueError(f"world size must be positive, got {world_size}")
         self.check_degrees()
-        dense = _resolve_axes(self, DENSE_AXES, world_size, "dense")
-        expert = _resolve_axes(self, EXPERT_AXES, world_size, "expert")
+        stage = _stage_size(world_size, self.pp)
+        dense = _resolve_axes(self, DENSE_AXES, stage, "dense", self.pp)
+        expert = _resolve_axes(self, EXPERT_AXES, stage, "expert", self.pp)
         return Layout(world_size=world_size, **dense, **expert, expert_inner=self.expert_inner,
-                      ep_config=self.ep_only(), activation_checkpoint=activation_checkpoint, compile=compile,
-                      compile_backend=compile_backend)
+                      ep_config=self.ep_only(), pp_config=self.pp_only(), activation_checkpoint=activation_checkpoint,
+                      compile=compile, compile_backend=compile_backend)
+
+
+def _stage_size(world_size: int, pp: int) -> int:
+    """Ranks per pipeline stage; ValueError unless pp divides the world size."""
+    if world_size % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide the world size {world_size}")
+    return world_size // pp
+
+
+def _ranks_phrase(ranks: int, pp: int) -> str:
+    """How a layout's rank count is named in errors: the world, or one pipeline stage of it."""
+    if pp == 1:
+        return f"the world size is {ranks}"
+    return f"a pipeline stage has {ranks} ranks (world size {ranks * pp} / parallel.pp={pp})"
 
 
 def _check_expert_inner(value) -> None:
@@ -80,7 +104,8 @@ def _check_expert_inner(value) -> None:
         raise ValueError(f"parallel.expert_inner={value!r}: must be one of {', '.join(map(repr, EXPERT_INNER))}")
 
 
-def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str) -> dict:
+def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int, name: str, pp: int = 1) -> dict:
+    """The degrees of `axes` multiplying to `world_size` (the ranks of one pipeline stage when pp > 1)."""
     values = {a: getattr(config, a) for a in axes}
     formula = " x ".join(f"parallel.{a}={v}" for a, v in values.items())
     inferred = [a for a, v in values.items() if v == -1]
@@ -91,13 +116,14 @@ def _resolve_axes(config: ParallelConfig, axes: tuple[str, ...], world_size: int
         known *= v if v != -1 else 1
     if inferred:
         if world_size % known:
+            where = "world size" if pp == 1 else f"pipeline stage size (world / parallel.pp={pp})"
             raise ValueError(
-                f"{name} layout {formula}: world size {world_size} is not divisible by {known}, "
+                f"{name} layout {formula}: {where} {world_size} is not divisible by {known}, "
                 f"cannot infer {inferred[0]}"
             )
         values[inferred[0]] = world_size // known
     elif known != world_size:
-        raise ValueError(f"{name} layout {formula} = {known} ranks, but the world size is {world_size}")
+        raise ValueError(f"{name} layout {formula} = {known} ranks, but {_ranks_phrase(world_size, pp)}")
     return values
 
 
@@ -115,9 +141,20 @@ class Layout:
     edp_shard: int
     expert_inner: str = "ep"  # see ParallelConfig.expert_inner
     ep_config: EPConfig = EPConfig()  # the EP knobs (parallel/ep/config.py)
+    pp_config: PipelineConfig = PipelineConfig()  # the pipeline knobs (parallel/pp/config.py)
     activation_checkpoint: str = "none"  # training.activation_checkpoint (parallel/activation_checkpoint.py)
     compile: str = "false"  # training.compile: "true", "auto" (on CUDA when it can) or "false"
     compile_backend: str = "inductor"  # training.compile_backend (parallel/compile.py)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks (stages' rank groups), the outermost axis (parallel/pp/plan.py)."""
+        return self.pp_config.pp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (the whole world when pp == 1): both layouts multiply to it."""
+        return self.world_size // self.pp
 
     @property
     def expert_numbering(self) -> tuple[str, ...]:
@@ -147,8 +184,10 @@ class Layout:
 
     def compile_backend_used(self, device_type: str) -> str | None:
         """The backend parallelize compiles the blocks with, or None (eager): compile = "true", or "auto" on
-        CUDA when no EP dispatch knob is on (only the direct EP path compiles: parallel/ep/refusals.py)."""
-        auto = self.compile == "auto" and device_type == "cuda" and not self.ep_config.on()
+        CUDA when no EP dispatch knob is on (only the direct EP path compiles: parallel/ep/refusals.py) and no
+        zero-bubble pipeline schedule runs (torch's refuse compiled stages: parallel/pp/plan.py)."""
+        auto = (self.compile == "auto" and device_type == "cuda" and not self.ep_config.on()
+                and compiles_auto(self.pp_config))
         on = self.compile == "true" or auto
         return self.compile_backend if on else None
 
@@ -194,6 +233,8 @@ class Layout:
                 f"dp_shard={self.dp_shard} = {self.dp} data-parallel ranks"
             )
         refusals.check(self, model_config, seq_len, global_batch, grad_accum)  # the one EP refusal check
+        check_pipeline(self.pp_config, model_config.n_layers, grad_accum, self.activation_checkpoint,
+                       self.compile == "true")
 
 
 def _check_positive(layout: Layout) -> None:
@@ -202,9 +243,11 @@ def _check_positive(layout: Layout) -> None:
             raise ValueError(f"parallel.{name}={getattr(layout, name)}: degrees must be positive")
     _check_expert_inner(layout.expert_inner)
     layout.ep_config.check()
+    layout.pp_config.check()
+    stage = _stage_size(layout.world_size, layout.pp)
     dense = layout.dp_replicate * layout.dp_shard * layout.cp
     expert = layout.edp_replicate * layout.edp_shard * layout.ep
     for name, axes, product in (("dense", DENSE_AXES, dense), ("expert", EXPERT_AXES, expert)):
-        if product != layout.world_size:
+        if product != stage:
             formula = " x ".join(f"{a}={getattr(layout, a)}" for a in axes)
-            raise ValueError(f"{name} layout {formula} = {product} ranks, but the world size is {layout.world_size}")
+            raise ValueError(f"{name} layout {formula} = {product} ranks, but {_ranks_phrase(stage, layout.pp)}")

@@ -21,6 +21,14 @@ The data-parallel index of a rank (which slice of the global batch it reads) is
 Process groups: one per axis of each mesh, plus the flattened dense FSDP shard axis
 ("dp_shard_cp", dp_shard and cp together). Building meshes is collective: every rank must call
 `build_meshes` with the same layout.
+
+Pipeline parallelism (pp > 1, parallel/pp/plan.py): the world is first viewed as (pp, stage), pp
+outermost, and the dense and expert meshes above are views of this rank's `stage` axis (its S = world/pp
+consecutive ranks), so the formulas above hold inside a stage with rank = p*S + (the formula). Two more
+groups: `stage` (the S ranks of one stage: the step's stage-wide sums) and `pp` (the pp ranks that share
+a coordinate inside their stages: activations point to point, the step's sums across stages). Example,
+8 ranks, pp=2, dp_shard=2 x cp=2 | ep=4: stages [0 1 2 3] [4 5 6 7], pp groups [0 4] [1 5] [2 6] [3 7],
+cp groups [0 1] [2 3] [4 5] [6 7], ep groups [0 1 2 3] [4 5 6 7].
 """
 
 import itertools
@@ -33,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import _torch_private
 from parallel.layout import DENSE_AXES, EXPERT_AXES, Layout
+from parallel.pp import plan as pp_plan
 
 
 def numbering(layout: Layout, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -53,29 +62,32 @@ def coordinates(layout: Layout, axes: tuple[str, ...], rank: int) -> tuple[int, 
 
 
 def group_ranks(layout: Layout, axes: tuple[str, ...], group_axes: tuple[str, ...], rank: int) -> list[int]:
-    """Ranks that share every coordinate with `rank` except those on `group_axes` (sorted)."""
-    step = strides(layout, axes)
+    """Ranks that share every coordinate with `rank` except those on `group_axes` (sorted), in its stage."""
+    step, first = strides(layout, axes), rank - rank % layout.stage_size
     ranges = [range(getattr(layout, a)) if a in group_axes else [c]
               for a, c in zip(axes, coordinates(layout, axes, rank))]
-    return sorted(sum(c * step[a] for a, c in zip(axes, combo)) for combo in itertools.product(*ranges))
+    return sorted(first + sum(c * step[a] for a, c in zip(axes, combo)) for combo in itertools.product(*ranges))
 
 
 def rank_mesh(layout: Layout, axes: tuple[str, ...]) -> np.ndarray:
-    """Int array of shape [degree of each of `axes`]: the rank at each coordinate (a DeviceMesh's `.mesh`)."""
+    """Int array of shape [degree of each of `axes`]: the rank at each coordinate (a DeviceMesh's `.mesh`)
+    of pipeline stage 0 (stage p adds p * layout.stage_size)."""
     order = numbering(layout, axes)
-    ranks = np.arange(layout.world_size).reshape([getattr(layout, a) for a in order])
+    ranks = np.arange(layout.stage_size).reshape([getattr(layout, a) for a in order])
     return ranks.transpose([order.index(a) for a in axes])
 
 
 def describe(layout: Layout, model_config=None) -> str:
     """Readable multi-line description of both layouts (printed by the runtime at start-up)."""
     lines = [
-        f"world size {layout.world_size}",
+        f"world size {layout.world_size}" + ("" if layout.pp == 1 else f" = pp {layout.pp} x {layout.stage_size}"),
+        *pp_plan.describe_stages(layout.pp_config, layout.world_size,
+                                 model_config.n_layers if model_config is not None else 0),
         f"dense  mesh dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp}"
         f"  (rank = (r*{layout.dp_shard} + s)*{layout.cp} + c)",
         f"expert mesh edp_replicate={layout.edp_replicate} x edp_shard={layout.edp_shard} x ep={layout.ep}"
         f"  ({_expert_formula(layout)}, expert_inner={layout.expert_inner})",
-        "rank 0's groups:",
+        "rank 0's groups:" if layout.pp == 1 else "rank 0's groups (stage p: add p x the stage size):",
     ]
     for name, axes, group_axes in (
         ("dense FSDP shard (dp_shard x cp)", DENSE_AXES, ("dp_shard", "cp")),
@@ -119,6 +131,12 @@ class Meshes:
     expert_fsdp: DeviceMesh  # ("edp_replicate", "edp_shard"): HSDP mesh of the routed-expert weights
     ep: DeviceMesh  # ("ep",): expert-parallel all-to-all
     cp: DeviceMesh  # ("cp",): context-parallel K/V all-gather
+    stage: DeviceMesh  # ("stage",): this rank's pipeline stage (the world itself when pp == 1)
+    pp: DeviceMesh | None = None  # ("pp",): the ranks of this rank's coordinate in every stage; None when pp == 1
+
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank (0 when pp == 1)."""
+        return 0 if self.pp is None else self.pp.get_local_rank()
 
     def dp_rank(self) -> int:
         """Which of the `layout.dp` slices of the global batch this rank reads."""
@@ -134,12 +152,16 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"layout is for {layout.world_size} ranks but {dist.get_world_size()} are running")
     world = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
-    dense = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in DENSE_AXES), DENSE_AXES)
+    pp, stage = None, world
+    if layout.pp > 1:
+        staged = _torch_private.unflatten(world, (layout.pp, layout.stage_size), ("pp", "stage"))
+        pp, stage = staged["pp"], staged["stage"]
+    dense = _torch_private.unflatten(stage, tuple(getattr(layout, a) for a in DENSE_AXES), DENSE_AXES)
     # dp_shard and cp shard the dense weights together (cp ranks hold the same weights).
     shard_cp = _torch_private.flatten(dense["dp_shard", "cp"], "dp_shard_cp")
     # The expert axes are unflattened in numbering order and restacked in EXPERT_AXES order.
     order = layout.expert_numbering
-    numbered = _torch_private.unflatten(world, tuple(getattr(layout, a) for a in order), order)
+    numbered = _torch_private.unflatten(stage, tuple(getattr(layout, a) for a in order), order)
     expert = _torch_private.concatenate([numbered[a] for a in EXPERT_AXES])
     return Meshes(
         world=world,
@@ -149,5 +171,7 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
         expert_fsdp=_torch_private.concatenate([numbered["edp_replicate"], numbered["edp_shard"]]),
         ep=numbered["ep"],
         cp=dense["cp"],
+        stage=stage,
+        pp=pp,
     )
 

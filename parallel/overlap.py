@@ -40,14 +40,15 @@ _FORWARD_PREFETCH: "weakref.WeakKeyDictionary[FSDPModule, list[weakref.ref]]" = 
 
 
 def fsdp_units_in_forward_order(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP units of a parallelized Transformer, in the order their forwards run."""
+    """The FSDP units of a parallelized Transformer (or pipeline stage), in the order their forwards run."""
     from models.experts import GroupedExperts
 
-    units = [model.tok_embeddings]
+    units = [model.tok_embeddings] if model.tok_embeddings is not None else []  # a pipeline stage may lack it
     for block in model.layers:
         units.append(block)
         units.extend(m for m in block.modules() if isinstance(m, GroupedExperts))
-    units.append(model.norm)  # the [norm, output] group's state is reached through either module
+    if model.norm is not None:
+        units.append(model.norm)  # the [norm, output] group's state is reached through either module
     assert all(isinstance(u, FSDPModule) for u in units), [type(u).__name__ for u in units]
     return units
 

@@ -24,11 +24,13 @@ from parallel.ep.dispatcher import apply_expert_parallel
 from parallel.fsdp import apply_fsdp
 from parallel.layout import Layout
 from parallel.meshes import Meshes
+from parallel.pp.plan import reshard_after_forward
 
 
 def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype: torch.dtype = torch.float32,
                 reduce_dtype: torch.dtype = torch.float32, document_mask: bool = False) -> nn.Module:
     """Shard `model` in place for `layout` and return it. Collective-free except FSDP's setup.
+    `model`: a Transformer or one pipeline stage of it (parallel/pp/part.py), on this rank's stage meshes.
     `document_mask` (data.document_mask): off the flex path, each block's attention stays eager when compiled."""
     _check_fp8(layout.ep_config, meshes.ep.device_type)
     apply_context_parallel(model, meshes.cp)  # attention.kv_source, .sdpa: compact K/V all-gather over cp
@@ -39,7 +41,8 @@ def parallelize(model: nn.Module, meshes: Meshes, layout: Layout, *, param_dtype
         block_path = document_mask and not flex_path(meshes.dense.device_type)
         apply_compile(model, backend, boundaries, layout.ep, block_path)
     apply_activation_checkpoint(model, layout.activation_checkpoint)  # regions' slots: recomputed in backward
-    apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # both meshes
+    apply_fsdp(model, meshes, layout, param_dtype=param_dtype, reduce_dtype=reduce_dtype,  # both meshes
+               reshard_after_forward=reshard_after_forward(layout.pp_config))
     return model
 
 

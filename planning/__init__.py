@@ -13,7 +13,7 @@ public names for launch/ and benchmarks/ to use. It imports neither (tests/entry
   pipeline.py        PP candidates on step.py's model; optimizer_step.py: the sharded Muon step
   parameters.py      the fitted parameters (calibration/fitted.json); bands.py: low / central / high of a
                      projection from the cross-validated error
-  memory/            per-rank memory: pretrain.py (and per pipeline stage), posttrain.py, teacher.py, probe.py
+  memory/            per-rank memory: pretrain.py (and per pipeline stage: stages.py), posttrain.py, teacher.py, probe.py
                      (measured activations), coarse.py (the one activation formula the step models rank by)
   calibration/       published runs as case files (cases/*.toml), the joint fit and its cross-validation
                      (fit.py; benchmarks/calibrate.py --cross-validate)

@@ -87,7 +87,8 @@ def host_group():
 def group_names(meshes) -> dict[str, str]:
     """{process group name: "dense.dp_shard / expert.ep ..."} for every axis of the run's meshes."""
     names: dict[str, list[str]] = {}
-    for label in ("dense", "expert", "dense_fsdp", "expert_fsdp"):
+    staged = ("stage", "pp") if meshes.pp is not None else ()  # pipeline parallelism's two groups
+    for label in ("dense", "expert", "dense_fsdp", "expert_fsdp", *staged):
         mesh = getattr(meshes, label)
         for axis in mesh.mesh_dim_names:
             names.setdefault(mesh.get_group(axis).group_name, []).append(f"{label}.{axis}")

@@ -168,9 +168,26 @@ class JobConfig:
                 check_split(data, layout.dp, layout.cp, t.grad_accum)  # names the data.* keys
             shape = (self.data.seq_len, self.data.batch_size) if splits else (None, None)
             layout.validate(self.model, *shape, t.grad_accum)  # and the EP refusals, once (parallel/ep/refusals.py)
+            self._check_pipeline(layout)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return layout
+
+    def _check_pipeline(self, layout: Layout) -> None:
+        """ValueError (one line) for pipeline parallelism with what the job does beyond the layout
+        (the layout's own refusals: parallel/pp/plan.py, run by `Layout.validate`)."""
+        if layout.pp == 1:
+            return
+        t, pp = self.training, f"parallel.pp={layout.pp}"
+        if self.data.source == "rollouts":
+            raise ValueError(f"{pp} with post-training (data.source='rollouts'): not composed yet; post-train with "
+                             f"parallel.pp=1 (a pipelined run's checkpoints load under any layout)")
+        if any(data.document_mask for data, *_ in self.token_splits().values()):
+            raise ValueError(f"{pp} with data.document_mask=true: not composed yet; use parallel.pp=1 or "
+                             f"data.document_mask=false")
+        if t.grad_sync != "every":
+            raise ValueError(f"training.grad_sync={t.grad_sync!r} with {pp}: the schedule reduces each stage's "
+                             f"gradients once per step already; leave it at 'every'")
 
     def to_dict(self) -> dict:
         """Plain nested dict (for logging the resolved config next to the run)."""
@@ -195,6 +212,9 @@ def fill_layout(parallel: ParallelConfig, world_size: int, n_experts: int = 0) -
     unknown): extra -1 degrees are filled from `default_layout`, replicate first, then cp / ep (1 if the
     default would not divide the world size)."""
     parallel.check_degrees()  # before the arithmetic below divides by them
+    if world_size % parallel.pp:
+        raise ValueError(f"parallel.pp={parallel.pp} does not divide the world size {world_size}")
+    world_size //= parallel.pp  # both layouts fill one pipeline stage
     default, values = default_layout(world_size, n_experts), dataclasses.asdict(parallel)
     for axes, fill_order in ((DENSE_AXES, ("dp_replicate", "cp")), (EXPERT_AXES, ("edp_replicate", "ep"))):
         for axis in fill_order:

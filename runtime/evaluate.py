@@ -16,15 +16,16 @@ from parallel.gradients import global_loss
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, steps: int, tokens_per_batch: int, micro_batch_loss) -> float:
+def evaluate(model: nn.Module, loader, steps: int, tokens_per_batch: int, batch_loss) -> float:
     """Mean cross-entropy over the eval batches 0..steps-1 of `loader` (global, identical on every rank).
 
-    `micro_batch_loss(micro_batch, global_tokens)` is the training loop's forward + loss (runtime/train.py),
-    so evaluation runs the model exactly as training does; communication: one scalar all-reduce."""
+    `batch_loss(micro_batches, global_tokens)` is the training loop's forward + loss over one batch's
+    micro-batches (runtime/train.py; under pipeline parallelism the schedule's forward), so evaluation runs
+    the model exactly as training does; communication: one scalar all-reduce."""
     was_training = model.training
     model.eval()
     batches = [loader.batch(e) for e in range(steps)]
     total = sum(getattr(b[0], "global_labels", tokens_per_batch) for b in batches)  # document masking: trained labels
-    local = sum(micro_batch_loss(micro, total) for batch in batches for micro in batch)
+    local = sum(batch_loss(batch, total) for batch in batches)
     model.train(was_training)
     return (global_loss(local) if dist.is_initialized() else local).item()

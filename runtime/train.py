@@ -10,6 +10,12 @@ divided by the GLOBAL token count of the step, and FSDP reductions sum, so gradi
 norms equal the single-process ones whatever the layout. A step whose loss or gradient norm is not
 finite is skipped on every rank (both are global values, so all ranks agree).
 
+Pipeline parallelism (parallel.pp > 1): `build_pipeline` gives this rank's stages (one module under the
+whole model's names) and the schedule that runs the micro-batches (parallel/pp/schedule.py); the step is
+the same, with its stage-wide parts over the rank's stage (`stage_group`: the grad norm's replicas, the
+expert-bias counts, Muon's plan) and its world-wide sums over every stage (loss, norm, drops, QK-clip's
+per-layer maxima).
+
 Faults (runtime/guards.py, runtime/checkpoint/checkpoint.py): resume falls back from a checkpoint that does not
 load to the newest older one that does; too many consecutive non-finite steps stop the run (exit 3);
 SIGTERM saves a checkpoint after the current step and stops (exit 143); a checkpoint is never written
@@ -38,6 +44,8 @@ from parallel.meshes import Meshes
 from parallel.overlap import set_fsdp_prefetch, set_gradient_sync
 from parallel.compile import compile_regions, eager_modules, region_boundaries
 from parallel.parallelize import parallelize
+from parallel.pp.part import split_stages
+from parallel.pp.schedule import Pipeline
 from runtime import comm
 from runtime.checkpoint import checkpoint
 from runtime.checkpoint.checkpointer import Checkpointer
@@ -68,10 +76,36 @@ def build_model(config: JobConfig, meshes: Meshes, layout: Layout, device: torch
     random weights drawn on the device)."""
     with torch.device("meta"):
         model = Transformer(config.model)
+    _parallelize(model, config, meshes, layout)
+    return _materialize(model, config, layout, device, init)
+
+
+def build_pipeline(config: JobConfig, meshes: Meshes, layout: Layout, device: torch.device,
+                   init=None) -> tuple[nn.Module, Pipeline]:
+    """Under pipeline parallelism (pp > 1): this rank's stages of the model, each parallelized on the
+    stage's meshes (parallel/pp/part.py), as one module under the whole model's names (what the optimizer,
+    checkpoints and QK-clip read), and the schedule over them (parallel/pp/schedule.py). Initialized as
+    `build_model`: the seeded init gives each stage exactly the whole model's values."""
+    with torch.device("meta"):
+        model, stages = split_stages(Transformer(config.model), layout, meshes.pp_rank())
+    for stage in stages:
+        _parallelize(stage, config, meshes, layout)
+    _materialize(model, config, layout, device, init)
+    t, d = config.training, config.data
+    micro_shape = (d.batch_size // (layout.dp * t.grad_accum), d.seq_len // layout.cp)
+    return model, Pipeline(stages, layout, meshes.pp, micro_shape, DTYPES[t.param_dtype], device, t.grad_accum)
+
+
+def _parallelize(model: nn.Module, config: JobConfig, meshes: Meshes, layout: Layout) -> None:
+    """parallelize(model) with the job's settings, then its FSDP prefetch (model: the whole model or a stage)."""
     t = config.training  # the layout carries checkpointing and compile (JobConfig.layout)
     parallelize(model, meshes, layout, param_dtype=DTYPES[t.param_dtype], reduce_dtype=DTYPES[t.reduce_dtype],
                 document_mask=config.data.document_mask)
     set_fsdp_prefetch(model, t.fsdp_prefetch)
+
+
+def _materialize(model: nn.Module, config: JobConfig, layout: Layout, device: torch.device, init) -> nn.Module:
+    """Storage for the shards, then their values (`build_model`), router weights and QK-clip recording."""
     model.to_empty(device=device)
     if init is not None:
         init(model)
@@ -112,12 +146,15 @@ def describe_compile(config: JobConfig, layout: Layout) -> str:
     return f"compile: on ({backend}, fullgraph; {shapes})"
 
 
-def build_optimizer(model: nn.Module, config: JobConfig) -> ShardedMuon:
-    """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest."""
+def build_optimizer(model: nn.Module, config: JobConfig, meshes: Meshes | None = None) -> ShardedMuon:
+    """One optimizer for every parameter on both meshes: Muon for declared matrices, AdamW for the rest.
+    Under pipeline parallelism Muon plans over this rank's stage only (`meshes.stage`)."""
     o = config.optim
+    stage = meshes.stage.get_group() if meshes is not None and meshes.pp is not None else None
     return ShardedMuon(list(model.named_parameters()), muon_splits(model), o, bucket_mb=o.bucket_mb,
                        replica_split=o.replica_split, overlap=o.overlap,
-                       ranks_per_node=config.parallel.ranks_per_node)
+                       ranks_per_node=config.parallel.ranks_per_node, group=stage,
+                       pp_group=meshes.pp.get_group() if stage is not None else None)
 
 
 def build_loader(config: JobConfig, meshes: Meshes, layout: Layout, split: str = "train", say=None,
@@ -166,18 +203,30 @@ def forward_backward(model: nn.Module, micro_batches, global_tokens: int, device
     return local_loss
 
 
+def eval_batch_loss(model: nn.Module, pipeline: Pipeline | None, device):
+    """fn(micro_batches, global_tokens): one held-out batch's loss share on this rank, as training runs the
+    model (runtime/evaluate.py): under pipeline parallelism the schedule's forward."""
+    if pipeline is not None:
+        return lambda micro_batches, tokens: pipeline.forward_loss(micro_batches, tokens, device)
+    return lambda micro_batches, tokens: sum(micro_batch_loss(model, m, tokens, device) for m in micro_batches)
+
+
 class NextToken:
     """The pretraining objective: mean next-token cross-entropy over the step's tokens. An objective is
     `forward_backward(model, step data, device) -> (this rank's loss share, global tokens, metrics)`,
     `after_step(model)` (after each applied optimizer step) and `state()` (extra checkpoint entries);
-    post-training's is runtime/posttrain/objective.py."""
+    post-training's is runtime/posttrain/objective.py. `pipeline`: under pipeline parallelism, the schedule
+    that runs the micro-batches (parallel/pp/schedule.py)."""
 
-    def __init__(self, config: JobConfig):
+    def __init__(self, config: JobConfig, pipeline: Pipeline | None = None):
         self.global_tokens = config.data.tokens_per_step()
         self.grad_sync = config.training.grad_sync
+        self.pipeline = pipeline
 
     def forward_backward(self, model, micro_batches, device) -> tuple[torch.Tensor, int, dict]:
         tokens = getattr(micro_batches[0], "global_labels", self.global_tokens)  # document masking: trained labels
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(micro_batches, tokens, device), tokens, {}
         return forward_backward(model, micro_batches, tokens, device, self.grad_sync), tokens, {}
 
     def after_step(self, model) -> None:
@@ -189,16 +238,17 @@ class NextToken:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module) -> None:
+def update_expert_bias(model: nn.Module, group=None) -> None:
     """Aux-loss-free balancing: every router nudges its bias by the GLOBAL per-expert token counts.
-    Communication: one all-reduce of all routers' counts ([MoE layers, E] floats); each token is
-    routed on exactly one rank, so the sum is the global count."""
+    Communication: one all-reduce of all routers' counts ([MoE layers, E] floats) over `group` (default:
+    the world; under pipeline parallelism this rank's stage, whose ranks hold the same layers); each token
+    is routed on exactly one of them, so the sum is the global count."""
     routers = model.routers()
     if not routers:
         return
     counts_LE = torch.stack([router.tokens_per_expert for router in routers])
     if dist.is_initialized():
-        dist.all_reduce(counts_LE)
+        dist.all_reduce(counts_LE, group=group)
     for router, counts_E in zip(routers, counts_LE):
         router.update_expert_bias(counts_E)
 
@@ -209,30 +259,33 @@ def reset_expert_counts(model: nn.Module) -> None:
 
 
 def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, objective=None,
-               preemption: Preemption | None = None) -> dict:
+               preemption: Preemption | None = None, stage_group=None) -> dict:
     """One optimizer step; returns the step's metrics (global values, identical on every rank), and
-    "preempted": whether any rank got SIGTERM (summed with the loss: no extra collective)."""
+    "preempted": whether any rank got SIGTERM (summed with the loss: no extra collective).
+    `stage_group`: under pipeline parallelism, this rank's stage (the ranks that hold its parameters):
+    the grad norm counts replicas in it and the expert bias sums its counts over it; the loss, the norm,
+    the drops and QK-clip's maxima are all-reduced over the world."""
     start = time.perf_counter()
     objective = objective or NextToken(config)
     local_loss, global_tokens, extra = objective.forward_backward(model, loader.next_step(), device)
     # torch.full, not torch.tensor: a tensor from host data is a pageable copy, which on CUDA waits for the stream
     signalled = torch.full((), float(preemption is not None and preemption.signalled), device=local_loss.device)
     drops = read_drop_counts(model)  # EP capacity: this rank's [dropped, routed] copies, or None
-    fraction = [drops[0].float() / drops[1].float().clamp(min=1)] if drops is not None else []
-    local = torch.stack([local_loss.float(), signalled, *fraction])  # summed with the loss: no extra collective
+    counts = [drops[0].float(), drops[1].float()] if drops is not None else []
+    local = torch.stack([local_loss.float(), signalled, *counts])  # summed with the loss: no extra collective
     loss, sigterms, *dropped = global_loss(local) if dist.is_initialized() else local
     clip = config.training.grad_clip if config.training.grad_clip > 0 else math.inf
-    grad_norm = clip_grad_norm_(model.parameters(), clip)
+    grad_norm = clip_grad_norm_(model.parameters(), clip, stage_group=stage_group)
     lr = optimizer.param_groups[0]["lr"]
     optimizer_start = time.perf_counter()
     tau = config.optim.qk_clip_tau
-    values = [loss, grad_norm.float(), sigterms, *dropped]
+    values = [loss, grad_norm.float(), sigterms, *dropped[:1], *(d.clamp(min=1) for d in dropped[1:])]
     if tau > 0 or config.metrics.max_logit:
         max_LH = step_max_logits(model)  # MAX all-reduce; QK-clip's metrics join the readback below
         reset_recording(model)
         values += list(clip_metrics(max_LH, tau))[: 2 if tau > 0 else 1]  # without QK-clip: max_logit alone
     loss_value, norm_value, sigterm_count, *rest = torch.stack(values).tolist()  # one host sync
-    ep = {"ep_dropped_fraction": rest.pop(0) / _world()} if dropped else {}  # every rank routes the same copies
+    ep = {"ep_dropped_fraction": rest.pop(0) / rest.pop(0)} if dropped else {}  # dropped / routed, all ranks
     qk_values = rest
     skipped = not (math.isfinite(loss_value) and math.isfinite(norm_value))
     qk = {} if skipped else dict(zip(("max_logit", "clipped_heads"), qk_values))
@@ -244,7 +297,7 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
         optimizer.step()
         if qk.get("clipped_heads", 0) > 0:
             qk_clip_(model, max_LH, tau, config.optim.qk_clip_alpha)  # on device, no host sync
-        update_expert_bias(model)
+        update_expert_bias(model, stage_group)
         objective.after_step(model)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -256,10 +309,6 @@ def train_step(model, optimizer, scheduler, loader, config: JobConfig, device, o
             "preempted": sigterm_count > 0, **qk, **ep, **extra}
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def run_meta(config: JobConfig) -> dict:
     """What a checkpoint records about its run: what must match to resume, and the lr schedule."""
     t = config.training
@@ -267,7 +316,7 @@ def run_meta(config: JobConfig) -> dict:
                 "training.schedule": t.schedule, "training.min_lr_ratio": t.min_lr_ratio,
                 "training.decay_fraction": t.decay_fraction}
     return {"model": dataclasses.asdict(config.model), "optim.name": config.optim.name, "schedule": schedule,
-            **recorded_settings(config)}
+            "checkpoint.optim_format": checkpoint.OPTIM_FORMAT, **recorded_settings(config)}
 
 
 def _check_resumable(path: str, config: JobConfig) -> dict:
@@ -308,7 +357,8 @@ def resume(config: JobConfig, app_state: dict, say, group=None) -> int:
     for path in reversed(found):
         try:
             saved = _check_resumable(path, config)
-            checkpoint.load(path, app_state, group)
+            flat = saved.get("checkpoint.optim_format") == checkpoint.OPTIM_FORMAT  # older: DCP's default format
+            checkpoint.load(path, {**app_state, "train": app_state["train"].in_format(flat)}, group)
         except checkpoint.Unloadable as e:
             say(f"checkpoint {path} does not load ({e}); trying an older one")
             continue
@@ -351,9 +401,19 @@ def checkpoint_or_stop(done: int, skipped: bool, preempted: bool, config: JobCon
 
 
 def describe_optimizer(optimizer: ShardedMuon, config: JobConfig) -> str:
-    """Muon's plan (who orthogonalizes what, and what it costs), or one line when no parameter uses Muon."""
-    if config.optim.name == "muon" and optimizer.plan.params:
-        return optimizer.plan.describe()
+    """Muon's plan (who orthogonalizes what, and what it costs), or one line when no parameter uses Muon.
+    Under pipeline parallelism: stage 0's plan, and the busiest stage's when another one is (collective
+    over the pp group, on every rank: optim/sharded/muon.py `stage_plans`)."""
+    if config.optim.name != "muon":
+        return _adamw_line(optimizer, config)
+    plans = optimizer.stage_plans()
+    if plans is None:
+        return optimizer.plan.describe() if optimizer.plan.params else _adamw_line(optimizer, config)
+    busiest = max(range(len(plans)), key=lambda p: (plans[p][0], -p))
+    return "\n".join(f"pipeline stage {p}: {plans[p][1]}" for p in ([0] if busiest == 0 else [0, busiest]))
+
+
+def _adamw_line(optimizer: ShardedMuon, config: JobConfig) -> str:
     n = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     return f"optimizer: {config.optim.name}, AdamW for all {n:,} parameters (no Muon plan)"
 
@@ -394,11 +454,18 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
            checkpointer: Checkpointer, watch: comm.CommWatch, data=None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(config.training.seed)
-    model = build_model(config, meshes, layout, device)
-    objective = build_objective(config, model, meshes, layout, device) if build_objective else NextToken(config)
-    optimizer = build_optimizer(model, config)
-    if rank == 0:
-        print(describe_optimizer(optimizer, config), flush=True)
+    pipeline, stage_group = None, (meshes.stage.get_group() if layout.pp > 1 else None)
+    if layout.pp > 1:
+        model, pipeline = build_pipeline(config, meshes, layout, device)
+    else:
+        model = build_model(config, meshes, layout, device)
+    objective = (build_objective(config, model, meshes, layout, device) if build_objective
+                 else NextToken(config, pipeline))
+    optimizer = build_optimizer(model, config, meshes)
+    if rank == 0 or layout.pp > 1:  # a collective under pipeline parallelism
+        plan = describe_optimizer(optimizer, config)
+        if rank == 0:
+            print(plan, flush=True)
     scheduler = build_scheduler(optimizer, config.training)
     agreement = comm.host_group() if config.data.source == "rollouts" else None  # the rollout file unchanged
     loader = build_loader(config, meshes, layout, say=lambda line: rank == 0 and print(line, flush=True), data=data,
@@ -430,7 +497,7 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
     def eval_losses() -> dict[str, float]:
         """eval_loss, and for a mixture eval_loss/<name> per source with eval_loss their weighted mean."""
         losses = {"eval_loss" + split[4:]: evaluate(model, e, config.eval.steps, config.data.tokens_per_step(),
-                                                    lambda micro, tokens: micro_batch_loss(model, micro, tokens, device))
+                                                    eval_batch_loss(model, pipeline, device))
                   for split, e in eval_loaders.items()}
         if "eval_loss" not in losses:  # a mixture's sources: the overall loss is their weighted mean
             losses = {"eval_loss": mixture_eval_loss(config.data.sources, losses), **losses}
@@ -442,7 +509,8 @@ def _train(config: JobConfig, layout: Layout, meshes: Meshes, device: torch.devi
             for step in range(start, config.training.steps):
                 watch.at(step, "training step")
                 with profiler.count_syncs():
-                    stats = train_step(model, optimizer, scheduler, loader, config, device, objective, preemption)
+                    stats = train_step(model, optimizer, scheduler, loader, config, device, objective, preemption,
+                                       stage_group)
                 preempted = stats.pop("preempted")
                 if config.data.sources:
                     stats["tokens_by_source"] = loader.tokens_by_source(step)

@@ -7,13 +7,19 @@ Replicate / Shard / _StridedShard placements) or, for a single process, plain te
 configured per parameter.
 
 Construction plans once (optim/planner/plan.py, pure) and derives this rank's buckets
-(optim/sharded/schedule.py). State is created eagerly and rank-symmetric: "momentum_buffer" for
+(optim/sharded/schedule.py). Under pipeline parallelism each stage plans over its own ranks only
+(`group`): its parameters live on meshes of those ranks, so owners, buckets and every collective stay
+inside the stage, and the plan numbers them 0..S-1 (stage rank = global rank - the stage's first rank).
+Process groups no mesh provides are created by every rank of the world for every stage's plan, in one
+order (`_process_groups`), so no rank waits in `dist.new_group` for a stage that plans other groups. State is created eagerly and rank-symmetric: "momentum_buffer" for
 every Muon parameter, "step"/"exp_avg"/"exp_avg_sq" for every AdamW parameter, as DTensors in the
 parameter's own layout, so `torch.distributed.checkpoint` saves and loads it and an expert that got
 no tokens still has state. A parameter whose grad is None is skipped (torch semantics), but its
 pieces still travel, so every rank issues the same collectives; FSDP2 gives either all or none of
 a parameter's shards a grad.
 """
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -55,7 +61,9 @@ class ShardedMuon(torch.optim.Optimizer):
     prefer_holders (a block held in pieces goes to its least loaded holder while that stays under
     the mean load: expert pieces stay inside their edp_shard group, on NVLink when it is inside a
     node; Kimi K2 at 256 GPUs projects 0.295 s with it against 0.471 s without, narrow layout, and
-    0.456 against 0.472 s wide; False: any rank, by load alone).
+    0.456 against 0.472 s wide; False: any rank, by load alone),
+    group (the ranks to plan over, default the world: under pipeline parallelism this rank's stage) and
+    pp_group (the pipeline group: one rank of every stage, to create every stage's process groups alike).
     """
 
     def __init__(
@@ -71,6 +79,8 @@ class ShardedMuon(torch.optim.Optimizer):
         record_events: bool = False,
         split_params: set[str] | None = None,
         prefer_holders: bool = True,
+        group=None,
+        pp_group=None,
     ):
         if isinstance(named_params, nn.Module):
             named_params = named_params.named_parameters()
@@ -78,9 +88,11 @@ class ShardedMuon(torch.optim.Optimizer):
         super().__init__(param_groups(muon, adamw, config), defaults={})
         self.overlap = overlap
         self.events = [] if record_events else None
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        specs = [param_spec(n, p, splits[n]) for n, p in muon]
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        self._pp_group = pp_group
+        specs = [_in_group(param_spec(n, p, splits[n]), members) for n, p in muon]
         device = _local(muon[0][1]).device if muon else torch.device("cpu")
         ns_dtype = config.ns_torch_dtype(device)  # plan, all-to-all and NS in this dtype
         options = plan_options(config, device, bucket_mb=bucket_mb, replica_split=replica_split,
@@ -89,7 +101,7 @@ class ShardedMuon(torch.optim.Optimizer):
         _check_local_shapes(self.plan, [p for _, p in muon], rank)
         self._scales = [lr_scale(*lp.block_shape, config.lr_adjust) for lp in self.plan.params]
         listed = collectives(self.plan)
-        groups = _process_groups(self.plan, listed, [p for _, p in muon], rank, world)
+        groups = _process_groups(self.plan, listed, [p for _, p in muon], rank, world, group, members, pp_group)
         local_shapes = [tuple(_local(p).shape) for _, p in muon]
         self._pipeline = BucketPipeline(
             self.plan, rank_schedule(self.plan, rank, listed), groups, local_shapes=local_shapes, device=device,
@@ -102,6 +114,17 @@ class ShardedMuon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 else:
                     self.state[p].update(init_adamw_state(p))
+
+    def stage_plans(self) -> list[tuple[float, str]] | None:
+        """Under pipeline parallelism: (estimated step seconds, description) of every stage's plan, in stage
+        order (collective over the pp group); None without it."""
+        if self._pp_group is None:
+            return None
+        mine = (self.plan.stats.est_seconds if self.plan.params else 0.0,
+                self.plan.describe() if self.plan.params else "no Muon parameter")
+        plans = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(plans, mine, group=self._pp_group)
+        return plans
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -199,30 +222,53 @@ def _check_local_shapes(plan, params, rank):
             )
 
 
-def _process_groups(plan, listed, params, rank, world) -> dict:
-    """Group (sorted ranks) -> process group, for every group this rank communicates in.
+def _process_groups(plan, listed, params, rank, world, group=None, members=None, pp_group=None) -> dict:
+    """Group (sorted ranks of the plan) -> process group, for every group this rank communicates in.
 
-    A group equal to one axis of a parameter's mesh reuses that mesh's group; the whole world
-    reuses the default group; any other (e.g. edp_shard x ep together) is created with new_group,
-    which every rank calls for every such group in sorted order (a collective call).
-    """
+    A group equal to one axis of a parameter's mesh reuses that mesh's group; the whole world (or stage:
+    `group`) reuses that group; any other (e.g. edp_shard x ep together) is created with new_group, which
+    every rank of the world calls for every such group in sorted order (a collective call). Under
+    pipeline parallelism stages plan different groups: the global ranks of each stage's are gathered over
+    the pp group first, so every rank creates the union, in one order. `members`: the global rank of each
+    plan rank."""
     keys, _, _ = group_keys(plan)
+    members = list(range(world)) if members is None else members
     used = sorted({g for in_bucket in listed for _, g in in_bucket})
-    out = {}
+    out, created = {}, []
     for g in used:
         key = keys[g]
         source = _mesh_axis(plan, params, key)
         if key == tuple(range(world)):
-            out[key] = dist.group.WORLD
+            out[key] = dist.group.WORLD if group is None else group
         elif source is not None:
             pi, axis = source
             if rank in key:
                 out[key] = params[pi].device_mesh.get_group(axis)
         else:
-            group = dist.new_group(list(key))
-            if rank in key:
-                out[key] = group
+            created.append(key)
+    globally = [tuple(members[r] for r in key) for key in created]
+    for ranks in (_every_stage(globally, pp_group) if pp_group is not None else globally):
+        new = dist.new_group(list(ranks))
+        local = tuple(members.index(r) for r in ranks if r in members)
+        if len(local) == len(ranks) and rank in local:
+            out[local] = new
     return out
+
+
+def _every_stage(keys, pp_group=None) -> list[tuple[int, ...]]:
+    """The union, sorted, of the groups (global ranks) every stage creates (gathered over the pp group)."""
+    mine = sorted(keys)
+    every = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    return sorted({tuple(k) for stage in every for k in stage})
+
+
+def _in_group(spec, members: list[int]):
+    """`spec` with its mesh's ranks numbered inside `members` (a plain tensor: held by all of them)."""
+    if spec.mesh_dim_names == ("world",):
+        return dataclasses.replace(spec, mesh_ranks=np.arange(len(members)))
+    index = {r: i for i, r in enumerate(members)}
+    return dataclasses.replace(spec, mesh_ranks=np.vectorize(index.__getitem__)(spec.mesh_ranks))
 
 
 def _mesh_axis(plan, params, key):

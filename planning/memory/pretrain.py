@@ -1,19 +1,23 @@
 """Per-rank peak memory of a pretraining job before launch: no GPU, no process group (launch/estimate_memory.py
 is its command line; post-training adds its terms in planning/memory/posttrain.py).
 
-What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards) of a `Stage`: the
-whole model by default, or a pipeline stage (`pipeline_stage`: a range of layers, the embedding on the first
-stage, the final norm and head on the last, and the micro-batches in flight its schedule keeps):
+What is counted, for one rank (default rank 0, which holds the largest torch.chunk shards) of what it holds
+(planning/memory/stages.py `Holding`): the whole model, or under pipeline parallelism its pipeline rank's stages
+as the runtime splits them (parallel/pp/plan.py; the embedding with stage 0, the final norm and head with the
+last), the micro-batches in flight its schedule keeps, and every unit unsharded for the step
+(`estimate_stages`: every pipeline rank at this rank's coordinate, and the worst):
   params        fp32 master shards (placements of parallel/fsdp.py, boxes of models/boxes.py)
   grads         fp32 gradient shards
   optimizer     Muon momentum (1 x fp32) for declared matrices, AdamW exp_avg + exp_avg_sq (2 x fp32) for the rest
   fsdp_buffers  unsharded FSDP units in param_dtype while a unit runs its backward: the unit and the
                 prefetched ones before it (training.fsdp_prefetch, at least 1), the unit's unsharded gradient
                 (param_dtype) and its reduce-scatter input (reduce_dtype); units = embedding, each block with its
-                ep rank's experts, final norm + head
+                ep rank's experts, final norm + head. Under pipeline parallelism every unit held stays unsharded
+                for the step, with its accumulated unsharded gradient (reduce_dtype) (`fsdp_buffers`)
   activations   what autograd keeps for one micro-batch under training.activation_checkpoint, measured
                 (planning/memory/probe.py) at the job's micro-batch for every layer, plus the embedding output
-                and final norm; a pipeline stage keeps `in_flight` micro-batches of them
+                and final norm; a pipeline rank keeps its schedule's micro-batches in flight of each of its
+                stages (planning/memory/stages.py, read off torch's schedules)
   recompute     checkpointed modes: the activations of one block (full) or of one block's regions
                 (selective) while it is recomputed in backward
   dispatch      expert parallelism: the received token copies and the combine output of one MoE layer,
@@ -43,7 +47,9 @@ import numpy as np
 import torch
 
 from planning.devices import DEVICES
+from planning.memory import stages
 from planning.memory.probe import block_fits
+from planning.memory.stages import Holding
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -77,43 +83,30 @@ class Job:
     def c(self) -> int:
         return DTYPE_BYTES[self.config.training.param_dtype]
 
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """Layers [first, last) of the model, with the embedding when first == 0 and the final norm and head when
-    last == n_layers; `in_flight`: the micro-batches whose activations the stage holds at its peak."""
-    first: int
-    last: int
-    in_flight: float = 1.0
-
-    def layers(self) -> range:
-        return range(self.first, self.last)
-
-    def has_head(self, model_config) -> bool:
-        return self.last == model_config.n_layers
+    @property
+    def local_rank(self) -> int:
+        """This rank's coordinate inside its pipeline stage (the rank itself without pipeline parallelism)."""
+        return self.rank % self.layout.stage_size
 
 
-def whole_model(model_config) -> Stage:
-    return Stage(0, model_config.n_layers)
+def whole_model(model_config) -> Holding:
+    return stages.whole_model(model_config.n_layers)
 
 
-def pipeline_stage(model_config, pp: int, index: int, schedule: str = "1f1b", virtual_stages: int = 1) -> Stage:
-    """Stage `index` of `pp` (layers split evenly, the first stages take the remainder) and the micro-batches
-    in flight at its peak: 1f1b pp - index (Megatron's warm-up + 1); interleaved with v chunks a rank keeps
-    (2 (pp - index - 1) + (v - 1) pp + 1) chunks of 1/v of its layers (Megatron's interleaved warm-up + 1);
-    dualpipe pp + 1 (DeepSeek-V3 report, table 2)."""
-    if not 0 <= index < pp <= model_config.n_layers:
-        raise ValueError(f"stage {index} of pp = {pp}: needs 0 <= index < pp <= {model_config.n_layers} layers")
-    size, extra = divmod(model_config.n_layers, pp)
-    first = index * size + min(index, extra)
-    last = first + size + (index < extra)
-    if schedule == "dualpipe":
-        in_flight = pp + 1.0
-    elif schedule == "interleaved" and virtual_stages > 1:
-        in_flight = (2 * (pp - index - 1) + (virtual_stages - 1) * pp + 1) / virtual_stages
-    else:
-        in_flight = float(pp - index)
-    return Stage(first, last, in_flight)
+def rank_holding(job: Job) -> Holding:
+    """What `job.rank` holds: the whole model, or its pipeline rank's stages and micro-batches in flight."""
+    layout = job.layout
+    return stages.pipeline_holding(job.config.model.n_layers, layout.pp_config, job.rank // layout.stage_size,
+                                   job.config.training.grad_accum)
+
+
+def stage_layout(layout):
+    """The layout of one pipeline stage's ranks (the dense and expert meshes of pp = 1 on stage_size ranks)."""
+    from parallel.pp.config import PipelineConfig
+
+    if layout.pp == 1:
+        return layout
+    return dataclasses.replace(layout, world_size=layout.stage_size, pp_config=PipelineConfig())
 
 
 # ---- sharded state ------------------------------------------------------------------------------
@@ -146,24 +139,25 @@ def rank_boxes(model_config, layout, rank: int):
     return out
 
 
-def in_stage(fqn: str, stage: Stage, model_config) -> bool:
-    """Whether parameter `fqn` belongs to the stage: its block's layer, or the embedding / final norm and head."""
+def in_stage(fqn: str, stage: Holding) -> bool:
+    """Whether parameter `fqn` is held: its block's layer, or the embedding / final norm and head."""
     if fqn.startswith("layers."):
         return int(fqn.split(".")[1]) in stage.layers()
-    return stage.first == 0 if fqn.startswith("tok_embeddings.") else stage.has_head(model_config)
+    return stage.embedding if fqn.startswith("tok_embeddings.") else stage.head
 
 
-def sharded_state(job: Job, stage: Stage | None = None) -> dict:
+def sharded_state(job: Job, stage: Holding | None = None) -> dict:
+    """{params, grads, optimizer} bytes of the rank's shards of what it holds (default: `rank_holding`)."""
     from models import Transformer
     from models.splits import muon_splits
 
-    stage = stage or whole_model(job.config.model)
+    stage = stage or rank_holding(job)
     with torch.device("meta"):
         splits = muon_splits(Transformer(job.config.model))
     muon = job.config.optim.name == "muon"
     out = {"params": 0, "grads": 0, "optimizer": 0}
-    for fqn, _, shape, _, _ in rank_boxes(job.config.model, job.layout, job.rank):
-        if not in_stage(fqn, stage, job.config.model):
+    for fqn, _, shape, _, _ in rank_boxes(job.config.model, stage_layout(job.layout), job.local_rank):
+        if not in_stage(fqn, stage):
             continue
         n = math.prod(shape)
         out["params"] += 4 * n
@@ -175,45 +169,52 @@ def sharded_state(job: Job, stage: Stage | None = None) -> dict:
 
 # ---- FSDP buffers -------------------------------------------------------------------------------
 
-def unit_sizes(model_config, layout, stage: Stage | None = None) -> list[int]:
-    """Unsharded elements of each FSDP unit of the stage in execution order: embedding (first stage), each
-    block (its dense part plus its ep rank's experts, gathered over the expert mesh), final norm + head (last)."""
+def unit_sizes(model_config, layout, stage: Holding | None = None) -> list[int]:
+    """Unsharded elements of each FSDP unit held in execution order: embedding, each block (its dense part
+    plus its ep rank's experts, gathered over the expert mesh), final norm + head."""
     from models import Transformer
     from models.experts import GroupedExperts
 
     stage = stage or whole_model(model_config)
     with torch.device("meta"):
         model = Transformer(model_config)
-    sizes = [model.tok_embeddings.weight.numel()] if stage.first == 0 else []
+    sizes = [model.tok_embeddings.weight.numel()] if stage.embedding else []
     for i in stage.layers():
         n = 0
         for module in model.layers[i].modules():
             for p in module.parameters(recurse=False):
                 n += p.numel() // layout.ep if isinstance(module, GroupedExperts) else p.numel()
         sizes.append(n)
-    if stage.has_head(model_config):
+    if stage.head:
         sizes.append(model.norm.weight.numel() + model.output.weight.numel())
     return sizes
 
 
-def fsdp_buffers(job: Job, stage: Stage | None = None) -> list[int]:
-    """Per unit u of the stage (execution order), FSDP bytes while u runs its backward: u and the prefetched
-    units before it unsharded (param_dtype; training.fsdp_prefetch of them, 1 for FSDP2's implicit prefetch),
-    u's unsharded gradient (param_dtype) and its reduce-scatter input (reduce_dtype). Its forward
-    (u and the next units unsharded) needs less."""
+def fsdp_buffers(job: Job, stage: Holding | None = None) -> list[int]:
+    """Per unit u held (execution order), FSDP bytes while u runs its backward.
+    Without pipeline parallelism: u and the prefetched units before it unsharded (param_dtype;
+    training.fsdp_prefetch of them, 1 for FSDP2's implicit prefetch), u's unsharded gradient (param_dtype)
+    and its reduce-scatter input (reduce_dtype); its forward (u and the next units unsharded) needs less.
+    Gathered for the step (pipeline parallelism: torch's stage turns reshard-after-backward and the gradient
+    sync off until the last micro-batch): every unit unsharded (param_dtype), every unit's accumulated
+    unsharded gradient (reduce_dtype: FSDP2 upcasts it between micro-batches) and u's new gradient
+    (param_dtype); the reduce-scatter runs after the stage's last backward, when its activations are gone."""
+    stage = stage or rank_holding(job)
     sizes, c = unit_sizes(job.config.model, job.layout, stage), job.c
     r = DTYPE_BYTES[job.config.training.reduce_dtype]
+    if stage.gathered:
+        return [sum(sizes) * (c + r) + size * c for size in sizes]
     depth = max(1, job.config.training.fsdp_prefetch)
     return [(size + sum(sizes[max(0, u - depth):u])) * c + size * (c + r) for u, size in enumerate(sizes)]
 
 
 # ---- activations (measured on the CPU at the real widths: planning/memory/probe.py) ---------------
 
-def activations(job: Job, stage: Stage | None = None) -> tuple[list, list, int, dict]:
-    """(kept per layer of the stage, recomputed per layer during its backward, embedding output + final norm
-    on the stage, GiB per block kind) for one micro-batch."""
+def activations(job: Job, stage: Holding | None = None) -> tuple[list, list, int, dict]:
+    """(kept per layer held, in increasing layer order; recomputed per layer during its backward; embedding
+    output + final norm held; GiB per block kind) for one micro-batch."""
     cfg, mode = job.config.model, job.config.training.activation_checkpoint
-    stage = stage or whole_model(cfg)
+    stage = stage or rank_holding(job)
     dtype = torch.bfloat16 if job.c == 2 else torch.float32
     n_seq, s_local = job.tokens
     s_keys = s_local * job.layout.cp  # under cp each query chunk attends over the gathered sequence
@@ -233,31 +234,60 @@ def activations(job: Job, stage: Stage | None = None) -> tuple[list, list, int, 
         per_kind[name] = chosen
         recompute_kind[name] = 0.0 if mode == "none" else none - chosen + (chosen if mode == "full" else 0)
     kind_of = ["moe" if cfg.is_moe_layer(i) else "dense" for i in stage.layers()]
-    embedding = n_seq * s_local * cfg.dim * job.c if stage.first == 0 else 0  # the embedding's output
-    final_norm = n_seq * s_local * cfg.dim * (4 + job.c) if stage.has_head(cfg) else 0  # its fp32 copy and output
-    return ([per_kind[k] for k in kind_of], [recompute_kind[k] for k in kind_of], embedding + final_norm,
+    return ([per_kind[k] for k in kind_of], [recompute_kind[k] for k in kind_of], sum(chunk_edges(job, stage)),
             {k: v / GIB for k, v in per_kind.items()})
 
 
-def step_peak(job: Job, kept_L, recompute_L, edges, stage: Stage | None = None) -> tuple[str, dict]:
-    """(moment, parts) at the peak of forward/backward: the head's backward (every block's activations and
-    the logits alive; last stage only) or a block's backward (the blocks before it still saved, its own
-    recompute); a pipeline stage also holds the activations of its other micro-batches in flight."""
+def chunk_edges(job: Job, stage: Holding) -> list[int]:
+    """Per chunk, one micro-batch's embedding output (stage 0's, the rank's first chunk) and final norm's fp32
+    copy and output (the last stage's, the rank's last chunk)."""
+    n_seq, s_local = job.tokens
+    dim, out = job.config.model.dim, [0] * len(stage.chunks)
+    out[0] += n_seq * s_local * dim * job.c if stage.embedding else 0
+    out[-1] += n_seq * s_local * dim * (4 + job.c) if stage.head else 0
+    return out
+
+
+def in_flight_others(stage: Holding, full: list[dict]) -> list[dict]:
+    """Per chunk c: the activations and kept EP buffers of the OTHER micro-batches in flight while one
+    micro-batch runs c's backward, at the heaviest of the schedule's moments (`full[j]`: one micro-batch's
+    {"activations", "ep_kept"} of chunk j)."""
+    totals = [{k: sum(m[j] * full[j][k] for j in range(len(full))) for k in full[0]} for m in stage.moments]
+    heaviest = max(totals, key=lambda t: sum(t.values()))
+    return [{k: max(0.0, heaviest[k] - f[k]) for k in f} for f in full]
+
+
+def step_peak(job: Job, kept_L: list, recompute_L: list, edges: int, stage: Holding | None = None) -> tuple[str, dict]:
+    """(moment, parts) at the peak of forward/backward: the head's backward (the chunk's activations and
+    the logits alive; the last stage only) or a block's backward (the chunk's blocks before it still saved,
+    its own recompute); under pipeline parallelism the rank also holds its other micro-batches in flight
+    (`in_flight_others`)."""
     cfg = job.config.model
-    stage = stage or whole_model(cfg)
+    stage = stage or rank_holding(job)
     buffers, disp, ep_kept = fsdp_buffers(job, stage), dispatch(job), kept_rows(job)
-    first_block = 1 if stage.first == 0 else 0  # index of the first block's unit in `buffers`
-    moe = [cfg.is_moe_layer(i) for i in stage.layers()]
-    earlier = (stage.in_flight - 1) * (sum(kept_L) + edges)  # other micro-batches' activations in flight
+    first_block = 1 if stage.embedding else 0  # index of the first block's unit in `buffers`
+    unit = {layer: first_block + i for i, layer in enumerate(stage.layers())}
+    kept_L, recompute_L = dict(zip(stage.layers(), kept_L)), dict(zip(stage.layers(), recompute_L))
+    edges = chunk_edges(job, stage)  # `edges`: their sum
+    full = [{"activations": sum(kept_L[i] for i in chunk) + edges[c],
+             "ep_kept": ep_kept * sum(cfg.is_moe_layer(i) for i in chunk)} for c, chunk in enumerate(stage.chunks)]
+    others = in_flight_others(stage, full)
     moments = {}
-    if stage.has_head(cfg):
-        moments["head"] = {"fsdp_buffers": buffers[-1], "activations": sum(kept_L) + edges + earlier,
-                           "recompute": 0, "dispatch": 0, "ep_kept": ep_kept * sum(moe), "logits": logits(job)}
-    for i, layer in enumerate(stage.layers()):
-        moments[f"block {layer}"] = {"fsdp_buffers": buffers[first_block + i],
-                                     "activations": sum(kept_L[: i + 1]) + edges + earlier,
-                                     "recompute": recompute_L[i], "dispatch": disp if moe[i] else 0,
-                                     "ep_kept": ep_kept * sum(moe[: i + 1]), "logits": 0}
+    if stage.head:
+        c = len(stage.chunks) - 1
+        moments["head"] = {"fsdp_buffers": buffers[-1],
+                           "activations": full[c]["activations"] + others[c]["activations"],
+                           "recompute": 0, "dispatch": 0, "ep_kept": full[c]["ep_kept"] + others[c]["ep_kept"],
+                           "logits": logits(job)}
+    for c, chunk in enumerate(stage.chunks):
+        for i, layer in enumerate(chunk):
+            moe = cfg.is_moe_layer(layer)
+            moments[f"block {layer}"] = {
+                "fsdp_buffers": buffers[unit[layer]],
+                "activations": sum(kept_L[j] for j in chunk[: i + 1]) + edges[c] + others[c]["activations"],
+                "recompute": recompute_L[layer], "dispatch": disp if moe else 0,
+                "ep_kept": ep_kept * sum(cfg.is_moe_layer(j) for j in chunk[: i + 1]) + others[c]["ep_kept"],
+                "logits": 0}
     at = max(moments, key=lambda k: sum(moments[k].values()))
     return at, moments[at]
 
@@ -283,7 +313,7 @@ def kept_rows(job: Job) -> float:
     if layout.ep == 1 or not layout.ep_config.keep or job.config.training.activation_checkpoint == "none":
         return 0.0
     ep_axis = rank_mesh(layout, EXPERT_AXES).reshape(-1, layout.ep)  # ep is the last of EXPERT_AXES
-    (group,) = [row for row in ep_axis if job.rank in row]
+    (group,) = [row for row in ep_axis if job.local_rank in row]
     node_of_expert = [int(group[e // layout.local_experts(cfg.n_routed_experts)]) // layout.ep_config.ranks_per_node
                       for e in range(cfg.n_routed_experts)]
     nodes = min(cfg.n_activated_experts, len(set(node_of_expert)))
@@ -314,21 +344,23 @@ def logits(job: Job) -> int:
 STEP_BUCKETS = {True: 6.6, False: 4.8}
 
 
-def muon_step(job: Job) -> int:
+def muon_step(job: Job, stage: Holding | None = None) -> int:
     """Peak transient bytes of the optimizer step on `job.rank`: STEP_BUCKETS x its largest bucket,
-    planned as the runtime plans it (optim/sharded/muon.py; for a pipeline stage the whole model's plan
-    on the stage's ranks, an upper bound)."""
+    planned as the runtime plans it (optim/sharded/muon.py: under pipeline parallelism over the stage's
+    ranks, the parameters it holds)."""
     from optim.planner.plan import make_plan
     from optim.planner.specs import model_specs
     from optim.sharded.muon import plan_options
 
     if job.config.optim.name != "muon":
         return 0
-    o = job.config.optim
-    specs = model_specs(job.config.model, job.layout)  # expert ranks follow parallel.expert_inner
+    o, layout = job.config.optim, stage_layout(job.layout)
+    stage = stage or rank_holding(job)
+    specs = [s for s in model_specs(job.config.model, layout) if in_stage(s.name, stage)]  # parallel.expert_inner
     options = plan_options(o, "cpu" if job.device == "cpu" else "cuda", bucket_mb=o.bucket_mb,
                            replica_split=o.replica_split, ranks_per_node=job.layout.ep_config.ranks_per_node)
-    return int(STEP_BUCKETS[o.overlap] * largest_bucket(make_plan(specs, job.layout.world_size, options), job.rank))
+    plan = make_plan(specs, layout.world_size, options)
+    return int(STEP_BUCKETS[o.overlap] * largest_bucket(plan, job.local_rank))
 
 
 def largest_bucket(plan, rank: int) -> int:
@@ -339,14 +371,15 @@ def largest_bucket(plan, rank: int) -> int:
     return int(np.bincount(inst["bucket"][mine], weights=nbytes, minlength=1).max())
 
 
-def estimate(job: Job, stage: Stage | None = None) -> dict:
-    """The peak of one rank of `job` (module docstring), for the whole model or a pipeline stage."""
-    stage = stage or whole_model(job.config.model)
+def estimate(job: Job, stage: Holding | None = None) -> dict:
+    """The peak of one rank of `job` (module docstring): what it holds (`rank_holding`: the whole model, or its
+    pipeline rank's stages), unless `stage` says otherwise."""
+    stage = stage or rank_holding(job)
     state = sharded_state(job, stage)
     kept_L, recompute_L, edges, per_block = activations(job, stage)
     at, step = step_peak(job, kept_L, recompute_L, edges, stage)
     parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"], **step,
-             "muon_step": muon_step(job), "runtime": runtime_gib(job.device) * GIB}
+             "muon_step": muon_step(job, stage), "runtime": runtime_gib(job.device) * GIB}
     total = (parts["params"] + parts["grads"] + parts["optimizer"] + parts["runtime"]
              + max(sum(step.values()), parts["muon_step"]))
     limit = device_gib(job.device)
@@ -356,12 +389,16 @@ def estimate(job: Job, stage: Stage | None = None) -> dict:
             "peak_at": at if sum(step.values()) >= parts["muon_step"] else "optimizer step",
             "activation_gib_per_block": per_block, "rank": job.rank, "world": job.layout.world_size,
             "routing_skew": job.routing_skew, "stage": dataclasses.asdict(stage),
-            "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
+            "states_bytes": state, "micro_batch": {"sequences": job.tokens[0], "tokens_per_sequence": job.tokens[1]}}
 
 
-def estimate_stage(job: Job, stage: Stage) -> dict:
-    """`estimate` of one pipeline stage (`pipeline_stage`), `job.layout` the ranks that hold one copy of it."""
-    return estimate(job, stage)
+def estimate_stages(job: Job) -> dict:
+    """Under pipeline parallelism: the estimate of each pipeline rank at `job.rank`'s coordinate inside its
+    stage ({"stages": [...], "worst": the pipeline rank with the highest peak}); the worst decides the fit."""
+    size = job.layout.stage_size
+    rows = [estimate(dataclasses.replace(job, rank=p * size + job.local_rank)) for p in range(job.layout.pp)]
+    worst = max(range(len(rows)), key=lambda p: rows[p]["total_gib"])
+    return {"stages": rows, "worst": worst}
 
 
 def suggestions(job: Job, parts: dict, total: int) -> list[str]:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from runtime.checkpoint.dirs import (  # noqa: F401 (the torch-free part, as checkpoint.X)
@@ -45,18 +45,35 @@ from runtime.comm import comm_error_kind
 from runtime.errors import RunError
 
 
-class ModelOptimState:
-    """Model and optimizer(s) as one Stateful, through DCP's FSDP2-aware state-dict API."""
+OPTIM_FORMAT = "flat"  # recorded in each checkpoint's marker (runtime/train.py run_meta): see ModelOptimState
 
-    def __init__(self, model: torch.nn.Module, optimizers):
-        self.model, self.optimizers = model, optimizers
+
+class ModelOptimState:
+    """Model and optimizer(s) as one Stateful, through DCP's FSDP2-aware state-dict API.
+
+    `flat` (the format checkpoints are written in): the optimizer's param-group settings are stored per
+    parameter name (`flatten_optimizer_state_dict`), as its state is, so a checkpoint whose ranks held
+    different parameters (pipeline stages) loads under any layout; DCP's other format keeps one rank's
+    param-group list, which names only that rank's parameters. Checkpoints written before this format
+    (their marker records no `checkpoint.optim_format`) load with `flat=False`."""
+
+    def __init__(self, model: torch.nn.Module, optimizers, flat: bool = True):
+        self.model, self.optimizers, self.flat = model, optimizers, flat
+
+    def in_format(self, flat: bool) -> "ModelOptimState":
+        """The same model and optimizers, read or written in the other format."""
+        return ModelOptimState(self.model, self.optimizers, flat)
 
     def state_dict(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizers)
+        model_state, optim_state = get_state_dict(self.model, self.optimizers, options=self._options())
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._options())
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
 
 class RNGState:

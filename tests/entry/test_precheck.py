@@ -53,7 +53,7 @@ def call(check, argv):
 def world(path):
     p = tomllib.load(open(path, "rb")).get("parallel", {})
     dense = [p.get(k, -1) for k in ("dp_replicate", "dp_shard", "cp")]
-    return math.prod(dense) if min(dense) > 0 else 8
+    return p.get("pp", 1) * math.prod(dense) if min(dense) > 0 else 8
 
 configs = sorted(glob.glob("configs/*.toml"))
 assert len(configs) >= 7, configs

@@ -152,25 +152,3 @@ def test_routing_skew_scales_the_busiest_rank_s_dispatch_and_kept_buffers_only()
         assert b[part] == pytest.approx(1.2 * a[part] if part in ("dispatch", "ep_kept") else a[part], rel=1e-6), part
     grown = skewed["total_gib"] - uniform["total_gib"]
     assert grown == pytest.approx(0.2 * (a["dispatch"] + a["ep_kept"]), rel=1e-6) and skewed["routing_skew"] == 1.2
-
-
-def test_a_pipeline_stage_holds_its_layers_and_its_micro_batches_in_flight():
-    """planning/memory/pretrain.py per stage (what pipeline parallelism will ask): the stages' sharded state adds up
-    to the whole model's (each parameter in one stage: the embedding with the first, the head with the last); the
-    whole model as one stage is the plain estimate; a 1F1B stage keeps pp - index micro-batches in flight."""
-    from planning.memory.pretrain import Stage, estimate, estimate_stage, pipeline_stage, sharded_state
-
-    config = load_config(["--config", "configs/debug.toml", "--model.n_layers=4", "--model.n_dense_layers=1"])
-    job = Job(config, config.layout(2), 0, "cpu")
-    stages = [pipeline_stage(config.model, 2, i) for i in range(2)]
-    assert [(s.first, s.last, s.in_flight) for s in stages] == [(0, 2, 2.0), (2, 4, 1.0)]
-    parts = [sharded_state(job, s) for s in stages]
-    assert {k: parts[0][k] + parts[1][k] for k in parts[0]} == sharded_state(job)
-    whole = estimate(job)
-    assert estimate_stage(job, Stage(0, 4, 1.0))["total_gib"] == whole["total_gib"]
-    first, last = (estimate_stage(job, s) for s in stages)
-    assert "head" not in first["peak_at"] and first["per_rank_gib"]["logits"] == 0  # the head is the last stage's
-    doubled = estimate_stage(job, Stage(0, 2, 4.0))["per_rank_gib"]["activations"]
-    assert doubled > first["per_rank_gib"]["activations"]
-    interleaved = pipeline_stage(config.model, 2, 0, "interleaved", virtual_stages=2)
-    assert interleaved.in_flight == (2 * 1 + 1 * 2 + 1) / 2  # Megatron's interleaved warm-up + 1, in stage units

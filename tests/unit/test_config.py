@@ -233,6 +233,19 @@ def test_the_k25_config_runs_k2_s_layout_and_dispatch():
     assert tables[0] == tables[1]
 
 
+def test_the_k2_h100_config_trains_k2_s_model_and_batch_in_16_stages():
+    """configs/kimi_k2_256gpu_h100.toml: the K2 config's model, tokens per step and optimizer on 256 ranks as 16
+    pipeline stages of 16 consecutive ranks (2 nodes), ep and dense FSDP over each stage. Its memory by stage and
+    its dry run: tests/entry/test_dry_run_pp.py. It is not a planner row (those pipeline rows are ZeRO-1 layouts)."""
+    h100, h200 = (load_config(["--config", os.path.join(CONFIGS, f"{n}.toml")])
+                  for n in ("kimi_k2_256gpu_h100", "kimi_k2_256gpu"))
+    assert (h100.model, h100.optim, h100.data) == (h200.model, h200.optim, h200.data)
+    layout = h100.layout(256)
+    assert (layout.pp, layout.stage_size, layout.dp_shard, layout.ep, layout.edp_shard) == (16, 16, 16, 16, 1)
+    assert layout.pp_config.pp_schedule == "1f1b" and sum(layout.pp_config.pp_layers) == h100.model.n_layers
+    assert h100.training.grad_accum * layout.dp == h100.data.batch_size  # one sequence per rank and micro-batch
+
+
 def test_help_lists_every_key_with_its_default_and_a_meaning():
     text, defaults = help_text(), JobConfig()
     lines = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^  --(\S+?)=(\S*)\s+(.*)$", text, re.M)}
