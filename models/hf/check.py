@@ -21,20 +21,35 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> list[str]:
+def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat,
+                     files: CheckpointFiles | None = None) -> list[str]:
     """Check files, keys, shapes and dtypes against `config` from the headers alone (no tensor bytes).
 
     Raises ValueError (one line) on a missing shard file, missing or unexpected keys, a shape that
     does not match the config (both shapes named), an FP8 weight without its scales, or an INT4 weight
     whose packed words, scales or recorded shape disagree, or that the quantization_config's targets and
     ignore do not quantize (or the reverse). Returns notes for the user (skipped multi-token-prediction
-    layers, skipped multimodal tensors)."""
-    files = CheckpointFiles.scan(path, fmt.prefix)
+    layers, skipped multimodal tensors). `files` scanned for some keys only (models/hf/checkpoint.py
+    `plan_files`: one rank's share): those keys are checked, from those files' headers alone, and
+    unexpected keys are left to the whole check (start-up)."""
+    files = CheckpointFiles.scan(path, fmt.prefix) if files is None else files
     expected = expected_shapes(config, fmt.rope_interleave)
+    if files.keys is not None:
+        expected = {k: s for k, s in expected.items() if k in files.keys}
     present = set(files.entries)
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensor(s) missing, e.g. {[fmt.prefix + k for k in missing[:3]]}")
+    if files.keys is None:
+        _check_unexpected(path, config, fmt, files, expected)
+    for key, shape in expected.items():
+        _check_tensor(files, key, shape, fmt)
+    return _notes(path, files, fmt)
+
+
+def _check_unexpected(path: str, config: ModelConfig, fmt: CheckpointFormat, files: CheckpointFiles,
+                      expected: dict) -> None:
+    present = set(files.entries)
     mtp = {k for k in present if _is_mtp(k, fmt)}
     scales = {k + "_scale_inv" for k in expected if files.dtype_code(k) == "F8_E4M3"}
     unexpected = sorted(fmt.prefix + k for k in present - set(expected) - mtp - scales
@@ -47,8 +62,15 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
         why = (f" (layers {deeper[0]}..{deeper[-1]}: the model has n_layers={config.n_layers} and config.json declares "
                f"{fmt.n_mtp_layers} multi-token-prediction layers)") if deeper else ""
         raise ValueError(f"{path}: {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}{why}")
-    for key, shape in expected.items():
-        _check_tensor(files, key, shape, fmt)
+
+
+def _notes(path: str, files: CheckpointFiles, fmt: CheckpointFormat) -> list[str]:
+    """What the load skips, from the directory's key list (every key, whichever files were scanned); an
+    INT4 weight's three parts count once."""
+    text = {k[len(fmt.prefix):] for k in files.weight_map if k.startswith(fmt.prefix)}
+    mtp = {_int4_weight(k) for k in text if _is_mtp(k, fmt)}
+    multimodal = {k for k in files.weight_map if fmt.prefix and not k.startswith(fmt.prefix)
+                  and k.startswith(MULTIMODAL_PREFIXES)}
     notes = []
     if mtp:
         notes.append(f"{path}: skipping {len(mtp)} multi-token-prediction tensors (layers >= {fmt.first_mtp_layer})")
@@ -56,6 +78,12 @@ def check_checkpoint(path: str, config: ModelConfig, fmt: CheckpointFormat) -> l
         notes.append(f"{path}: skipping {len(multimodal)} vision tower / projector tensors (not trained; "
                      f"export --like keeps them)")
     return notes
+
+
+def _int4_weight(key: str) -> str:
+    """`<P>.weight` for a part `<P>.weight_packed` / `_scale` / `_shape` of an INT4 weight, else `key`."""
+    module, _, param = key.rpartition(".")
+    return f"{module}.weight" if param in int4.SUFFIXES else key
 
 
 _LINEAR_MODULES = {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",

@@ -3,6 +3,7 @@
     load_pretrained(path) -> Transformer          one process, CPU, fp32, eval mode
     save_pretrained(model, path)                  a directory `transformers` loads (DeepseekV3ForCausalLM)
     load_state(model, path) -> bytes read         fill any (sharded) model in place, shard by shard
+    plan_files(model, path, fmt) -> CheckpointFiles  the files holding this rank's boxes, headers read
 (`check_checkpoint`, the headers against the config: models/hf/check.py; the export in a source's layout:
 models/hf/like.py.)
 
@@ -13,7 +14,10 @@ the box; for FP8 weights the enclosing whole blocks and their scales; for compre
 weights (Kimi K2-Thinking / K2.5 routed experts) the enclosing 32-value groups of the packed int32
 words and their scales (models/hf/int4.py). K2.5's text model sits under `language_model.`; its vision
 tower and projector are never read. No rank ever holds a full
-tensor it does not own, and there is no communication at all: every rank reads its own bytes.
+tensor it does not own, and there is no communication at all: every rank reads its own bytes. Nor does a
+rank open a file that holds none of its bytes (`plan_files`, from the index's weight_map): a pipeline
+stage (parallel/pp/part.py, the whole model's names) opens only the files of its layers, and with experts
+sharded only the files of its experts.
 Key names and the rotary row order: models/hf/keys.py. config.json: models/hf/config.py.
 """
 
@@ -43,15 +47,17 @@ def load_pretrained(path: str) -> Transformer:
 
 
 @torch.no_grad()
-def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = None) -> int:
-    """Fill every parameter and buffer of `model` (plain or DTensor shards) from the checkpoint at `path`.
+def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = None,
+               files: CheckpointFiles | None = None) -> int:
+    """Fill every parameter and buffer of `model` (a Transformer or a pipeline stage's part of one; plain
+    or DTensor shards) from the checkpoint at `path`, through `files` (default: `plan_files`).
 
     Each rank reads only its own boxes; no collectives. Call `check_checkpoint` first (on every rank,
     before any collective) for one-line errors. Returns the tensor bytes this rank requested."""
     fmt = fmt or read_hf_config(path)[1]
-    files = CheckpointFiles.scan(path, fmt.prefix)
+    files = plan_files(model, path, fmt) if files is None else files
     sources = hf_sources(model, fmt.rope_interleave)
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, tensor in _loaded(model):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if name.rsplit(".", 1)[-1] in NOT_LOADED:
             local.zero_()
@@ -59,6 +65,35 @@ def load_state(model: Transformer, path: str, fmt: CheckpointFormat | None = Non
         box = dtensor_box(tensor)
         local.copy_(read_source(files, sources[name], box, fmt.fp8_block).view(local.shape))
     return files.bytes_read
+
+
+def plan_files(model: Transformer, path: str, fmt: CheckpointFormat) -> CheckpointFiles:
+    """The checkpoint's files that hold this rank's boxes of `model`'s tensors, their headers read (no
+    other file is opened): for stacked experts only the boxes' experts, and of each only the row keys
+    (gate_proj, up_proj) the box's rows reach. ValueError (one line) for a missing or unreadable file."""
+    return CheckpointFiles.scan(path, fmt.prefix, set(box_keys(model, fmt)))
+
+
+def box_keys(model: Transformer, fmt: CheckpointFormat) -> list[str]:
+    """The checkpoint (text) keys this rank's boxes of `model` read, in the loader's order."""
+    keys, tensors = [], dict(_loaded(model))
+    for name, source in hf_sources(model, fmt.rope_interleave).items():
+        tensor = tensors[name]
+        box = dtensor_box(tensor)
+        if any(b <= a for a, b in box):
+            continue
+        if not source.stacked:
+            keys.append(source.key)
+            continue
+        (e0, e1), (r0, r1) = box[0], box[1]
+        rows = tensor.shape[1] // len(source.row_keys)  # rows per row key: w13 = gate_proj rows, then up_proj's
+        keys += [key.format(e=e) for e in range(e0, e1) for i, key in enumerate(source.row_keys)
+                 if max(r0, i * rows) < min(r1, (i + 1) * rows)]
+    return keys
+
+
+def _loaded(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters()) + list(model.named_buffers())
 
 
 def read_source(files: CheckpointFiles, source: Source, box, fp8_block) -> torch.Tensor:

@@ -9,6 +9,9 @@ INT4 weights (`<P>.weight_packed` + `weight_scale` + `weight_shape`, models/hf/i
 `<P>.weight` of dtype code "I4"; a box reads the enclosing whole 32-value groups of its packed words and
 scales. A K2.5 directory nests the text model under a key prefix (`language_model.`): `scan(path, prefix)`
 lists the text model's keys without it and keeps every other key in `others` (vision tower, projector).
+`scan(path, prefix, keys)` opens only the files that hold `keys` (the index's weight_map says which: with an
+FP8 weight its scales, with an INT4 weight its three parts): a pipeline stage's rank reads neither the headers
+nor the bytes of the other stages' files. `names` are the files it opened; `weight_map` every key's file.
 
 Writing: `write_shards` streams (key, shape, dtype, fetch) records into `model-0000i-of-0000n.safetensors`
 files of at most `shard_bytes` each plus `model.safetensors.index.json`, one tensor in memory at a time
@@ -43,17 +46,22 @@ class CheckpointFiles:
     entries: dict[str, tuple[str, str, tuple[int, ...]]]  # text keys without the prefix; INT4 weights as "I4"
     prefix: str = ""  # stored key = prefix + text key
     others: dict[str, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)  # keys outside the prefix
+    names: tuple[str, ...] = ()  # the files scanned (headers read); only these are ever opened for tensors
+    weight_map: dict[str, str] = field(default_factory=dict)  # every stored key -> its file (the index's)
+    keys: frozenset[str] | None = None  # the text keys the scan was restricted to (None: the whole directory)
     bytes_read: int = 0  # tensor bytes requested through read_box (a per-rank counter)
     _open: dict = field(default_factory=dict)
 
     @classmethod
-    def scan(cls, directory: str, prefix: str = "") -> "CheckpointFiles":
-        """ValueError (one line) for a missing directory, index, or shard file, or an unreadable header."""
+    def scan(cls, directory: str, prefix: str = "", keys=None) -> "CheckpointFiles":
+        """The headers of every file, or with `keys` (text keys) of only the files that hold them.
+        ValueError (one line) for a missing directory, index, or shard file, or an unreadable header."""
         if not os.path.isdir(directory):
             raise ValueError(f"{directory}: no such directory")
         files = _shard_files(directory)
+        names = sorted(set(files.values()) if keys is None or None in files else _files_of(files, prefix, keys))
         entries = {}
-        for name in sorted(set(files.values())):
+        for name in names:
             for key, (code, shape) in _header(os.path.join(directory, name)).items():
                 entries[key] = (name, code, shape)
         for key, name in files.items():
@@ -61,7 +69,9 @@ class CheckpointFiles:
                 raise ValueError(f"{directory}/{INDEX}: {key!r} listed in {name} but not found there")
         text = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
         others = {k: v for k, v in entries.items() if not k.startswith(prefix)}
-        return cls(directory, _int4_entries(text), prefix, others)
+        weight_map = {k: e[0] for k, e in entries.items()} if None in files else files
+        return cls(directory, _int4_entries(text), prefix, others, tuple(names), weight_map,
+                   None if keys is None else frozenset(keys))
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][2]
@@ -162,6 +172,18 @@ def _int4_entries(entries: dict) -> dict:
             del out[base[: -len("weight")] + s]
         out[base] = (name, "I4", (shape[0], shape[1] * int4.PER_WORD), parts)
     return out
+
+
+def _files_of(files: dict[str, str], prefix: str, keys) -> set[str]:
+    """The index's files that hold text keys `keys`, with their FP8 scales and INT4 parts (a key the index
+    does not list holds no file: the checks name it missing)."""
+    names = set()
+    for key in keys:
+        stored = [prefix + key, prefix + key + "_scale_inv"]
+        if key.endswith(".weight"):
+            stored += [prefix + key[: -len("weight")] + suffix for suffix in int4.SUFFIXES]
+        names.update(files[k] for k in stored if k in files)
+    return names
 
 
 def _shard_files(directory: str) -> dict:

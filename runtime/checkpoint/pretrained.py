@@ -1,17 +1,18 @@
 """Start a run from a Hugging Face checkpoint (`--model.init_from=DIR`).
 
-`check_init_from` runs on every rank before any process group exists (headers only), so a bad
-directory fails in one line with nothing written. `init_from_pretrained` then fills each rank's
-shards with only that rank's bytes (models/hf/checkpoint.py), without communication but for one small all-gather
-at the end: a tensor that cannot be read or holds NaN/inf on any rank stops every rank with one line
-(RunError, exit 2; the run-dir lock is released on the way out). A run directory that already holds a
-checkpoint resumes from it instead, and says so once.
+`check_init_from` runs on every rank before any process group exists (every file's header, no tensor
+bytes), so a bad directory fails in one line with nothing written. `init_from_pretrained` then fills each
+rank's shards with only that rank's bytes (models/hf/checkpoint.py), opening only the files that hold them
+(under pipeline parallelism a rank's model is its stages, so it opens only its stages' files), without
+communication but for one small all-gather at the end: a tensor that cannot be read or holds NaN/inf on any
+rank stops every rank with one line (RunError, exit 2; the run-dir lock is released on the way out). A run
+directory that already holds a checkpoint resumes from it instead, and says so once.
 """
 
 import torch.distributed as dist
 
 from models.hf.check import check_checkpoint
-from models.hf.checkpoint import load_state
+from models.hf.checkpoint import load_state, plan_files
 from models.hf.config import read_hf_config
 from runtime.checkpoint import checkpoint
 from runtime.errors import RunError
@@ -33,7 +34,8 @@ def check_init_from(config) -> None:
 
 
 def init_from_pretrained(config, model, rank: int) -> bool:
-    """Load model.init_from into the (sharded, materialized) model; False when there is nothing to load."""
+    """Load model.init_from into the (sharded, materialized) model, or this rank's pipeline stages of it
+    (parallel/pp/part.py); False when there is nothing to load."""
     path = config.model_init_from
     if not path:
         return False
@@ -44,8 +46,9 @@ def init_from_pretrained(config, model, rank: int) -> bool:
     error = None
     try:
         _, fmt = read_hf_config(path)
-        notes = check_checkpoint(path, config.model, fmt)
-        bytes_read = load_state(model, path, fmt)
+        files = plan_files(model, path, fmt)  # the files holding this rank's boxes: only these are opened
+        notes = check_checkpoint(path, config.model, fmt, files)
+        bytes_read = load_state(model, path, fmt, files)
     except ValueError as e:  # a file changed since the start-up check, an unreadable or non-finite tensor
         error = f"model.init_from: {e}"
     error = _first_error(error)
@@ -54,7 +57,8 @@ def init_from_pretrained(config, model, rank: int) -> bool:
     if rank == 0:
         for note in notes:
             print(note, flush=True)
-        print(f"initialized from {path}: rank 0 read {bytes_read:,} bytes of tensors", flush=True)
+        print(f"initialized from {path}: rank 0 read {bytes_read:,} bytes of tensors from {len(files.names)} "
+              f"of {len(set(files.weight_map.values()))} files", flush=True)
     return True
 
 

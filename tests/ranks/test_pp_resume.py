@@ -4,7 +4,10 @@ at pp 1 and, from a copy of the same checkpoint, at pp 4, each for steps 3 and 4
 pp 2 run of 4 steps (loss, gradient norm and eval_loss within 1e-5 relative: fp32, other summation orders).
 Stages keep the whole model's names (parallel/pp/part.py), so DCP reshards the weights, the optimizer state,
 the router buffers (each written by a rank of the stage that holds it) and the data position as for any other
-layout change.
+layout change. The one-process tools compose with it: launch/evaluate.py reads the pp 2 run's newest checkpoint
+(DCP reassembles the stages' shards) and its loss is the run's logged eval_loss of that step (1e-5: the run's
+evaluation went through the schedule's forward, over 8 ranks). launch/generate.py loads models the same way
+(launch/model_source.py).
 """
 
 import json
@@ -47,12 +50,12 @@ def runs(tmp_path_factory):
     whole = _run(root / "whole", "pp2", 4)
     _run(root / "to_pp1", "pp2", 2)
     shutil.copytree(root / "to_pp1", root / "to_pp4")
-    return whole, {layout: _run(root / f"to_{layout}", layout, 4) for layout in ("pp1", "pp4")}
+    return whole, {layout: _run(root / f"to_{layout}", layout, 4) for layout in ("pp1", "pp4")}, root
 
 
 @pytest.mark.parametrize("layout", ["pp1", "pp4"])
 def test_pp2_checkpoint_continues_under(runs, layout):
-    whole, resumed = runs
+    whole, resumed, _ = runs
     got = resumed[layout]
     assert [r["step"] for r in got] == [0, 1, 2, 3]  # the metrics file continues: steps 2 and 3 were the resumed run's
     for before, after in zip(whole, got):
@@ -60,3 +63,14 @@ def test_pp2_checkpoint_continues_under(runs, layout):
             assert after[key] == pytest.approx(before[key], rel=TOLERANCE), (layout, before["step"], key)
     evals = [(w["eval_loss"], g["eval_loss"]) for w, g in zip(whole, got) if "eval_loss" in w]
     assert len(evals) == 2 and all(g == pytest.approx(w, rel=TOLERANCE) for w, g in evals), evals
+
+
+def test_pp2_checkpoint_evaluates_in_one_process(runs, capsys):
+    from launch import evaluate
+
+    whole, _, root = runs
+    capsys.readouterr()
+    assert evaluate.main(["--model", str(root / "whole"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "(step 4)" in result["model"], result["model"]
+    assert result["loss"] == pytest.approx(whole[-1]["eval_loss"], rel=TOLERANCE), (result["loss"], whole[-1])
