@@ -130,6 +130,7 @@ def _k25_dir(path) -> str:
 K25_SHAPE = ["--rollout-tokens", "131072", "--feedback-items", "10", "--hint-tokens", "256", "--turn-tokens", "2048"]
 
 
+@pytest.mark.whole_config
 def test_the_k25_posttrain_config_parses_validates_and_fits_an_h200(tmp_path, capsys):
     """configs/kimi_k25_posttrain_256gpu.toml with a K2.5 config.json: the config validates, rollouts of 131,072 tokens fit the model, and the estimate (its
     command in the config) fits an H200 (139.8 GiB), the whole 131,072-token rollout on the ranks of a cp group."""
