@@ -107,3 +107,20 @@ _KIMI_K2 = dict(_DEEPSEEK_V3, model_type="kimi_k2", first_k_dense_replace=1, max
                 num_nextn_predict_layers=0, routed_scaling_factor=2.827, rope_theta=50000.0, vocab_size=163840,
                 rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                               "original_max_position_embeddings": 4096, "type": "yarn"})
+
+
+def ep4_sharded_model(path, run_dir, world_size):
+    """This rank's empty model on dp_shard=4 = ep=4 (cp 1, edp_shard 1) with --model.init_from=`path`, parallelized
+    as the runtime does, on the CPU: what a rank loads its shards of a pretrained checkpoint into."""
+    from parallel.meshes import build_meshes
+    from runtime import train as T
+    from runtime.config_parser import load_config
+
+    config = load_config(ARGS + [f"--model.init_from={path}", f"--run.dir={run_dir}", "--parallel.dp_shard=4",
+                                 "--parallel.cp=1", "--parallel.ep=4", "--parallel.edp_shard=1"])
+    layout = config.layout(world_size)
+    with torch.device("meta"):
+        model = T.Transformer(config.model)
+    T.parallelize(model, build_meshes(layout, "cpu"), layout)
+    model.to_empty(device="cpu")
+    return model

@@ -96,7 +96,7 @@ def test_int4_box_reads_equal_slices_of_the_whole(dirs):
 
 # ---- multi-rank -------------------------------------------------------------------------------------
 
-from hf_cases import ARGS, HEADLINE, MATRIX_DIM  # noqa: E402
+from hf_cases import ARGS, HEADLINE, MATRIX_DIM, ep4_sharded_model  # noqa: E402
 
 
 def _loaded(rank, world_size, cases, run_dir):
@@ -126,17 +126,7 @@ def test_eight_ranks_load_the_single_process_parameters(dirs, tmp_path):
 
 def _bytes_read(rank, world_size, path, run_dir):
     """(INT4 expert bytes, all tensor bytes) this rank reads for --model.init_from on dp_shard=4, ep=4."""
-    from parallel.meshes import build_meshes
-    from runtime import train as T
-    from runtime.config_parser import load_config
-
-    config = load_config(ARGS + [f"--model.init_from={path}", f"--run.dir={run_dir}", "--parallel.dp_shard=4",
-                                 "--parallel.cp=1", "--parallel.ep=4", "--parallel.edp_shard=1"])
-    layout = config.layout(world_size)
-    with torch.device("meta"):
-        model = T.Transformer(config.model)
-    T.parallelize(model, build_meshes(layout, "cpu"), layout)
-    model.to_empty(device="cpu")
+    model = ep4_sharded_model(path, run_dir, world_size)
     tally, read = [0], CheckpointFiles.read
 
     def counting(self, key, box):  # this forked rank's own copy of the class

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_cases import ARGS, HEADLINE, HSDP, MATRIX_DIM, ONE, _fp8_copy  # noqa: E402
+from hf_cases import ARGS, HEADLINE, HSDP, MATRIX_DIM, ONE, _fp8_copy, ep4_sharded_model  # noqa: E402
 from hf_reference import hf_config, random_hf_model  # noqa: E402
 from models.hf.checkpoint import load_pretrained, load_state  # noqa: E402
 from models.hf.files import CheckpointFiles  # noqa: E402
@@ -71,14 +71,7 @@ def test_every_layout_loads_the_single_process_weights_and_step(hf_dirs, tmp_pat
 
 
 def _bytes_read(rank, world_size, path, run_dir):
-    config = load_config(ARGS + [f"--model.init_from={path}", f"--run.dir={run_dir}", "--parallel.dp_shard=4",
-                                 "--parallel.cp=1", "--parallel.ep=4", "--parallel.edp_shard=1"])
-    layout = config.layout(world_size)
-    with torch.device("meta"):
-        model = T.Transformer(config.model)
-    T.parallelize(model, build_meshes(layout, "cpu"), layout)
-    model.to_empty(device="cpu")
-    return load_state(model, path)
+    return load_state(ep4_sharded_model(path, run_dir, world_size), path)
 
 
 def test_each_of_four_ranks_reads_about_a_quarter(hf_dirs, tmp_path):
